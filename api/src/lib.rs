@@ -1,0 +1,2 @@
+//! The KVM provider API.
+#![forbid(unsafe_code)]

@@ -1,0 +1,1 @@
+//! Test support for cluster-api-provider-kvm.
