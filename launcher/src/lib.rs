@@ -1,0 +1,8 @@
+//! `capk-launcher` library: PID 1 of a machine Pod. Each side-effecting area has a pure plan
+//! and a thin apply step: `net`, `disk`, `qemu` (argv + QMP), `health`, `supervise`.
+#![deny(unsafe_code)]
+
+pub mod cli;
+pub mod net;
+pub mod qemu;
+pub mod size;

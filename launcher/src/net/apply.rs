@@ -1,0 +1,264 @@
+//! Applies a [`NetworkPlan`] with rtnetlink; records each step so a failure can be undone.
+
+use std::net::IpAddr;
+
+use futures::TryStreamExt;
+use rtnetlink::packet_route::AddressFamily;
+use rtnetlink::{Handle, LinkBridge, LinkBridgePort, LinkDummy, LinkUnspec, RouteMessageBuilder};
+
+use super::observe::{NetlinkError, link_index, req};
+use super::plan::{NetworkPlan, PodInterface};
+use super::tap;
+
+/// One undoable step already taken.
+#[derive(Debug, Clone)]
+enum Step {
+    CreatedLink(String),
+    ChangedPodInterface,
+}
+
+/// What was applied, for undo on a failed start.
+#[derive(Debug)]
+pub struct AppliedNetwork {
+    steps: Vec<Step>,
+    original: PodInterface,
+}
+
+fn sysctl_path(iface: &str, key: &str) -> String {
+    format!("/proc/sys/net/ipv4/conf/{iface}/{key}")
+}
+
+fn write_sysctl(iface: &str, key: &str, value: &str) -> Result<(), NetlinkError> {
+    let path = sysctl_path(iface, key);
+    std::fs::write(&path, value).map_err(|e| NetlinkError::Sysctl(path, e))
+}
+
+async fn index_of(handle: &Handle, name: &str) -> Result<u32, NetlinkError> {
+    link_index(handle, name)
+        .await?
+        .ok_or_else(|| NetlinkError::NoSuchLink(name.into()))
+}
+
+/// Applies the plan. On error the steps already taken are undone before returning.
+pub async fn apply(
+    handle: &Handle,
+    plan: &NetworkPlan,
+    original: &PodInterface,
+) -> Result<AppliedNetwork, NetlinkError> {
+    let mut applied = AppliedNetwork {
+        steps: Vec::new(),
+        original: original.clone(),
+    };
+    match apply_steps(handle, plan, &mut applied).await {
+        Ok(()) => Ok(applied),
+        Err(e) => {
+            applied.undo(handle).await;
+            Err(e)
+        }
+    }
+}
+
+async fn apply_steps(
+    handle: &Handle,
+    plan: &NetworkPlan,
+    applied: &mut AppliedNetwork,
+) -> Result<(), NetlinkError> {
+    // Tap first: it is the step most likely to fail (no /dev/net/tun), before eth0 is touched.
+    tap::create_persistent_tap(&plan.tap)?;
+    applied.steps.push(Step::CreatedLink(plan.tap.clone()));
+
+    handle
+        .link()
+        .add(
+            LinkBridge::new(&plan.bridge)
+                .ageing_time(0)
+                .mtu(plan.mtu)
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(req(format!("create bridge {}", plan.bridge)))?;
+    applied.steps.push(Step::CreatedLink(plan.bridge.clone()));
+    let br = index_of(handle, &plan.bridge).await?;
+    // The bridge only answers for its own link-local DHCP address.
+    write_sysctl(&plan.bridge, "arp_ignore", "1")?;
+    handle
+        .address()
+        .add(
+            br,
+            IpAddr::V4(plan.bridge_address.addr()),
+            plan.bridge_address.prefix_len(),
+        )
+        .execute()
+        .await
+        .map_err(req(format!(
+            "add {} to {}",
+            plan.bridge_address, plan.bridge
+        )))?;
+
+    let pod = index_of(handle, &plan.pod_interface).await?;
+    applied.steps.push(Step::ChangedPodInterface);
+    let addrs: Vec<_> = handle
+        .address()
+        .get()
+        .set_link_index_filter(pod)
+        .execute()
+        .try_collect()
+        .await
+        .map_err(req(format!("list addresses of {}", plan.pod_interface)))?;
+    for a in addrs
+        .into_iter()
+        .filter(|a| a.header.family == AddressFamily::Inet)
+    {
+        handle
+            .address()
+            .del(a)
+            .execute()
+            .await
+            .map_err(req(format!(
+                "remove IPv4 address from {}",
+                plan.pod_interface
+            )))?;
+    }
+    handle
+        .link()
+        .set(LinkUnspec::new_with_index(pod).down().build())
+        .execute()
+        .await
+        .map_err(req(format!("set {} down", plan.pod_interface)))?;
+    handle
+        .link()
+        .set(
+            LinkUnspec::new_with_index(pod)
+                .address(plan.pod_interface_new_mac.0.to_vec())
+                .controller(br)
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(req(format!(
+            "swap MAC of {} and enslave it",
+            plan.pod_interface
+        )))?;
+
+    let tap = index_of(handle, &plan.tap).await?;
+    handle
+        .link()
+        .set(
+            LinkUnspec::new_with_index(tap)
+                .mtu(plan.mtu)
+                .controller(br)
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(req(format!("enslave {}", plan.tap)))?;
+    for port in [pod, tap] {
+        handle
+            .link()
+            .set_port(LinkBridgePort::new(port).learning(false).build())
+            .execute()
+            .await
+            .map_err(req("turn bridge port learning off"))?;
+    }
+    for link in [pod, tap, br] {
+        handle
+            .link()
+            .set(LinkUnspec::new_with_index(link).up().build())
+            .execute()
+            .await
+            .map_err(req("set links up"))?;
+    }
+
+    handle
+        .link()
+        .add(LinkDummy::new(&plan.dummy).build())
+        .execute()
+        .await
+        .map_err(req(format!("create dummy {}", plan.dummy)))?;
+    applied.steps.push(Step::CreatedLink(plan.dummy.clone()));
+    let dummy = index_of(handle, &plan.dummy).await?;
+    write_sysctl(&plan.dummy, "arp_ignore", "1")?;
+    for a in &plan.pod_addresses {
+        handle
+            .address()
+            .add(dummy, IpAddr::V4(a.addr()), a.prefix_len())
+            .execute()
+            .await
+            .map_err(req(format!("keep {a} on {}", plan.dummy)))?;
+    }
+    handle
+        .link()
+        .set(LinkUnspec::new_with_index(dummy).up().build())
+        .execute()
+        .await
+        .map_err(req(format!("set {} up", plan.dummy)))?;
+    Ok(())
+}
+
+impl AppliedNetwork {
+    /// Best-effort undo in reverse order: deletes created links, gives the Pod interface back
+    /// its MAC, addresses and routes. Used when the start fails before QEMU runs.
+    pub async fn undo(&mut self, handle: &Handle) {
+        while let Some(step) = self.steps.pop() {
+            let result = match &step {
+                Step::CreatedLink(name) => delete_link(handle, name).await,
+                Step::ChangedPodInterface => restore_pod(handle, &self.original).await,
+            };
+            if let Err(e) = result {
+                tracing::warn!(error = %e, step = ?step, "undo network step failed");
+            }
+        }
+    }
+}
+
+async fn delete_link(handle: &Handle, name: &str) -> Result<(), NetlinkError> {
+    if let Some(i) = link_index(handle, name).await? {
+        handle
+            .link()
+            .del(i)
+            .execute()
+            .await
+            .map_err(req(format!("delete {name}")))?;
+    }
+    Ok(())
+}
+
+async fn restore_pod(handle: &Handle, pod: &PodInterface) -> Result<(), NetlinkError> {
+    let i = index_of(handle, &pod.name).await?;
+    handle
+        .link()
+        .set(
+            LinkUnspec::new_with_index(i)
+                .nocontroller()
+                .address(pod.mac.0.to_vec())
+                .up()
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(req(format!("restore {}", pod.name)))?;
+    for a in &pod.addresses {
+        // Already present is fine: the failure may have happened before removal.
+        let _ = handle
+            .address()
+            .add(i, IpAddr::V4(a.addr()), a.prefix_len())
+            .execute()
+            .await;
+    }
+    // On-link routes first so gateways are reachable when the default route comes back.
+    let mut routes = pod.routes.clone();
+    routes.sort_by_key(|r| r.gateway.is_some());
+    for r in routes {
+        let mut b = RouteMessageBuilder::<std::net::Ipv4Addr>::new()
+            .destination_prefix(r.destination.addr(), r.destination.prefix_len())
+            .output_interface(i);
+        if let Some(gw) = r.gateway {
+            b = b.gateway(gw).onlink();
+        } else {
+            b = b.scope(rtnetlink::packet_route::route::RouteScope::Link);
+        }
+        let _ = handle.route().add(b.build()).execute().await;
+    }
+    Ok(())
+}

@@ -1,0 +1,342 @@
+//! Pure QEMU command line planner.
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use crate::net::MacAddr;
+
+/// fw_cfg key Flatcar's Ignition reads its config from.
+pub const IGNITION_FW_CFG: &str = "opt/org.flatcar-linux/config";
+/// virtio-serial port name the guest's heartbeat unit writes to.
+pub const HEARTBEAT_PORT: &str = "org.capk.heartbeat.0";
+
+/// The accelerator actually used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    /// Hardware virtualisation.
+    Kvm,
+    /// Software emulation.
+    Tcg,
+}
+
+impl Accel {
+    /// QEMU's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// Disk image formats QEMU opens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiskFormat {
+    /// qcow2.
+    Qcow2,
+    /// Raw.
+    Raw,
+}
+
+impl DiskFormat {
+    /// QEMU's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DiskFormat::Qcow2 => "qcow2",
+            DiskFormat::Raw => "raw",
+        }
+    }
+}
+
+/// One virtio-blk disk; the guest finds it as `/dev/disk/by-id/virtio-<serial>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DiskAttachment {
+    /// Serial (`rootfs`, `dockerfs`, `kubeletfs`, `etcdfs`).
+    pub serial: String,
+    /// Image file.
+    pub path: PathBuf,
+    /// Its format.
+    pub format: DiskFormat,
+}
+
+/// A host directory shared over virtio-9p.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HostVolume {
+    /// 9p mount tag.
+    pub tag: String,
+    /// Host path.
+    pub path: PathBuf,
+}
+
+/// Direct kernel boot (debugging and test guests).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DirectKernel {
+    /// Kernel image.
+    pub kernel: PathBuf,
+    /// Initramfs.
+    pub initrd: Option<PathBuf>,
+    /// Command line.
+    pub cmdline: Option<String>,
+}
+
+/// Everything the VM is made of.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VmSpec {
+    /// Guest name (the hostname).
+    pub name: String,
+    /// Accelerator.
+    pub accel: Accel,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Memory in MiB.
+    pub memory_mib: u64,
+    /// Tap the NIC is attached to.
+    pub tap: String,
+    /// NIC MAC: the Pod's original MAC.
+    pub mac: MacAddr,
+    /// MTU announced to virtio-net.
+    pub mtu: u32,
+    /// Disks in boot order (root first).
+    pub disks: Vec<DiskAttachment>,
+    /// Ignition config handed over fw_cfg.
+    pub ignition: Option<PathBuf>,
+    /// QMP socket (QEMU listens).
+    pub qmp_socket: PathBuf,
+    /// Heartbeat socket (QEMU listens, the launcher connects).
+    pub heartbeat_socket: PathBuf,
+    /// 9p shares.
+    pub host_volumes: Vec<HostVolume>,
+    /// Direct kernel boot instead of the disk's bootloader.
+    pub direct_kernel: Option<DirectKernel>,
+}
+
+/// The argument vector, without the program name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct QemuArgs(pub Vec<String>);
+
+fn p(path: &std::path::Path) -> String {
+    // QEMU's option parser splits on commas; a doubled comma is a literal one.
+    path.display().to_string().replace(',', ",,")
+}
+
+/// Plans QEMU's argv for `spec`.
+pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
+    let mut a: Vec<String> = Vec::new();
+    let push = |a: &mut Vec<String>, k: &str, v: String| {
+        a.push(k.to_string());
+        a.push(v);
+    };
+    push(
+        &mut a,
+        "-name",
+        format!("guest={},debug-threads=on", spec.name.replace(',', ",,")),
+    );
+    push(
+        &mut a,
+        "-machine",
+        format!("q35,accel={}", spec.accel.as_str()),
+    );
+    if spec.accel == Accel::Kvm {
+        push(&mut a, "-cpu", "host,pmu=off".into());
+    } else {
+        push(&mut a, "-cpu", "max".into());
+    }
+    push(&mut a, "-smp", spec.vcpus.to_string());
+    push(&mut a, "-m", format!("{}M", spec.memory_mib));
+    // A guest panic or QEMU-level failure ends the process with a failure status.
+    push(&mut a, "-action", "panic=exit-failure".into());
+    a.push("-nodefaults".into());
+    a.push("-no-user-config".into());
+    push(&mut a, "-display", "none".into());
+    push(&mut a, "-msg", "timestamp=on".into());
+    // Serial console on QEMU's stdout, which is the launcher's stdout (kubectl logs).
+    push(&mut a, "-chardev", "stdio,id=console,signal=off".into());
+    push(&mut a, "-serial", "chardev:console".into());
+    push(
+        &mut a,
+        "-chardev",
+        format!(
+            "socket,id=qmp,path={},server=on,wait=off",
+            p(&spec.qmp_socket)
+        ),
+    );
+    push(&mut a, "-mon", "chardev=qmp,mode=control".into());
+
+    let vhost = if spec.accel == Accel::Kvm {
+        ",vhost=on"
+    } else {
+        ""
+    };
+    push(
+        &mut a,
+        "-netdev",
+        format!(
+            "tap,id=net0,ifname={},script=no,downscript=no{vhost}",
+            spec.tap
+        ),
+    );
+    push(
+        &mut a,
+        "-device",
+        format!(
+            "virtio-net-pci,netdev=net0,mac={},host_mtu={}",
+            spec.mac, spec.mtu
+        ),
+    );
+
+    for (i, d) in spec.disks.iter().enumerate() {
+        let id = format!("disk-{}", d.serial);
+        push(
+            &mut a,
+            "-blockdev",
+            format!(
+                "driver={},node-name={id},discard=unmap,file.driver=file,file.filename={}",
+                d.format.as_str(),
+                p(&d.path)
+            ),
+        );
+        let boot = if i == 0 && spec.direct_kernel.is_none() {
+            ",bootindex=0"
+        } else {
+            ""
+        };
+        push(
+            &mut a,
+            "-device",
+            format!("virtio-blk-pci,drive={id},serial={}{boot}", d.serial),
+        );
+    }
+
+    push(
+        &mut a,
+        "-object",
+        "rng-random,id=rng0,filename=/dev/urandom".into(),
+    );
+    push(&mut a, "-device", "virtio-rng-pci,rng=rng0".into());
+    push(&mut a, "-device", "pvpanic-pci".into());
+
+    push(&mut a, "-device", "virtio-serial-pci,id=vser0".into());
+    push(
+        &mut a,
+        "-chardev",
+        format!(
+            "socket,id=heartbeat,path={},server=on,wait=off",
+            p(&spec.heartbeat_socket)
+        ),
+    );
+    push(
+        &mut a,
+        "-device",
+        format!("virtserialport,bus=vser0.0,chardev=heartbeat,name={HEARTBEAT_PORT}"),
+    );
+
+    for v in &spec.host_volumes {
+        push(
+            &mut a,
+            "-fsdev",
+            format!(
+                "local,id=fs-{0},path={1},security_model=none",
+                v.tag,
+                p(&v.path)
+            ),
+        );
+        push(
+            &mut a,
+            "-device",
+            format!("virtio-9p-pci,fsdev=fs-{0},mount_tag={0}", v.tag),
+        );
+    }
+
+    if let Some(ign) = &spec.ignition {
+        push(
+            &mut a,
+            "-fw_cfg",
+            format!("name={IGNITION_FW_CFG},file={}", p(ign)),
+        );
+    }
+    if let Some(k) = &spec.direct_kernel {
+        push(&mut a, "-kernel", k.kernel.display().to_string());
+        if let Some(i) = &k.initrd {
+            push(&mut a, "-initrd", i.display().to_string());
+        }
+        if let Some(c) = &k.cmdline {
+            push(&mut a, "-append", c.clone());
+        }
+    }
+    QemuArgs(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(accel: Accel) -> VmSpec {
+        VmSpec {
+            name: "wc1-cp-x7k2p".into(),
+            accel,
+            vcpus: 4,
+            memory_mib: 8192,
+            tap: "capktap0".into(),
+            mac: "9a:1c:3e:aa:bb:cc".parse().unwrap(),
+            mtu: 1440,
+            disks: vec![
+                DiskAttachment {
+                    serial: "rootfs".into(),
+                    path: "/var/lib/capk/root.qcow2".into(),
+                    format: DiskFormat::Qcow2,
+                },
+                DiskAttachment {
+                    serial: "dockerfs".into(),
+                    path: "/var/lib/capk/docker.img".into(),
+                    format: DiskFormat::Raw,
+                },
+                DiskAttachment {
+                    serial: "etcdfs".into(),
+                    path: "/var/lib/etcd-disk/etcd.img".into(),
+                    format: DiskFormat::Raw,
+                },
+            ],
+            ignition: Some("/run/capk/ignition.json".into()),
+            qmp_socket: "/run/capk/qmp.sock".into(),
+            heartbeat_socket: "/run/capk/heartbeat.sock".into(),
+            host_volumes: vec![HostVolume {
+                tag: "data".into(),
+                path: "/data".into(),
+            }],
+            direct_kernel: None,
+        }
+    }
+
+    #[test]
+    fn kvm_control_plane_with_ignition_and_data_disks() {
+        insta::assert_yaml_snapshot!(qemu_args(&spec(Accel::Kvm)).0);
+    }
+
+    #[test]
+    fn tcg_never_asks_for_host_cpu_or_vhost() {
+        let a = qemu_args(&spec(Accel::Tcg)).0;
+        assert!(a.contains(&"q35,accel=tcg".to_string()));
+        assert!(
+            !a.iter()
+                .any(|x| x.contains("host,pmu") || x.contains("vhost"))
+        );
+    }
+
+    #[test]
+    fn direct_kernel_boot_and_commas_in_paths() {
+        let mut s = spec(Accel::Tcg);
+        s.disks.truncate(1);
+        s.disks[0].path = "/tmp/a,b/root.qcow2".into();
+        s.ignition = None;
+        s.host_volumes.clear();
+        s.direct_kernel = Some(DirectKernel {
+            kernel: "/guest/vmlinuz".into(),
+            initrd: Some("/guest/initrd.img".into()),
+            cmdline: Some("console=ttyS0 quiet".into()),
+        });
+        insta::assert_yaml_snapshot!(qemu_args(&s).0);
+    }
+}

@@ -1,0 +1,4 @@
+//! QEMU: the argv planner and the QMP client.
+
+pub mod argv;
+pub mod qmp;
