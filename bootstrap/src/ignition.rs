@@ -1,0 +1,846 @@
+//! Ignition input: spec 2.3.0 (CABPK's `format: ignition`, made by Flatcar's CLC transpiler)
+//! translated to 3.4.0, and spec 3.0.0–3.4.0 passed through.
+//!
+//! The 2.3 types below mirror Flatcar's `config/v2_3/types` (which CABPK marshals) plus
+//! upstream's `proxy` and `httpHeaders`. Unknown keys are errors naming their path.
+
+use ignition_config::v3_4 as v3t;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+use crate::content;
+use crate::error::{ConvertError, KeyPath, ignored_path};
+use crate::v3;
+
+/// Input spec versions passed through (re-emitted as [`crate::OUTPUT_SPEC_VERSION`]).
+pub const PASSTHROUGH_VERSIONS: &[&str] = &["3.0.0", "3.1.0", "3.2.0", "3.3.0", "3.4.0"];
+
+/// Reads an Ignition config of spec 2.3.0 or 3.0.0–3.4.0 and returns it as 3.4.0.
+pub fn convert(text: &str) -> Result<v3t::Config, ConvertError> {
+    #[derive(Deserialize)]
+    struct Minimal {
+        ignition: MinimalIgnition,
+    }
+    #[derive(Deserialize)]
+    struct MinimalIgnition {
+        version: Option<String>,
+    }
+    let minimal: Minimal =
+        serde_json::from_str(text).map_err(|e| ConvertError::ParseIgnition(e.to_string()))?;
+    let version = minimal
+        .ignition
+        .version
+        .ok_or_else(|| ConvertError::ParseIgnition("`ignition.version` is missing".to_owned()))?;
+    if version == "2.3.0" {
+        let v2: Config = parse(text, "2.3.0")?;
+        translate(v2)
+    } else if PASSTHROUGH_VERSIONS.contains(&version.as_str()) {
+        let mut c: v3t::Config = parse(text, "3.4.0")?;
+        c.ignition.version = crate::OUTPUT_SPEC_VERSION.to_owned();
+        Ok(c)
+    } else {
+        Err(ConvertError::UnsupportedIgnitionVersion { version })
+    }
+}
+
+fn parse<T: DeserializeOwned>(text: &str, spec: &str) -> Result<T, ConvertError> {
+    let mut unknown: Option<KeyPath> = None;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let parsed: Result<T, _> = serde_ignored::deserialize(&mut de, |path| {
+        if unknown.is_none() {
+            unknown = Some(ignored_path(&path));
+        }
+    });
+    if let Some(key) = unknown {
+        return Err(ConvertError::unsupported(
+            key,
+            format!("not part of Ignition spec {spec}"),
+        ));
+    }
+    parsed.map_err(|e| ConvertError::ParseIgnition(e.to_string()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Spec 2.3.0 types
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Config {
+    ignition: Ignition,
+    #[serde(default)]
+    networkd: Option<Networkd>,
+    #[serde(default)]
+    passwd: Option<Passwd>,
+    #[serde(default)]
+    storage: Option<Storage>,
+    #[serde(default)]
+    systemd: Option<Systemd>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Ignition {
+    #[allow(dead_code)]
+    version: String,
+    #[serde(default)]
+    config: Option<IgnitionConfig>,
+    #[serde(default)]
+    security: Option<Security>,
+    #[serde(default)]
+    timeouts: Option<Timeouts>,
+    #[serde(default)]
+    proxy: Option<Proxy>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct IgnitionConfig {
+    #[serde(default)]
+    append: Option<Vec<Reference>>,
+    #[serde(default)]
+    replace: Option<Reference>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Reference {
+    #[serde(default)]
+    source: Option<String>,
+    #[serde(default)]
+    compression: Option<String>,
+    #[serde(default)]
+    verification: Option<Verification>,
+    #[serde(default)]
+    http_headers: Option<Vec<HttpHeader>>,
+}
+
+#[derive(Deserialize)]
+struct HttpHeader {
+    name: String,
+    #[serde(default)]
+    value: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Verification {
+    #[serde(default)]
+    hash: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Security {
+    #[serde(default)]
+    tls: Option<Tls>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Tls {
+    #[serde(default)]
+    certificate_authorities: Option<Vec<Reference>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Timeouts {
+    #[serde(default)]
+    http_response_headers: Option<i64>,
+    #[serde(default)]
+    http_total: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Proxy {
+    #[serde(default)]
+    http_proxy: Option<String>,
+    #[serde(default)]
+    https_proxy: Option<String>,
+    #[serde(default)]
+    no_proxy: Option<Vec<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Storage {
+    #[serde(default)]
+    directories: Option<Vec<Directory>>,
+    #[serde(default)]
+    disks: Option<Vec<Disk>>,
+    #[serde(default)]
+    files: Option<Vec<File>>,
+    #[serde(default)]
+    filesystems: Option<Vec<Filesystem>>,
+    #[serde(default)]
+    links: Option<Vec<Link>>,
+    #[serde(default)]
+    raid: Option<Vec<Raid>>,
+}
+
+#[derive(Deserialize, Clone)]
+struct NodeRef {
+    #[serde(default)]
+    id: Option<i64>,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct File {
+    #[serde(default)]
+    filesystem: Option<String>,
+    path: String,
+    #[serde(default)]
+    overwrite: Option<bool>,
+    #[serde(default)]
+    user: Option<NodeRef>,
+    #[serde(default)]
+    group: Option<NodeRef>,
+    #[serde(default)]
+    append: Option<bool>,
+    #[serde(default)]
+    contents: Option<Reference>,
+    #[serde(default)]
+    mode: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Directory {
+    #[serde(default)]
+    filesystem: Option<String>,
+    path: String,
+    #[serde(default)]
+    overwrite: Option<bool>,
+    #[serde(default)]
+    user: Option<NodeRef>,
+    #[serde(default)]
+    group: Option<NodeRef>,
+    #[serde(default)]
+    mode: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Link {
+    #[serde(default)]
+    filesystem: Option<String>,
+    path: String,
+    #[serde(default)]
+    overwrite: Option<bool>,
+    #[serde(default)]
+    user: Option<NodeRef>,
+    #[serde(default)]
+    group: Option<NodeRef>,
+    #[serde(default)]
+    hard: Option<bool>,
+    target: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Disk {
+    device: String,
+    #[serde(default)]
+    partitions: Option<Vec<Partition>>,
+    #[serde(default)]
+    wipe_table: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Partition {
+    #[serde(default)]
+    guid: Option<String>,
+    #[serde(default)]
+    label: Option<String>,
+    #[serde(default)]
+    number: Option<i64>,
+    #[serde(default)]
+    should_exist: Option<bool>,
+    #[serde(default)]
+    size: Option<i64>,
+    #[serde(default, rename = "sizeMiB")]
+    size_mib: Option<i64>,
+    #[serde(default)]
+    start: Option<i64>,
+    #[serde(default, rename = "startMiB")]
+    start_mib: Option<i64>,
+    #[serde(default)]
+    type_guid: Option<String>,
+    #[serde(default)]
+    wipe_partition_entry: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Filesystem {
+    #[serde(default)]
+    mount: Option<Mount>,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    path: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Mount {
+    #[serde(default)]
+    create: Option<Create>,
+    device: String,
+    format: String,
+    #[serde(default)]
+    label: Option<String>,
+    #[serde(default)]
+    options: Option<Vec<String>>,
+    #[serde(default)]
+    uuid: Option<String>,
+    #[serde(default)]
+    wipe_filesystem: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct Create {
+    #[serde(default)]
+    force: Option<bool>,
+    #[serde(default)]
+    options: Option<Vec<String>>,
+}
+
+#[derive(Deserialize)]
+struct Raid {
+    devices: Vec<String>,
+    level: String,
+    name: String,
+    #[serde(default)]
+    options: Option<Vec<String>>,
+    #[serde(default)]
+    spares: Option<i64>,
+}
+
+#[derive(Deserialize)]
+struct Networkd {
+    #[serde(default)]
+    units: Option<Vec<NetworkdUnit>>,
+}
+
+#[derive(Deserialize)]
+struct NetworkdUnit {
+    #[serde(default)]
+    contents: Option<String>,
+    #[serde(default)]
+    dropins: Option<Vec<Dropin>>,
+    name: String,
+}
+
+#[derive(Deserialize)]
+struct Dropin {
+    #[serde(default)]
+    contents: Option<String>,
+    name: String,
+}
+
+#[derive(Deserialize)]
+struct Systemd {
+    #[serde(default)]
+    units: Option<Vec<Unit>>,
+}
+
+#[derive(Deserialize)]
+struct Unit {
+    #[serde(default)]
+    contents: Option<String>,
+    #[serde(default)]
+    dropins: Option<Vec<Dropin>>,
+    #[serde(default)]
+    enable: Option<bool>,
+    #[serde(default)]
+    enabled: Option<bool>,
+    #[serde(default)]
+    mask: Option<bool>,
+    name: String,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Passwd {
+    #[serde(default)]
+    groups: Option<Vec<Group>>,
+    #[serde(default)]
+    users: Option<Vec<User>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Group {
+    #[serde(default)]
+    gid: Option<i64>,
+    name: String,
+    #[serde(default)]
+    password_hash: Option<String>,
+    #[serde(default)]
+    system: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct User {
+    #[serde(default)]
+    create: Option<UserCreate>,
+    #[serde(default)]
+    gecos: Option<String>,
+    #[serde(default)]
+    groups: Option<Vec<String>>,
+    #[serde(default)]
+    home_dir: Option<String>,
+    name: String,
+    #[serde(default)]
+    no_create_home: Option<bool>,
+    #[serde(default)]
+    no_log_init: Option<bool>,
+    #[serde(default)]
+    no_user_group: Option<bool>,
+    #[serde(default)]
+    password_hash: Option<String>,
+    #[serde(default)]
+    primary_group: Option<String>,
+    #[serde(default)]
+    ssh_authorized_keys: Option<Vec<String>>,
+    #[serde(default)]
+    shell: Option<String>,
+    #[serde(default)]
+    system: Option<bool>,
+    #[serde(default)]
+    uid: Option<i64>,
+}
+
+/// The deprecated `passwd.users[].create` block: the same fields, applied at creation.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct UserCreate {
+    #[serde(default)]
+    gecos: Option<String>,
+    #[serde(default)]
+    groups: Option<Vec<String>>,
+    #[serde(default)]
+    home_dir: Option<String>,
+    #[serde(default)]
+    no_create_home: Option<bool>,
+    #[serde(default)]
+    no_log_init: Option<bool>,
+    #[serde(default)]
+    no_user_group: Option<bool>,
+    #[serde(default)]
+    primary_group: Option<String>,
+    #[serde(default)]
+    shell: Option<String>,
+    #[serde(default)]
+    system: Option<bool>,
+    #[serde(default)]
+    uid: Option<i64>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2.3 → 3.4
+
+fn resource(r: Reference) -> v3t::Resource {
+    v3t::Resource {
+        compression: r.compression.filter(|c| !c.is_empty()),
+        http_headers: r.http_headers.map(|hs| {
+            hs.into_iter()
+                .map(|h| v3t::HttpHeadersItem {
+                    name: h.name,
+                    value: h.value,
+                })
+                .collect()
+        }),
+        source: r.source,
+        verification: r
+            .verification
+            .and_then(|v| v.hash)
+            .map(|hash| v3t::Verification { hash: Some(hash) }),
+    }
+}
+
+fn node_user(n: Option<NodeRef>) -> Option<v3t::NodeUser> {
+    n.filter(|n| n.id.is_some() || n.name.as_deref().is_some_and(|s| !s.is_empty()))
+        .map(|n| v3t::NodeUser {
+            id: n.id,
+            name: n.name.filter(|s| !s.is_empty()),
+        })
+}
+
+fn node_group(n: Option<NodeRef>) -> Option<v3t::NodeGroup> {
+    node_user(n).map(|u| v3t::NodeGroup {
+        id: u.id,
+        name: u.name,
+    })
+}
+
+/// 512-byte sectors (spec 2) to MiB (spec 3); only whole MiB translate exactly.
+fn sectors_to_mib(
+    sectors: Option<i64>,
+    mib: Option<i64>,
+    at: &KeyPath,
+) -> Result<Option<i64>, ConvertError> {
+    match (sectors, mib) {
+        (Some(_), Some(_)) => Err(ConvertError::invalid(
+            at.clone(),
+            "give the size either in sectors or in MiB, not both",
+        )),
+        (None, m) => Ok(m),
+        (Some(s), None) if s % 2048 == 0 => Ok(Some(s / 2048)),
+        (Some(s), None) => Err(ConvertError::invalid(
+            at.clone(),
+            format!("{s} sectors is not a whole number of MiB; Ignition 3 sizes partitions in MiB"),
+        )),
+    }
+}
+
+/// Resolves the path prefix of a spec-2 `filesystem` reference: `root` is `/`; a filesystem
+/// with `path` is that path; a filesystem that Ignition 2 would mount itself has no spec-3
+/// equivalent for the files on it.
+fn prefix<'a>(
+    fs: Option<&str>,
+    paths: &'a [(String, Option<String>)],
+    at: &KeyPath,
+) -> Result<&'a str, ConvertError> {
+    let name = fs.unwrap_or("root");
+    if name == "root" {
+        return Ok("");
+    }
+    match paths.iter().find(|(n, _)| n == name) {
+        Some((_, Some(p))) => Ok(p.trim_end_matches('/')),
+        Some((_, None)) => Err(ConvertError::unsupported(
+            at.clone(),
+            format!(
+                "files on filesystem `{name}`, which Ignition 2 mounts itself, have no Ignition 3 equivalent; write them to the root filesystem and mount it with a unit"
+            ),
+        )),
+        None => Err(ConvertError::invalid(
+            at.clone(),
+            format!("filesystem `{name}` is not defined in storage.filesystems"),
+        )),
+    }
+}
+
+fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
+    let mut out = v3::empty_config();
+
+    // ignition
+    if let Some(cfg) = c.ignition.config {
+        let merge: Vec<_> = cfg.append.into_iter().flatten().map(resource).collect();
+        let replace = cfg.replace.map(resource);
+        if !merge.is_empty() || replace.is_some() {
+            out.ignition.config = Some(v3t::IgnitionConfig {
+                merge: (!merge.is_empty()).then_some(merge),
+                replace,
+            });
+        }
+    }
+    if let Some(sec) = c.ignition.security {
+        let cas: Vec<_> = sec
+            .tls
+            .and_then(|t| t.certificate_authorities)
+            .into_iter()
+            .flatten()
+            .map(resource)
+            .collect();
+        if !cas.is_empty() {
+            out.ignition.security = Some(v3t::Security {
+                tls: Some(v3t::SecurityTls {
+                    certificate_authorities: Some(cas),
+                }),
+            });
+        }
+    }
+    if let Some(t) = c.ignition.timeouts
+        && (t.http_response_headers.is_some() || t.http_total.is_some())
+    {
+        out.ignition.timeouts = Some(v3t::Timeouts {
+            http_response_headers: t.http_response_headers,
+            http_total: t.http_total,
+        });
+    }
+    if let Some(p) = c.ignition.proxy {
+        out.ignition.proxy = Some(v3t::Proxy {
+            http_proxy: p.http_proxy,
+            https_proxy: p.https_proxy,
+            no_proxy: p.no_proxy,
+        });
+    }
+
+    // storage
+    let storage = c.storage.unwrap_or(Storage {
+        directories: None,
+        disks: None,
+        files: None,
+        filesystems: None,
+        links: None,
+        raid: None,
+    });
+    let mut fs_paths: Vec<(String, Option<String>)> = Vec::new();
+    for (i, fs) in storage.filesystems.into_iter().flatten().enumerate() {
+        let at = KeyPath::from("storage.filesystems").index(i);
+        if let Some(name) = &fs.name {
+            fs_paths.push((name.clone(), fs.path.clone()));
+        }
+        let Some(m) = fs.mount else {
+            if fs.path.is_none() {
+                return Err(ConvertError::invalid(
+                    at,
+                    "a filesystem needs `mount` or `path`",
+                ));
+            }
+            // A filesystem given by `path` is already mounted; it only prefixes file paths.
+            continue;
+        };
+        if fs.path.is_some() {
+            return Err(ConvertError::invalid(
+                at,
+                "a filesystem has either `mount` or `path`, not both",
+            ));
+        }
+        let (mut wipe, mut options) = (m.wipe_filesystem, m.options);
+        if let Some(create) = m.create {
+            if wipe.is_some() || options.is_some() {
+                return Err(ConvertError::invalid(
+                    at.field("mount.create"),
+                    "the deprecated `create` cannot be combined with `wipeFilesystem` or `options`",
+                ));
+            }
+            wipe = create.force;
+            options = create.options;
+        }
+        v3::filesystems(&mut out).push(v3t::Filesystem {
+            device: m.device,
+            format: Some(m.format),
+            label: m.label,
+            mount_options: None,
+            options: options.filter(|o| !o.is_empty()),
+            path: None,
+            uuid: m.uuid,
+            wipe_filesystem: wipe,
+        });
+    }
+    for (i, d) in storage.disks.into_iter().flatten().enumerate() {
+        let at = KeyPath::from("storage.disks").index(i);
+        let mut parts = Vec::new();
+        let partitions = d.partitions.unwrap_or_default();
+        let any_numbered = partitions.iter().any(|p| p.number.unwrap_or(0) != 0);
+        for (j, p) in partitions.into_iter().enumerate() {
+            let at = at.field("partitions").index(j);
+            let mut number = p.number.filter(|n| *n != 0);
+            if number.is_none() && p.label.is_none() {
+                // Spec 2 takes "the next available number"; spec 3 needs a number or a label to
+                // identify the partition. On a wiped disk without other numbered partitions the
+                // next available number is known (CABPK's `partitions: [{}]` is this case).
+                if d.wipe_table == Some(true) && !any_numbered {
+                    number = Some(j as i64 + 1);
+                } else {
+                    return Err(ConvertError::invalid(
+                        at,
+                        "a partition without number or label can only be translated on a disk with wipeTable: true; give it a number or a label",
+                    ));
+                }
+            }
+            parts.push(v3t::Partition {
+                guid: p.guid.filter(|s| !s.is_empty()),
+                label: p.label,
+                number,
+                resize: None,
+                should_exist: p.should_exist,
+                size_mib: sectors_to_mib(p.size, p.size_mib, &at.field("size"))?,
+                start_mib: sectors_to_mib(p.start, p.start_mib, &at.field("start"))?,
+                type_guid: p.type_guid.filter(|s| !s.is_empty()),
+                wipe_partition_entry: p.wipe_partition_entry,
+            });
+        }
+        v3::disks(&mut out).push(v3t::Disk {
+            device: d.device,
+            partitions: (!parts.is_empty()).then_some(parts),
+            wipe_table: d.wipe_table,
+        });
+    }
+    for r in storage.raid.into_iter().flatten() {
+        v3::storage(&mut out)
+            .raid
+            .get_or_insert_with(Vec::new)
+            .push(v3t::Raid {
+                devices: Some(r.devices),
+                level: Some(r.level),
+                name: r.name,
+                options: r.options,
+                spares: r.spares,
+            });
+    }
+    for (i, f) in storage.files.into_iter().flatten().enumerate() {
+        let at = KeyPath::from("storage.files").index(i);
+        let pre = prefix(f.filesystem.as_deref(), &fs_paths, &at.field("filesystem"))?;
+        let append = f.append.unwrap_or(false);
+        let mut contents = f.contents.map(resource).unwrap_or_default();
+        // Spec 2 writes an empty file when there is no source; spec 3 needs one to overwrite.
+        if contents.source.is_none() {
+            contents.source = Some("data:,".to_owned());
+        }
+        let mut file = v3t::File::new(format!("{pre}{}", f.path));
+        file.mode = f.mode;
+        file.user = node_user(f.user);
+        file.group = node_group(f.group);
+        if append {
+            if f.overwrite == Some(true) {
+                return Err(ConvertError::invalid(
+                    at.field("overwrite"),
+                    "`overwrite: true` contradicts `append: true`",
+                ));
+            }
+            file.append = Some(vec![contents]);
+        } else {
+            // Spec 2 replaces existing files unless told otherwise; spec 3 defaults to false.
+            file.overwrite = Some(f.overwrite.unwrap_or(true));
+            file.contents = Some(contents);
+        }
+        v3::files(&mut out).push(file);
+    }
+    for (i, d) in storage.directories.into_iter().flatten().enumerate() {
+        let at = KeyPath::from("storage.directories").index(i);
+        let pre = prefix(d.filesystem.as_deref(), &fs_paths, &at.field("filesystem"))?;
+        v3::directories(&mut out).push(v3t::Directory {
+            group: node_group(d.group),
+            mode: d.mode,
+            overwrite: d.overwrite,
+            path: format!("{pre}{}", d.path),
+            user: node_user(d.user),
+        });
+    }
+    for (i, l) in storage.links.into_iter().flatten().enumerate() {
+        let at = KeyPath::from("storage.links").index(i);
+        let pre = prefix(l.filesystem.as_deref(), &fs_paths, &at.field("filesystem"))?;
+        v3::storage(&mut out)
+            .links
+            .get_or_insert_with(Vec::new)
+            .push(v3t::Link {
+                group: node_group(l.group),
+                hard: l.hard,
+                overwrite: l.overwrite,
+                path: format!("{pre}{}", l.path),
+                target: Some(l.target),
+                user: node_user(l.user),
+            });
+    }
+
+    // networkd units become files: Ignition 3 has no networkd section.
+    for (i, u) in c
+        .networkd
+        .and_then(|n| n.units)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let at = KeyPath::from("networkd.units").index(i);
+        if u.name.contains('/') || u.name.is_empty() {
+            return Err(ConvertError::invalid(
+                at.field("name"),
+                format!("`{}` is not a unit file name", u.name),
+            ));
+        }
+        let dir = "/etc/systemd/network";
+        if let Some(text) = &u.contents {
+            v3::files(&mut out).push(v3::file(
+                &format!("{dir}/{}", u.name),
+                content::text_resource(text),
+                0o644,
+            ));
+        }
+        for (j, d) in u.dropins.into_iter().flatten().enumerate() {
+            if d.name.contains('/') || d.name.is_empty() {
+                return Err(ConvertError::invalid(
+                    at.field("dropins").index(j).field("name"),
+                    format!("`{}` is not a drop-in file name", d.name),
+                ));
+            }
+            let text = d.contents.unwrap_or_default();
+            v3::files(&mut out).push(v3::file(
+                &format!("{dir}/{}.d/{}", u.name, d.name),
+                content::text_resource(&text),
+                0o644,
+            ));
+        }
+    }
+
+    // systemd
+    for u in c.systemd.and_then(|s| s.units).into_iter().flatten() {
+        let enabled = match (u.enabled, u.enable) {
+            (Some(e), _) => Some(e),
+            (None, Some(true)) => Some(true),
+            (None, _) => None,
+        };
+        let dropins: Vec<_> = u
+            .dropins
+            .into_iter()
+            .flatten()
+            .map(|d| v3t::Dropin {
+                contents: d.contents,
+                name: d.name,
+            })
+            .collect();
+        v3::units(&mut out).push(v3t::Unit {
+            contents: u.contents,
+            dropins: (!dropins.is_empty()).then_some(dropins),
+            enabled,
+            mask: u.mask.filter(|m| *m),
+            name: u.name,
+        });
+    }
+
+    // passwd
+    if let Some(p) = c.passwd {
+        for g in p.groups.into_iter().flatten() {
+            out.passwd
+                .get_or_insert_with(Default::default)
+                .groups
+                .get_or_insert_with(Vec::new)
+                .push(v3t::Group {
+                    gid: g.gid,
+                    name: g.name,
+                    password_hash: g.password_hash,
+                    should_exist: None,
+                    system: g.system,
+                });
+        }
+        for u in p.users.into_iter().flatten() {
+            let mut user = v3t::User::new(u.name);
+            user.gecos = u.gecos;
+            user.groups = u.groups.filter(|g| !g.is_empty());
+            user.home_dir = u.home_dir;
+            user.no_create_home = u.no_create_home;
+            user.no_log_init = u.no_log_init;
+            user.no_user_group = u.no_user_group;
+            user.password_hash = u.password_hash;
+            user.primary_group = u.primary_group;
+            user.ssh_authorized_keys = u.ssh_authorized_keys.filter(|k| !k.is_empty());
+            user.shell = u.shell;
+            user.system = u.system;
+            user.uid = u.uid;
+            if let Some(cr) = u.create {
+                // Deprecated in spec 2; its fields apply when the user is created, which is
+                // what spec 3's user fields do.
+                user.gecos = user.gecos.or(cr.gecos);
+                user.groups = user.groups.or(cr.groups.filter(|g| !g.is_empty()));
+                user.home_dir = user.home_dir.or(cr.home_dir);
+                user.no_create_home = user.no_create_home.or(cr.no_create_home);
+                user.no_log_init = user.no_log_init.or(cr.no_log_init);
+                user.no_user_group = user.no_user_group.or(cr.no_user_group);
+                user.primary_group = user.primary_group.or(cr.primary_group);
+                user.shell = user.shell.or(cr.shell);
+                user.system = user.system.or(cr.system);
+                user.uid = user.uid.or(cr.uid);
+            }
+            v3::users(&mut out).push(user);
+        }
+    }
+    Ok(out)
+}
