@@ -1,0 +1,46 @@
+//! Names shared by the controller, the launcher and the manifests: labels, annotations,
+//! finalizers and condition types.
+
+/// API group of the KVM kinds.
+pub const GROUP: &str = "infrastructure.cluster.x-k8s.io";
+/// API version of the KVM kinds.
+pub const VERSION: &str = "v1alpha1";
+
+/// CRD label naming the CAPI contract and the versions of ours that implement it.
+pub const CAPI_CONTRACT_LABEL: &str = "cluster.x-k8s.io/v1beta2";
+/// Our versions that implement the contract, joined by `_`.
+pub const CONTRACT_VERSIONS: &str = "v1alpha1";
+/// Label clusterctl uses to find a provider's objects.
+pub const PROVIDER_LABEL: &str = "cluster.x-k8s.io/provider";
+/// This provider's name in clusterctl.
+pub const PROVIDER_NAME: &str = "infrastructure-kvm";
+
+/// Label naming the Cluster an object belongs to (set by CAPI and by us on our objects).
+pub const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
+/// Label present (empty value) on control-plane Machines.
+pub const CONTROL_PLANE_LABEL: &str = "cluster.x-k8s.io/control-plane";
+/// Annotation pausing reconciliation of one object.
+pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
+
+/// Finalizer on KVMClusters.
+pub const KVMCLUSTER_FINALIZER: &str = "kvmcluster.infrastructure.cluster.x-k8s.io";
+/// Finalizer on KVMMachines.
+pub const KVMMACHINE_FINALIZER: &str = "kvmmachine.infrastructure.cluster.x-k8s.io";
+
+/// Pod readiness gate the controller sets from the workload cluster Node's Ready condition.
+pub const NODE_READY_GATE: &str = "infrastructure.cluster.x-k8s.io/node-ready";
+
+/// Condition: the object is fully reconciled and usable.
+pub const CONDITION_READY: &str = "Ready";
+/// Condition: reconciliation is paused.
+pub const CONDITION_PAUSED: &str = "Paused";
+/// Condition: the guest wrote the bootstrap success file.
+pub const CONDITION_BOOTSTRAP_COMPLETED: &str = "BootstrapCompleted";
+
+/// Scheme of provider IDs: `kvm://<namespace>/<kvmmachine>`.
+pub const PROVIDER_ID_SCHEME: &str = "kvm://";
+
+/// The provider ID of a KVMMachine.
+pub fn provider_id(namespace: &str, kvm_machine: &str) -> String {
+    format!("{PROVIDER_ID_SCHEME}{namespace}/{kvm_machine}")
+}

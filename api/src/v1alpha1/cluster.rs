@@ -1,0 +1,169 @@
+//! KVMCluster and KVMClusterTemplate: the infrastructure of one workload cluster.
+// Several `printcolumn(type_ = "string", ...)` entries are not duplicates.
+#![allow(clippy::duplicated_attributes)]
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use super::shared::{ApiEndpoint, FailureDomain, Initialization};
+
+/// The infrastructure of a workload cluster: its control-plane endpoint (a Service in the
+/// management cluster that selects the control-plane machine Pods) and its failure domains.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "KVMCluster",
+    doc = "KVMCluster is the infrastructure of a Cluster API workload cluster on KVM: its control-plane endpoint and failure domains.",
+    plural = "kvmclusters",
+    singular = "kvmcluster",
+    namespaced,
+    status = "KVMClusterStatus",
+    category = "cluster-api",
+    shortname = "kvmc",
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    label("cluster.x-k8s.io/provider", "infrastructure-kvm"),
+    printcolumn(
+        name = "Cluster",
+        type_ = "string",
+        json_path = ".metadata.labels['cluster\\.x-k8s\\.io/cluster-name']",
+        description = "Cluster to which this KVMCluster belongs"
+    ),
+    printcolumn(
+        name = "Provisioned",
+        type_ = "boolean",
+        json_path = ".status.initialization.provisioned",
+        description = "Whether the infrastructure is ready"
+    ),
+    printcolumn(
+        name = "Endpoint",
+        type_ = "string",
+        json_path = ".spec.controlPlaneEndpoint.host",
+        description = "Control-plane endpoint host"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(oldSelf.controlPlaneEndpoint) || !has(oldSelf.controlPlaneEndpoint.host) || (has(self.controlPlaneEndpoint) && self.controlPlaneEndpoint == oldSelf.controlPlaneEndpoint)").message("controlPlaneEndpoint cannot be changed once set"))]
+pub struct KVMClusterSpec {
+    /// Where the workload cluster's API server is reached. Leave empty and the controller sets it
+    /// to the control-plane Service (or `controlPlaneService.externalHost` when given).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_plane_endpoint: Option<ApiEndpoint>,
+
+    /// The Service in the management cluster that fronts the control-plane machines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_plane_service: Option<ControlPlaneService>,
+
+    /// Failure domains machines may be spread over. When empty, the controller may derive them
+    /// from the management cluster nodes' zone labels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    #[schemars(length(max = 64))]
+    pub failure_domains: Option<Vec<FailureDomain>>,
+}
+
+/// How the control-plane Service is exposed.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ControlPlaneService {
+    /// Service type: ClusterIP (default), NodePort or LoadBalancer.
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub type_: Option<ServiceType>,
+
+    /// Annotations put on the Service (for example for a load-balancer implementation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub annotations: Option<BTreeMap<String, String>>,
+
+    /// A DNS name that resolves to the Service from outside the management cluster, e.g.
+    /// `mycluster.k8s.example.com`. Used as the endpoint host when the endpoint is empty, and
+    /// added to the API server certificate's SANs by the templates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self.size() <= 253 && self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')").message("externalHost must be a lowercase DNS name such as mycluster.k8s.example.com"))]
+    pub external_host: Option<String>,
+}
+
+/// Kubernetes Service types the control-plane Service may use.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+pub enum ServiceType {
+    /// Reachable inside the management cluster only.
+    #[default]
+    ClusterIP,
+    /// Also reachable on every management-cluster node's port.
+    NodePort,
+    /// Exposed through the management cluster's load-balancer implementation.
+    LoadBalancer,
+}
+
+/// Observed state of a KVMCluster.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KVMClusterStatus {
+    /// Contract field: provisioned once the control-plane endpoint exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initialization: Option<Initialization>,
+
+    /// The same as `initialization.provisioned`, for Cluster API v1beta1 readers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<bool>,
+
+    /// Failure domains available to machines (v1beta2 list form).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    pub failure_domains: Option<Vec<FailureDomain>>,
+
+    /// Conditions: `Ready`, `Paused`, `ControlPlaneServiceReady`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Option<Vec<Condition>>,
+
+    /// The generation the status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// A template for KVMClusters, used by ClusterClass.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "KVMClusterTemplate",
+    doc = "KVMClusterTemplate stamps out KVMClusters for ClusterClass.",
+    plural = "kvmclustertemplates",
+    singular = "kvmclustertemplate",
+    namespaced,
+    category = "cluster-api",
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    label("cluster.x-k8s.io/provider", "infrastructure-kvm"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self == oldSelf").message("KVMClusterTemplate spec is immutable; create a new template and point the ClusterClass at it"))]
+pub struct KVMClusterTemplateSpec {
+    /// The KVMCluster to stamp out.
+    pub template: KVMClusterTemplateResource,
+}
+
+/// The object a KVMClusterTemplate produces.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KVMClusterTemplateResource {
+    /// Labels and annotations for the produced KVMCluster.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<super::TemplateMetadata>,
+    /// Spec of the produced KVMCluster.
+    pub spec: KVMClusterSpec,
+}

@@ -1,0 +1,464 @@
+//! KVMMachine and KVMMachineTemplate: one workload-cluster node = one VM in one machine Pod.
+// Several `printcolumn(type_ = "string", ...)` entries are not duplicates.
+#![allow(clippy::duplicated_attributes)]
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::{
+    api::core::v1::Toleration,
+    apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::Condition},
+};
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use super::shared::{Initialization, MachineAddress};
+use crate::quantity::SizeQuantity;
+
+/// The smallest VM memory the API accepts. Flatcar with containerd and a kubelet does not boot
+/// into a working node below this; 2Gi or more is recommended for real nodes.
+pub const MIN_MEMORY: &str = "256Mi";
+/// The smallest root disk the API accepts.
+pub const MIN_DISK: &str = "1Gi";
+/// The largest vCPU count the API accepts (QEMU's q35 limit is higher; this is a sanity bound).
+pub const MAX_CPU: i32 = 256;
+
+/// A workload-cluster node: a QEMU/KVM virtual machine running in a machine Pod of the
+/// management cluster. The VM takes the Pod's IP and boots Flatcar Linux with the node's Ignition.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "KVMMachine",
+    doc = "KVMMachine is one workload-cluster node: a QEMU/KVM virtual machine in a machine Pod of the management cluster.",
+    plural = "kvmmachines",
+    singular = "kvmmachine",
+    namespaced,
+    status = "KVMMachineStatus",
+    category = "cluster-api",
+    shortname = "kvmm",
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    label("cluster.x-k8s.io/provider", "infrastructure-kvm"),
+    printcolumn(
+        name = "Cluster",
+        type_ = "string",
+        json_path = ".metadata.labels['cluster\\.x-k8s\\.io/cluster-name']",
+        description = "Cluster to which this KVMMachine belongs"
+    ),
+    printcolumn(
+        name = "Provisioned",
+        type_ = "boolean",
+        json_path = ".status.initialization.provisioned",
+        description = "Whether the VM is provisioned"
+    ),
+    printcolumn(
+        name = "ProviderID",
+        type_ = "string",
+        json_path = ".spec.providerID",
+        description = "Provider ID the Node carries"
+    ),
+    printcolumn(
+        name = "Pod",
+        type_ = "string",
+        json_path = ".status.podName",
+        description = "Machine Pod running the VM"
+    ),
+    printcolumn(
+        name = "IP",
+        type_ = "string",
+        json_path = ".status.addresses[?(@.type==\"InternalIP\")].address",
+        description = "The VM's (Pod's) IP"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(oldSelf.providerID) || (has(self.providerID) && self.providerID == oldSelf.providerID)").message("providerID cannot be changed once set"))]
+pub struct KVMMachineSpec {
+    /// Set by the controller to `kvm://<namespace>/<kvmmachine>`; the Node carries the same.
+    #[serde(
+        rename = "providerID",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(length(max = 512))]
+    pub provider_id: Option<String>,
+
+    /// Size of the VM.
+    pub resources: MachineResources,
+
+    /// The node image the VM boots. Default: Flatcar from the `stable` channel at the version
+    /// the controller is configured with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<NodeImage>,
+
+    /// DNS for the guest. Default: the machine Pod's resolv.conf.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<DnsConfig>,
+
+    /// NTP for the guest. Default: none (the guest keeps its own defaults disabled).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ntp: Option<NtpConfig>,
+
+    /// Where a control-plane machine keeps its etcd data; survives Pod restarts and
+    /// replacements. Only used on control-plane machines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd_storage: Option<EtcdStorage>,
+
+    /// Host directories shared into worker VMs (virtio-9p), mounted at `/data/<mountTag>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["mountTag".into()]))]
+    #[schemars(length(max = 16))]
+    pub host_volumes: Option<Vec<HostVolume>>,
+
+    /// Hardware acceleration: `auto` (default) uses KVM when a test guest instruction runs under
+    /// it and falls back to software emulation (TCG) with a warning; `kvm` fails when KVM does
+    /// not work; `tcg` always emulates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accel: Option<Accel>,
+
+    /// Node selector for the machine Pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+
+    /// Tolerations for the machine Pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerations: Option<Vec<Toleration>>,
+
+    /// PriorityClass of the machine Pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub priority_class_name: Option<String>,
+}
+
+/// VM size, in the RFC's field names.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MachineResources {
+    /// Number of vCPUs (at least 1).
+    #[x_kube(validation = Rule::new("self >= 1").message("cpu is the number of vCPUs and must be at least 1"))]
+    #[x_kube(validation = Rule::new("self <= 256").message("cpu must be at most 256"))]
+    pub cpu: i32,
+
+    /// VM memory, at least 256Mi (e.g. `1Gi`).
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).compareTo(quantity('256Mi')) >= 0").message("memory must be a quantity of at least 256Mi, e.g. 1Gi"))]
+    pub memory: SizeQuantity,
+
+    /// Root disk size: the qcow2 overlay on the node image is grown to this (at least 1Gi).
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).compareTo(quantity('1Gi')) >= 0").message("disk must be a quantity of at least 1Gi, e.g. 20Gi"))]
+    pub disk: SizeQuantity,
+
+    /// Size of the container runtime's disk (`/var/lib/containerd`). The name is the RFC's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("dockerVolumeSize must be a positive quantity, e.g. 5Gi"))]
+    pub docker_volume_size: Option<SizeQuantity>,
+
+    /// Size of the kubelet's disk (`/var/lib/kubelet`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("kubeletVolumeSize must be a positive quantity, e.g. 5Gi"))]
+    pub kubelet_volume_size: Option<SizeQuantity>,
+}
+
+/// The node image: exactly one source.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("[has(self.flatcar), has(self.containerImage), has(self.url)].exists_one(x, x)").message("image needs exactly one of flatcar, containerImage or url"))]
+pub struct NodeImage {
+    /// A Flatcar release (channel + version).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flatcar: Option<FlatcarImage>,
+    /// A container image that holds the disk image file; copied once per MC node into a cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_image: Option<ContainerDiskImage>,
+    /// An http(s) URL of a qcow2 or raw disk image, checked against its sha256.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<UrlImage>,
+}
+
+/// A Flatcar Container Linux release.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FlatcarImage {
+    /// Release channel.
+    pub channel: FlatcarChannel,
+    /// Release version such as `4230.2.3`, or `current`.
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self == 'current' || self.matches('^[0-9]+\\\\.[0-9]+\\\\.[0-9]+$')").message("flatcar.version must look like 4230.2.3 or be 'current'"))]
+    pub version: String,
+}
+
+/// Flatcar release channels.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum FlatcarChannel {
+    /// Stable.
+    Stable,
+    /// Beta.
+    Beta,
+    /// Alpha.
+    Alpha,
+    /// Long-term support.
+    Lts,
+}
+
+/// A disk image shipped inside a container image.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerDiskImage {
+    /// The container image reference, with a concrete tag or digest.
+    #[schemars(length(min = 1, max = 512))]
+    pub image: String,
+    /// Path of the disk file inside the image. Default: `/disk/image.qcow2`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("containerImage.path must be an absolute path"))]
+    pub path: Option<String>,
+}
+
+/// A disk image fetched over http(s).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct UrlImage {
+    /// http:// or https:// URL of the image.
+    #[schemars(length(max = 2048))]
+    #[x_kube(validation = Rule::new("self.startsWith('https://') || self.startsWith('http://')").message("url must start with http:// or https://"))]
+    pub url: String,
+    /// Expected sha256 of the file, 64 lowercase hex digits.
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.matches('^[a-f0-9]{64}$')").message("sha256 must be 64 lowercase hex digits"))]
+    pub sha256: String,
+}
+
+/// DNS settings for the guest.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DnsConfig {
+    /// Name server IP addresses (at most 3, the resolver's limit).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 3))]
+    #[x_kube(validation = Rule::new("self.all(s, isIP(s))").message("dns.servers must be IP addresses"))]
+    pub servers: Vec<BoundedString>,
+    /// Search domains.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub searches: Vec<BoundedString>,
+}
+
+/// NTP settings for the guest.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NtpConfig {
+    /// NTP server names or addresses.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub servers: Vec<BoundedString>,
+}
+
+/// A DNS name or an address: a string of at most 253 characters.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+#[serde(transparent)]
+pub struct BoundedString(pub String);
+
+impl From<&str> for BoundedString {
+    fn from(s: &str) -> Self {
+        Self(s.to_owned())
+    }
+}
+
+impl schemars::JsonSchema for BoundedString {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "BoundedString".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({"type": "string", "maxLength": 253})
+    }
+}
+
+/// Where etcd data lives.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.type != 'hostPath' || has(self.hostPath)").message("etcdStorage.hostPath is required when type is hostPath"))]
+#[x_kube(validation = Rule::new("self.type != 'hostPath' || (!has(self.storageClassName) && !has(self.size))").message("etcdStorage.storageClassName and size apply only to type persistentVolume"))]
+#[x_kube(validation = Rule::new("self.type != 'persistentVolume' || has(self.size)").message("etcdStorage.size is required when type is persistentVolume"))]
+#[x_kube(validation = Rule::new("self.type != 'persistentVolume' || !has(self.hostPath)").message("etcdStorage.hostPath applies only to type hostPath"))]
+pub struct EtcdStorage {
+    /// `hostPath` (a directory on the MC node) or `persistentVolume` (a PVC per machine).
+    #[serde(rename = "type")]
+    pub type_: EtcdStorageType,
+    /// Directory on the MC node holding the etcd disk file (type hostPath).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("etcdStorage.hostPath must be an absolute path"))]
+    pub host_path: Option<String>,
+    /// StorageClass of the PVC (type persistentVolume). Default: the cluster's default class.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub storage_class_name: Option<String>,
+    /// Size of the PVC and of the etcd disk (type persistentVolume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("etcdStorage.size must be a positive quantity, e.g. 10Gi"))]
+    pub size: Option<SizeQuantity>,
+}
+
+/// Kinds of etcd storage.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum EtcdStorageType {
+    /// A directory on the management-cluster node.
+    HostPath,
+    /// A PersistentVolumeClaim created per machine.
+    PersistentVolume,
+}
+
+/// A host directory shared into the VM.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HostVolume {
+    /// virtio-9p mount tag, 1-31 characters; the guest mounts it at `/data/<mountTag>`.
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.size() >= 1 && self.size() <= 31").message("mountTag must be 1-31 characters long (the virtio-9p tag limit)"))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9_.-]*$')").message("mountTag may contain only letters, digits, '_', '.' and '-'"))]
+    pub mount_tag: String,
+    /// Absolute path of the directory on the MC node.
+    #[schemars(length(max = 4096))]
+    #[x_kube(validation = Rule::new("self.startsWith('/')").message("hostVolumes.hostPath must be an absolute path"))]
+    pub host_path: String,
+}
+
+/// Hardware acceleration choice.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    /// KVM when it really runs a guest, else TCG with a warning.
+    #[default]
+    Auto,
+    /// KVM only; fail when it does not work.
+    Kvm,
+    /// Software emulation only.
+    Tcg,
+}
+
+/// Observed state of a KVMMachine.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KVMMachineStatus {
+    /// Contract field: provisioned once the VM runs and `providerID` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initialization: Option<Initialization>,
+
+    /// The same as `initialization.provisioned`, for Cluster API v1beta1 readers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<bool>,
+
+    /// Addresses of the machine (InternalIP = the Pod's IP, Hostname = the node name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addresses: Option<Vec<MachineAddress>>,
+
+    /// The failure domain the machine Pod was placed in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_domain: Option<String>,
+
+    /// Name of the machine Pod running the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+
+    /// Conditions: `Ready`, `Paused`, `BootstrapCompleted`, `VMRunning`, ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Option<Vec<Condition>>,
+
+    /// The generation the status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// A template for KVMMachines (used by KubeadmControlPlane and MachineDeployments). Immutable:
+/// roll out a change by creating a new template and pointing the owner at it.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1alpha1",
+    kind = "KVMMachineTemplate",
+    doc = "KVMMachineTemplate stamps out KVMMachines for control planes and MachineDeployments; it is immutable.",
+    plural = "kvmmachinetemplates",
+    singular = "kvmmachinetemplate",
+    namespaced,
+    status = "KVMMachineTemplateStatus",
+    category = "cluster-api",
+    shortname = "kvmmt",
+    label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
+    label("cluster.x-k8s.io/provider", "infrastructure-kvm"),
+    printcolumn(
+        name = "CPU",
+        type_ = "integer",
+        json_path = ".spec.template.spec.resources.cpu",
+        description = "vCPUs per machine"
+    ),
+    printcolumn(
+        name = "Memory",
+        type_ = "string",
+        json_path = ".spec.template.spec.resources.memory",
+        description = "Memory per machine"
+    ),
+    printcolumn(
+        name = "Disk",
+        type_ = "string",
+        json_path = ".spec.template.spec.resources.disk",
+        description = "Root disk per machine"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self == oldSelf").message("KVMMachineTemplate spec is immutable; create a new template and point the MachineDeployment or control plane at it"))]
+pub struct KVMMachineTemplateSpec {
+    /// The KVMMachine to stamp out.
+    pub template: KVMMachineTemplateResource,
+}
+
+/// The object a KVMMachineTemplate produces.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KVMMachineTemplateResource {
+    /// Labels and annotations for the produced KVMMachine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<super::TemplateMetadata>,
+    /// Spec of the produced KVMMachine.
+    pub spec: KVMMachineSpec,
+}
+
+/// Observed state of a KVMMachineTemplate: what the autoscaler needs to scale from zero.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KVMMachineTemplateStatus {
+    /// Resources a node from this template has (`cpu`, `memory`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<BTreeMap<String, Quantity>>,
+    /// Architecture and operating system of nodes from this template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_info: Option<NodeInfo>,
+}
+
+/// Node facts for scale-from-zero.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeInfo {
+    /// `amd64` or `arm64`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<String>,
+    /// `linux`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operating_system: Option<String>,
+}
