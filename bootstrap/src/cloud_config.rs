@@ -294,8 +294,15 @@ fn convert_write_files(value: Value, out: &mut Config) -> Result<Vec<Staged>, Co
             ));
         }
         let raw = content_bytes(&wf.content, &at.field("content"))?;
-        let decoded = content::decode_write_file(wf.encoding.as_deref(), &raw)
-            .map_err(|e| ConvertError::invalid(at.field("encoding"), e))?;
+        let decoded =
+            content::decode_write_file(wf.encoding.as_deref(), &raw).map_err(|e| match e {
+                content::DecodeError::UnknownEncoding(_) => {
+                    ConvertError::invalid(at.field("encoding"), e.to_string())
+                }
+                content::DecodeError::BadContent(_) => {
+                    ConvertError::invalid(at.field("content"), e.to_string())
+                }
+            })?;
         let mode = permissions(&wf.permissions, &at.field("permissions"))?;
         let owner = wf.owner.clone().unwrap_or_else(|| "root:root".to_owned());
         let (user, group) = v3::owner(&owner);

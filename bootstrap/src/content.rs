@@ -42,23 +42,34 @@ pub struct FileContent {
     pub gzip: bool,
 }
 
+/// Why `write_files` content could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// The `encoding` is not one cloud-init knows.
+    #[error("unknown encoding `{0}`; supported: {list}", list = supported_encodings())]
+    UnknownEncoding(String),
+    /// The content does not decode with its encoding.
+    #[error("{0}")]
+    BadContent(String),
+}
+
 /// Decodes `write_files[].content` given its `encoding`. Gzip content stays compressed (Ignition
 /// decompresses it in the guest, which keeps the config small) but is checked to decompress.
-pub fn decode_write_file(encoding: Option<&str>, content: &[u8]) -> Result<FileContent, String> {
+pub fn decode_write_file(
+    encoding: Option<&str>,
+    content: &[u8],
+) -> Result<FileContent, DecodeError> {
     let name = encoding.unwrap_or("text/plain").trim().to_ascii_lowercase();
     let Some(&(_, b64, gzip)) = ENCODINGS.iter().find(|(n, _, _)| *n == name) else {
-        return Err(format!(
-            "unknown encoding `{name}`; supported: {}",
-            supported_encodings()
-        ));
+        return Err(DecodeError::UnknownEncoding(name));
     };
     let bytes = if b64 {
-        decode_base64(content)?
+        decode_base64(content).map_err(DecodeError::BadContent)?
     } else {
         content.to_vec()
     };
     if gzip {
-        gunzip(&bytes)?;
+        gunzip(&bytes).map_err(DecodeError::BadContent)?;
     }
     Ok(FileContent { bytes, gzip })
 }
@@ -153,7 +164,9 @@ mod tests {
 
     #[test]
     fn unknown_encoding_names_the_supported_ones() {
-        let err = decode_write_file(Some("zstd"), b"x").unwrap_err();
+        let err = decode_write_file(Some("zstd"), b"x")
+            .unwrap_err()
+            .to_string();
         assert_eq!(
             err,
             "unknown encoding `zstd`; supported: text/plain, b64, base64, gz, gzip, gz+b64, \
@@ -163,13 +176,17 @@ mod tests {
 
     #[test]
     fn bad_base64_is_reported() {
-        let err = decode_write_file(Some("b64"), b"!!!").unwrap_err();
+        let err = decode_write_file(Some("b64"), b"!!!")
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("content is not valid base64: "), "{err}");
     }
 
     #[test]
     fn bad_gzip_is_reported() {
-        let err = decode_write_file(Some("gzip+base64"), b"aGVsbG8=").unwrap_err();
+        let err = decode_write_file(Some("gzip+base64"), b"aGVsbG8=")
+            .unwrap_err()
+            .to_string();
         assert!(
             err.starts_with("content is not a valid gzip stream: "),
             "{err}"
@@ -186,7 +203,9 @@ mod tests {
             enc.write_all(&zeros).unwrap();
         }
         let gz = enc.finish().unwrap();
-        let err = decode_write_file(Some("gzip"), &gz).unwrap_err();
+        let err = decode_write_file(Some("gzip"), &gz)
+            .unwrap_err()
+            .to_string();
         assert_eq!(
             err,
             format!("content decompresses to more than {MAX_DECOMPRESSED_BYTES} bytes")

@@ -75,7 +75,7 @@ pub enum ConvertError {
     InvalidFacts {
         field: &'static str,
         value: String,
-        reason: &'static str,
+        reason: String,
     },
 }
 

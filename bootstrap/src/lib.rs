@@ -119,7 +119,7 @@ impl MachineFacts {
             return Err(ConvertError::InvalidFacts {
                 field: "instance id",
                 value: self.instance_id.clone(),
-                reason: "must be 1 to 253 letters, digits, '-', '_', '.', ':' or '/'",
+                reason: "must be 1 to 253 letters, digits, '-', '_', '.', ':' or '/'".to_owned(),
             });
         }
         Ok(())

@@ -134,11 +134,11 @@ pub struct Replaced {
     pub name: String,
 }
 
-fn invalid(field: &'static str, value: &str, reason: &'static str) -> ConvertError {
+fn invalid(field: &'static str, value: &str, reason: impl Into<String>) -> ConvertError {
     ConvertError::InvalidFacts {
         field,
         value: value.to_owned(),
-        reason,
+        reason: reason.into(),
     }
 }
 
@@ -171,7 +171,7 @@ fn check_token(field: &'static str, v: &str, max: usize) -> Result<(), ConvertEr
         return Err(invalid(
             field,
             v,
-            "must be non-empty letters, digits, '-', '_' or '.', within the length limit",
+            format!("must be 1 to {max} letters, digits, '-', '_' or '.'"),
         ));
     }
     Ok(())
