@@ -39,8 +39,8 @@ pub enum Command {
     Status(SocketArgs),
     /// Check whether KVM can run a guest instruction here and print the accelerator `auto` picks.
     ProbeAccel {
-        /// How long a vCPU may take to execute its first instruction.
-        #[arg(long, default_value_t = 2000)]
+        /// How long the probe vCPU may take for its loop (real KVM needs about 1 ms).
+        #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
     },
 }
@@ -181,7 +181,7 @@ pub struct RunArgs {
     /// Kernel command line for --kernel.
     #[arg(long = "append", env = "CAPK_KERNEL_CMDLINE", requires = "kernel")]
     pub kernel_cmdline: Option<String>,
-    /// How long the KVM probe's vCPU may take to run its first instruction.
-    #[arg(long, default_value_t = 2000)]
+    /// How long the KVM probe vCPU may take for its loop (real KVM needs about 1 ms).
+    #[arg(long, env = "CAPK_KVM_PROBE_TIMEOUT_MS", default_value_t = 1000)]
     pub kvm_probe_timeout_ms: u64,
 }

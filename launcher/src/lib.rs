@@ -2,7 +2,17 @@
 //! and a thin apply step: `net`, `disk`, `qemu` (argv + QMP), `health`, `supervise`.
 #![deny(unsafe_code)]
 
+pub mod accel;
 pub mod cli;
+pub mod control;
+pub mod disk;
+pub mod health;
+pub mod ignition;
 pub mod net;
 pub mod qemu;
+pub mod run;
 pub mod size;
+pub mod supervise;
+
+#[cfg(test)]
+pub(crate) mod testsupport;

@@ -1,13 +1,106 @@
 //! `capk-launcher`: PID 1 of a machine Pod; turns the Pod into a VM host.
+#![forbid(unsafe_code)]
 
+use std::process::ExitCode;
+use std::time::Duration;
+
+use capk_launcher::cli::{Cli, Command, LogFormat, ProbeKind};
+use capk_launcher::control::{self, Request};
+use capk_launcher::{accel, run};
 use clap::Parser;
 
-/// Boots the machine's VM inside its Pod.
-#[derive(Parser, Debug)]
-#[command(name = "capk-launcher", version, about)]
-struct Cli {}
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CAPK_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
 
-fn main() -> anyhow::Result<()> {
-    let _cli = Cli::parse();
-    anyhow::bail!("capk-launcher: not implemented yet")
+/// The error and its causes on one line.
+fn one_line(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s.replace('\n', " ")
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("capk-launcher: start async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match cli.command {
+        Command::Run(args) => {
+            init_tracing(cli.log_format);
+            match rt.block_on(run::run(*args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("capk-launcher: {}", one_line(&e));
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Probe(p) => {
+            let req = Request::Probe { kind: p.kind };
+            match rt.block_on(control::call(&p.socket.runtime_dir, &req)) {
+                Ok(v) => {
+                    let ok = v["ok"].as_bool().unwrap_or(false);
+                    let reason = v["reason"].as_str().unwrap_or("no reason given");
+                    let kind = if p.kind == ProbeKind::Liveness {
+                        "liveness"
+                    } else {
+                        "readiness"
+                    };
+                    println!("{kind}: {reason}");
+                    if ok {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    }
+                }
+                Err(e) => {
+                    println!("capk-launcher: {}", one_line(&e));
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Status(s) => match rt.block_on(control::call(&s.runtime_dir, &Request::Status)) {
+            Ok(v) => {
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("capk-launcher: {}", one_line(&e));
+                ExitCode::FAILURE
+            }
+        },
+        Command::ProbeAccel { timeout_ms } => {
+            match accel::probe_kvm(Duration::from_millis(timeout_ms)) {
+                Ok(()) => {
+                    println!("kvm");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    println!("tcg ({e})");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
 }

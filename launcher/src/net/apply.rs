@@ -4,7 +4,9 @@ use std::net::IpAddr;
 
 use futures::TryStreamExt;
 use rtnetlink::packet_route::AddressFamily;
-use rtnetlink::{Handle, LinkBridge, LinkBridgePort, LinkDummy, LinkUnspec, RouteMessageBuilder};
+use rtnetlink::{
+    Handle, LinkBridge, LinkBridgePort, LinkDummy, LinkUnspec, LinkVeth, RouteMessageBuilder,
+};
 
 use super::observe::{NetlinkError, link_index, req};
 use super::plan::{NetworkPlan, PodInterface};
@@ -170,12 +172,7 @@ async fn apply_steps(
             .map_err(req("set links up"))?;
     }
 
-    handle
-        .link()
-        .add(LinkDummy::new(&plan.dummy).build())
-        .execute()
-        .await
-        .map_err(req(format!("create dummy {}", plan.dummy)))?;
+    create_dummy(handle, &plan.dummy).await?;
     applied.steps.push(Step::CreatedLink(plan.dummy.clone()));
     let dummy = index_of(handle, &plan.dummy).await?;
     write_sysctl(&plan.dummy, "arp_ignore", "1")?;
@@ -194,6 +191,32 @@ async fn apply_steps(
         .await
         .map_err(req(format!("set {} up", plan.dummy)))?;
     Ok(())
+}
+
+/// Creates the link that keeps the Pod IP. Kernels without the dummy driver (EOPNOTSUPP) get a
+/// veth pair whose peer stays down: it holds the address just as well and carries no traffic.
+async fn create_dummy(handle: &Handle, name: &str) -> Result<(), NetlinkError> {
+    match handle
+        .link()
+        .add(LinkDummy::new(name).build())
+        .execute()
+        .await
+    {
+        Ok(()) => Ok(()),
+        Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -95 => {
+            tracing::warn!(
+                link = name,
+                "kernel has no dummy links; keeping the Pod IP on a veth pair instead"
+            );
+            handle
+                .link()
+                .add(LinkVeth::new(name, &format!("{name}p")).build())
+                .execute()
+                .await
+                .map_err(req(format!("create veth {name} (no dummy driver)")))
+        }
+        Err(e) => Err(req(format!("create dummy {name}"))(e)),
+    }
 }
 
 impl AppliedNetwork {

@@ -1,1 +1,141 @@
+//! QMP behind a small trait (the `qapi` crate today; a fallback client stays possible).
 
+use std::future::Future;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use qapi::futures::{QapiService, QmpStreamTokio};
+use serde::Serialize;
+use tokio::io::WriteHalf;
+use tokio::net::UnixStream;
+
+/// QEMU's run state as QMP reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VmStatus {
+    /// Whether vCPUs run.
+    pub running: bool,
+    /// QEMU's RunState name (`running`, `shutdown`, `guest-panicked`, …).
+    pub status: String,
+}
+
+impl VmStatus {
+    /// States from which the guest does not come back by itself.
+    pub fn is_dead(&self) -> bool {
+        matches!(
+            self.status.as_str(),
+            "shutdown" | "guest-panicked" | "internal-error" | "io-error"
+        )
+    }
+}
+
+/// QMP failures.
+#[derive(Debug, thiserror::Error)]
+pub enum QmpError {
+    /// The socket did not accept a QMP session in time.
+    #[error("connect to QMP at {path} within {timeout:?}: {last}")]
+    Connect {
+        /// Socket path.
+        path: String,
+        /// How long we tried.
+        timeout: Duration,
+        /// Last error seen.
+        last: String,
+    },
+    /// A command failed.
+    #[error("QMP {command}: {message}")]
+    Command {
+        /// Command name.
+        command: &'static str,
+        /// Error text.
+        message: String,
+    },
+}
+
+/// The QMP commands the launcher uses.
+pub trait Qmp: Send {
+    /// `query-status`.
+    fn query_status(&self) -> impl Future<Output = Result<VmStatus, QmpError>> + Send;
+    /// `system_powerdown`: ACPI power button.
+    fn system_powerdown(&self) -> impl Future<Output = Result<(), QmpError>> + Send;
+    /// `quit`: stop QEMU now.
+    fn quit(&self) -> impl Future<Output = Result<(), QmpError>> + Send;
+}
+
+type Writer = QmpStreamTokio<WriteHalf<UnixStream>>;
+
+/// QMP over QEMU's unix socket with the `qapi` crate.
+pub struct QapiQmp {
+    service: QapiService<Writer>,
+    _events: tokio::task::JoinHandle<()>,
+}
+
+impl QapiQmp {
+    /// Connects and negotiates capabilities, retrying while QEMU creates the socket.
+    pub async fn connect(path: &Path, timeout: Duration) -> Result<Self, QmpError> {
+        let start = Instant::now();
+        loop {
+            let last = match QmpStreamTokio::open_uds(path).await {
+                Ok(neg) => match neg.negotiate().await {
+                    Ok(stream) => {
+                        let (service, events) = stream.spawn_tokio();
+                        return Ok(Self {
+                            service,
+                            _events: events,
+                        });
+                    }
+                    Err(e) => e.to_string(),
+                },
+                Err(e) => e.to_string(),
+            };
+            if start.elapsed() >= timeout {
+                return Err(QmpError::Connect {
+                    path: path.display().to_string(),
+                    timeout,
+                    last,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn cmd_err(command: &'static str) -> impl FnOnce(qapi::ExecuteError) -> QmpError {
+    move |e| QmpError::Command {
+        command,
+        message: e.to_string(),
+    }
+}
+
+impl Qmp for QapiQmp {
+    async fn query_status(&self) -> Result<VmStatus, QmpError> {
+        let s = self
+            .service
+            .execute(qapi::qmp::query_status {})
+            .await
+            .map_err(cmd_err("query-status"))?;
+        let status = serde_json::to_value(s.status)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_else(|| format!("{:?}", s.status));
+        Ok(VmStatus {
+            running: s.running,
+            status,
+        })
+    }
+
+    async fn system_powerdown(&self) -> Result<(), QmpError> {
+        self.service
+            .execute(qapi::qmp::system_powerdown {})
+            .await
+            .map(|_| ())
+            .map_err(cmd_err("system_powerdown"))
+    }
+
+    async fn quit(&self) -> Result<(), QmpError> {
+        self.service
+            .execute(qapi::qmp::quit {})
+            .await
+            .map(|_| ())
+            .map_err(cmd_err("quit"))
+    }
+}

@@ -1,0 +1,288 @@
+//! Accelerator choice. `/dev/kvm` can exist and still hang guests, so KVM counts as usable only
+//! when a probe vCPU really executes a guest instruction (a HLT) within a timeout.
+#![allow(unsafe_code)]
+
+use std::num::NonZeroUsize;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::kvm_userspace_memory_region;
+use kvm_ioctls::{Kvm, VcpuExit};
+use nix::sys::mman::{MapFlags, ProtFlags, mmap_anonymous, munmap};
+
+use crate::cli::AccelChoice;
+use crate::qemu::argv::Accel;
+
+/// Why KVM cannot be used.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum KvmUnusable {
+    /// `/dev/kvm` missing or not openable.
+    #[error("open /dev/kvm: {0} (mount /dev/kvm into the Pod, or use --accel tcg)")]
+    Open(String),
+    /// VM/vCPU setup failed.
+    #[error("set up a probe VM: {0}")]
+    Setup(String),
+    /// The vCPU ran but did not halt.
+    #[error("probe vCPU exited with {0} instead of HLT")]
+    UnexpectedExit(String),
+    /// The vCPU did not come back.
+    #[error(
+        "probe vCPU did not execute a HLT within {0:?}: KVM is present but guests hang here (use --accel tcg)"
+    )]
+    Timeout(Duration),
+}
+
+/// Result of choosing the accelerator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccelDecision {
+    /// What QEMU will use.
+    pub accel: Accel,
+    /// Why KVM was not used, when `auto` fell back.
+    pub fallback_reason: Option<KvmUnusable>,
+}
+
+/// Picks the accelerator. `probe` is the KVM check (injected for tests).
+pub fn decide(
+    choice: AccelChoice,
+    probe: impl FnOnce() -> Result<(), KvmUnusable>,
+) -> Result<AccelDecision, KvmUnusable> {
+    match choice {
+        AccelChoice::Tcg => Ok(AccelDecision {
+            accel: Accel::Tcg,
+            fallback_reason: None,
+        }),
+        AccelChoice::Kvm => probe().map(|()| AccelDecision {
+            accel: Accel::Kvm,
+            fallback_reason: None,
+        }),
+        AccelChoice::Auto => Ok(match probe() {
+            Ok(()) => AccelDecision {
+                accel: Accel::Kvm,
+                fallback_reason: None,
+            },
+            Err(e) => AccelDecision {
+                accel: Accel::Tcg,
+                fallback_reason: Some(e),
+            },
+        }),
+    }
+}
+
+/// Default time the probe vCPU gets: real KVM runs the probe loop in about a millisecond; a KVM
+/// that needs more than a second for a million iterations is slower than TCG and hangs guests.
+pub const DEFAULT_PROBE_TIMEOUT: Duration = Duration::from_millis(1000);
+
+extern "C" fn interrupt_kvm_run(_: nix::libc::c_int) {}
+
+/// Runs the real KVM probe on a helper thread and waits at most `timeout`; on timeout the
+/// thread is interrupted with SIGUSR1 so KVM_RUN returns and it stops burning a CPU.
+pub fn probe_kvm(timeout: Duration) -> Result<(), KvmUnusable> {
+    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
+    let action = SigAction::new(
+        SigHandler::Handler(interrupt_kvm_run),
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
+    // SAFETY: the handler is an empty extern "C" function, trivially async-signal-safe; no
+    // other part of the launcher uses SIGUSR1.
+    unsafe { sigaction(Signal::SIGUSR1, &action) }
+        .map_err(|e| KvmUnusable::Setup(format!("sigaction: {e}")))?;
+    let (tx, rx) = mpsc::channel();
+    let handle = std::thread::Builder::new()
+        .name("kvm-probe".into())
+        .spawn(move || {
+            let _ = tx.send(run_probe_guest());
+        })
+        .map_err(|e| KvmUnusable::Setup(e.to_string()))?;
+    let start = Instant::now();
+    match rx.recv_timeout(timeout) {
+        Ok(r) => r,
+        Err(_) => {
+            let thread = std::os::unix::thread::JoinHandleExt::as_pthread_t(&handle);
+            let _ = nix::sys::pthread::pthread_kill(thread, Signal::SIGUSR1);
+            Err(KvmUnusable::Timeout(start.elapsed().max(timeout)))
+        }
+    }
+}
+
+/// Guest-physical layout of the probe: code, 4-level page tables, a counter; all in 6 pages.
+const MEM_SIZE: usize = 0x6000;
+const CODE: u64 = 0x1000;
+const PML4: u64 = 0x2000;
+const PDPT: u64 = 0x3000;
+const PD: u64 = 0x4000;
+const COUNTER: u64 = 0x5000;
+/// Loop iterations the probe runs in 64-bit mode before HLT.
+const ITERATIONS: u32 = 1_000_000;
+
+/// 64-bit code: `mov rcx, N; 1: inc qword [COUNTER]; dec rcx; jnz 1b; hlt`.
+fn probe_code() -> Vec<u8> {
+    let mut c = vec![0x48, 0xc7, 0xc1];
+    c.extend_from_slice(&ITERATIONS.to_le_bytes());
+    c.extend_from_slice(&[0x48, 0xff, 0x04, 0x25]);
+    c.extend_from_slice(&(COUNTER as u32).to_le_bytes());
+    c.extend_from_slice(&[0x48, 0xff, 0xc9, 0x75, 0xf3, 0xf4]);
+    c
+}
+
+/// Runs a vCPU in 64-bit long mode with paging (what a real kernel needs, and what hangs on
+/// machines where a bare real-mode HLT still works) through a counting loop, then HLT.
+fn run_probe_guest() -> Result<(), KvmUnusable> {
+    let setup = |e: kvm_ioctls::Error| KvmUnusable::Setup(e.to_string());
+    let kvm = Kvm::new().map_err(|e| KvmUnusable::Open(e.to_string()))?;
+    let vm = kvm.create_vm().map_err(setup)?;
+    let len = NonZeroUsize::new(MEM_SIZE).expect("probe memory size is not zero");
+    // SAFETY: a fresh private anonymous mapping; no existing memory is aliased.
+    let mem = unsafe {
+        mmap_anonymous(
+            None,
+            len,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_PRIVATE,
+        )
+    }
+    .map_err(|e| KvmUnusable::Setup(format!("mmap: {e}")))?;
+    let base = mem.cast::<u8>();
+    let write = |at: u64, bytes: &[u8]| {
+        assert!(at as usize + bytes.len() <= MEM_SIZE);
+        // SAFETY: the assertion keeps the copy inside the MEM_SIZE bytes mapped above, and
+        // nothing else references that memory while the vCPU is not running.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                base.as_ptr().add(at as usize),
+                bytes.len(),
+            )
+        };
+    };
+    write(CODE, &probe_code());
+    write(PML4, &(PDPT | 0x3).to_le_bytes());
+    write(PDPT, &(PD | 0x3).to_le_bytes());
+    write(PD, &0x83u64.to_le_bytes()); // one present, writable 2 MiB page at 0
+    let region = kvm_userspace_memory_region {
+        slot: 0,
+        guest_phys_addr: 0,
+        memory_size: MEM_SIZE as u64,
+        userspace_addr: base.as_ptr() as u64,
+        flags: 0,
+    };
+    // SAFETY: the region describes the mapping above, which stays mapped until after the VM fd
+    // (and with it the vCPU) is dropped at the end of this function.
+    let result = unsafe { vm.set_user_memory_region(region) }
+        .map_err(setup)
+        .and_then(|()| {
+            let mut vcpu = vm.create_vcpu(0).map_err(setup)?;
+            let mut sregs = vcpu.get_sregs().map_err(setup)?;
+            let code = kvm_bindings::kvm_segment {
+                base: 0,
+                limit: 0xffff_ffff,
+                selector: 1 << 3,
+                type_: 11,
+                present: 1,
+                s: 1,
+                l: 1,
+                g: 1,
+                ..Default::default()
+            };
+            let data = kvm_bindings::kvm_segment {
+                selector: 2 << 3,
+                type_: 3,
+                l: 0,
+                db: 1,
+                ..code
+            };
+            sregs.cs = code;
+            (sregs.ds, sregs.es, sregs.fs, sregs.gs, sregs.ss) = (data, data, data, data, data);
+            sregs.cr3 = PML4;
+            sregs.cr4 |= 1 << 5; // PAE
+            sregs.cr0 |= 1 | (1 << 31); // PE | PG
+            sregs.efer |= (1 << 8) | (1 << 10); // LME | LMA
+            vcpu.set_sregs(&sregs).map_err(setup)?;
+            let mut regs = vcpu.get_regs().map_err(setup)?;
+            regs.rip = CODE;
+            regs.rflags = 2;
+            vcpu.set_regs(&regs).map_err(setup)?;
+            match vcpu.run() {
+                Ok(VcpuExit::Hlt) => Ok(()),
+                Ok(other) => Err(KvmUnusable::UnexpectedExit(format!("{other:?}"))),
+                Err(e) => Err(KvmUnusable::UnexpectedExit(e.to_string())),
+            }
+        });
+    let counted = {
+        let mut b = [0u8; 8];
+        // SAFETY: COUNTER + 8 is inside the mapping; the vCPU has stopped (or never ran).
+        unsafe {
+            std::ptr::copy_nonoverlapping(base.as_ptr().add(COUNTER as usize), b.as_mut_ptr(), 8)
+        };
+        u64::from_le_bytes(b)
+    };
+    drop(vm);
+    // SAFETY: `mem` came from mmap with length MEM_SIZE; the VM using it has been dropped.
+    let _ = unsafe { munmap(mem, MEM_SIZE) };
+    result?;
+    if counted != u64::from(ITERATIONS) {
+        return Err(KvmUnusable::UnexpectedExit(format!(
+            "HLT after counting to {counted} instead of {ITERATIONS}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_falls_back_to_tcg_with_the_reason() {
+        let d = decide(AccelChoice::Auto, || {
+            Err(KvmUnusable::Timeout(Duration::from_secs(2)))
+        })
+        .unwrap();
+        assert_eq!(d.accel, Accel::Tcg);
+        assert!(
+            d.fallback_reason
+                .unwrap()
+                .to_string()
+                .contains("guests hang here")
+        );
+        let d = decide(AccelChoice::Auto, || Ok(())).unwrap();
+        assert_eq!(
+            d,
+            AccelDecision {
+                accel: Accel::Kvm,
+                fallback_reason: None
+            }
+        );
+    }
+
+    #[test]
+    fn kvm_fails_clearly_and_tcg_never_probes() {
+        let e = decide(AccelChoice::Kvm, || {
+            Err(KvmUnusable::Open("No such file or directory".into()))
+        })
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "open /dev/kvm: No such file or directory (mount /dev/kvm into the Pod, or use --accel tcg)"
+        );
+        let d = decide(AccelChoice::Tcg, || panic!("tcg must not probe")).unwrap();
+        assert_eq!(d.accel, Accel::Tcg);
+    }
+
+    /// The real probe on this machine: it must come back within its timeout either way.
+    #[test]
+    fn real_probe_returns_within_timeout() {
+        let start = Instant::now();
+        let r = probe_kvm(DEFAULT_PROBE_TIMEOUT);
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "probe took {:?}",
+            start.elapsed()
+        );
+        eprintln!("kvm probe on this machine: {r:?} in {:?}", start.elapsed());
+        // The probe thread was interrupted: a second probe is not blocked by the first.
+        let again = Instant::now();
+        let _ = probe_kvm(Duration::from_millis(200));
+        assert!(again.elapsed() < Duration::from_secs(1));
+    }
+}

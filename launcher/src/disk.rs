@@ -1,0 +1,528 @@
+//! Disks: a qcow2 overlay on the read-only node image (never a copy), raw data disks of the
+//! configured sizes, and the etcd disk on persistent storage that is created once and never
+//! recreated, shrunk or formatted by the launcher.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::Serialize;
+
+use crate::qemu::argv::{DiskAttachment, DiskFormat};
+use crate::size::ByteSize;
+
+/// What the controller asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskRequest {
+    /// Directory for the overlay and the data disks.
+    pub state_dir: PathBuf,
+    /// Node image.
+    pub image: PathBuf,
+    /// Its format.
+    pub image_format: DiskFormat,
+    /// Root disk size.
+    pub root_size: ByteSize,
+    /// containerd disk size (0 = none).
+    pub docker_size: ByteSize,
+    /// kubelet disk size (0 = none).
+    pub kubelet_size: ByteSize,
+    /// etcd disk file and its size at creation.
+    pub etcd: Option<(PathBuf, ByteSize)>,
+}
+
+/// What exists on disk now (filled by [`observe`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DiskState {
+    /// Virtual size of the node image.
+    pub image_size: Option<ByteSize>,
+    /// Virtual size of the root overlay, when it exists.
+    pub overlay_size: Option<ByteSize>,
+    /// Size of the containerd disk, when it exists.
+    pub docker_size: Option<ByteSize>,
+    /// Size of the kubelet disk, when it exists.
+    pub kubelet_size: Option<ByteSize>,
+    /// Size of the etcd disk, when it exists.
+    pub etcd_size: Option<ByteSize>,
+}
+
+/// One thing to do to one disk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "action", rename_all = "kebab-case")]
+pub enum DiskAction {
+    /// `qemu-img create -f qcow2 -b <image>`.
+    CreateOverlay {
+        /// Overlay path.
+        path: PathBuf,
+        /// Read-only base.
+        backing: PathBuf,
+        /// Base format.
+        backing_format: DiskFormat,
+        /// Virtual size.
+        size: ByteSize,
+    },
+    /// `qemu-img resize` an existing overlay up.
+    GrowOverlay {
+        /// Overlay path.
+        path: PathBuf,
+        /// New virtual size.
+        size: ByteSize,
+    },
+    /// Create a sparse raw file.
+    CreateRaw {
+        /// File.
+        path: PathBuf,
+        /// Size.
+        size: ByteSize,
+    },
+    /// Extend a raw file (never shrink: data may be there).
+    GrowRaw {
+        /// File.
+        path: PathBuf,
+        /// New size.
+        size: ByteSize,
+    },
+    /// Use as it is.
+    Keep {
+        /// File.
+        path: PathBuf,
+    },
+}
+
+/// The disk plan: actions and the resulting attachments, root first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DiskPlan {
+    /// Actions in order.
+    pub actions: Vec<DiskAction>,
+    /// virtio-blk disks for QEMU.
+    pub attachments: Vec<DiskAttachment>,
+}
+
+/// Disk failures.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    /// The node image is missing or unreadable.
+    #[error("node image {0}: {1}")]
+    Image(PathBuf, String),
+    /// The root disk cannot be smaller than the image.
+    #[error("disk size {requested} is smaller than the node image's {image}; raise --disk-size")]
+    RootTooSmall {
+        /// Requested.
+        requested: ByteSize,
+        /// Image virtual size.
+        image: ByteSize,
+    },
+    /// qemu-img failed.
+    #[error("{command}: {stderr}")]
+    QemuImg {
+        /// Command line.
+        command: String,
+        /// Its stderr.
+        stderr: String,
+    },
+    /// Running qemu-img failed.
+    #[error("run {0} (install qemu-utils)")]
+    RunQemuImg(PathBuf, #[source] std::io::Error),
+    /// File I/O on a disk file failed.
+    #[error("{action} {path}")]
+    Io {
+        /// What was done.
+        action: &'static str,
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Serial the guest sees the root disk as.
+pub const ROOT_SERIAL: &str = "rootfs";
+/// containerd disk serial.
+pub const DOCKER_SERIAL: &str = "dockerfs";
+/// kubelet disk serial.
+pub const KUBELET_SERIAL: &str = "kubeletfs";
+/// etcd disk serial.
+pub const ETCD_SERIAL: &str = "etcdfs";
+
+fn overlay_path(r: &DiskRequest) -> PathBuf {
+    r.state_dir.join("root.qcow2")
+}
+
+/// Plans the disks from the request and what exists.
+pub fn plan(r: &DiskRequest, s: &DiskState) -> Result<DiskPlan, DiskError> {
+    let mut actions = Vec::new();
+    let mut attachments = Vec::new();
+    let image_size = s
+        .image_size
+        .ok_or_else(|| DiskError::Image(r.image.clone(), "not found".into()))?;
+    if r.root_size < image_size {
+        return Err(DiskError::RootTooSmall {
+            requested: r.root_size,
+            image: image_size,
+        });
+    }
+    let root_size = ByteSize(r.root_size.aligned_kib());
+    let overlay = overlay_path(r);
+    actions.push(match s.overlay_size {
+        None => DiskAction::CreateOverlay {
+            path: overlay.clone(),
+            backing: r.image.clone(),
+            backing_format: r.image_format,
+            size: root_size,
+        },
+        Some(cur) if cur < root_size => DiskAction::GrowOverlay {
+            path: overlay.clone(),
+            size: root_size,
+        },
+        Some(_) => DiskAction::Keep {
+            path: overlay.clone(),
+        },
+    });
+    attachments.push(DiskAttachment {
+        serial: ROOT_SERIAL.into(),
+        path: overlay,
+        format: DiskFormat::Qcow2,
+    });
+
+    for (serial, file, want, have) in [
+        (DOCKER_SERIAL, "docker.img", r.docker_size, s.docker_size),
+        (
+            KUBELET_SERIAL,
+            "kubelet.img",
+            r.kubelet_size,
+            s.kubelet_size,
+        ),
+    ] {
+        if want.0 == 0 {
+            continue;
+        }
+        let path = r.state_dir.join(file);
+        let want = ByteSize(want.aligned_kib());
+        actions.push(match have {
+            None => DiskAction::CreateRaw {
+                path: path.clone(),
+                size: want,
+            },
+            Some(cur) if cur < want => DiskAction::GrowRaw {
+                path: path.clone(),
+                size: want,
+            },
+            Some(_) => DiskAction::Keep { path: path.clone() },
+        });
+        attachments.push(DiskAttachment {
+            serial: serial.into(),
+            path,
+            format: DiskFormat::Raw,
+        });
+    }
+
+    if let Some((path, size)) = &r.etcd {
+        // An existing etcd disk is never touched: it holds the cluster's state.
+        actions.push(match s.etcd_size {
+            None => DiskAction::CreateRaw {
+                path: path.clone(),
+                size: ByteSize(size.aligned_kib()),
+            },
+            Some(_) => DiskAction::Keep { path: path.clone() },
+        });
+        attachments.push(DiskAttachment {
+            serial: ETCD_SERIAL.into(),
+            path: path.clone(),
+            format: DiskFormat::Raw,
+        });
+    }
+    Ok(DiskPlan {
+        actions,
+        attachments,
+    })
+}
+
+fn qemu_img(qemu_img: &Path, args: &[&str]) -> Result<String, DiskError> {
+    let out = Command::new(qemu_img)
+        .args(args)
+        .output()
+        .map_err(|e| DiskError::RunQemuImg(qemu_img.to_path_buf(), e))?;
+    if !out.status.success() {
+        return Err(DiskError::QemuImg {
+            command: format!("{} {}", qemu_img.display(), args.join(" ")),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn virtual_size(
+    qemu_img_bin: &Path,
+    path: &Path,
+    format: Option<DiskFormat>,
+) -> Result<ByteSize, DiskError> {
+    let p = path.display().to_string();
+    let mut args = vec!["info", "--output=json", "-U"];
+    if let Some(f) = format {
+        args.extend(["-f", f.as_str()]);
+    }
+    args.push(&p);
+    let json = qemu_img(qemu_img_bin, &args)?;
+    let v: serde_json::Value = serde_json::from_str(&json)
+        .map_err(|e| DiskError::Image(path.to_path_buf(), format!("qemu-img info: {e}")))?;
+    v["virtual-size"].as_u64().map(ByteSize).ok_or_else(|| {
+        DiskError::Image(
+            path.to_path_buf(),
+            "qemu-img info has no virtual-size".into(),
+        )
+    })
+}
+
+fn file_size(path: &Path) -> Option<ByteSize> {
+    std::fs::metadata(path).ok().map(|m| ByteSize(m.len()))
+}
+
+/// Reads what exists (image and overlay through `qemu-img info`, raw files by their length).
+pub fn observe(r: &DiskRequest, qemu_img_bin: &Path) -> Result<DiskState, DiskError> {
+    if let Err(e) = std::fs::File::open(&r.image) {
+        return Err(DiskError::Image(r.image.clone(), e.to_string()));
+    }
+    let overlay = overlay_path(r);
+    Ok(DiskState {
+        image_size: Some(virtual_size(qemu_img_bin, &r.image, Some(r.image_format))?),
+        overlay_size: if overlay.exists() {
+            Some(virtual_size(
+                qemu_img_bin,
+                &overlay,
+                Some(DiskFormat::Qcow2),
+            )?)
+        } else {
+            None
+        },
+        docker_size: file_size(&r.state_dir.join("docker.img")),
+        kubelet_size: file_size(&r.state_dir.join("kubelet.img")),
+        etcd_size: r.etcd.as_ref().and_then(|(p, _)| file_size(p)),
+    })
+}
+
+/// Carries out the plan's actions.
+pub fn apply(plan: &DiskPlan, qemu_img_bin: &Path) -> Result<(), DiskError> {
+    for a in &plan.actions {
+        match a {
+            DiskAction::CreateOverlay {
+                path,
+                backing,
+                backing_format,
+                size,
+            } => {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir).map_err(|source| DiskError::Io {
+                        action: "create directory",
+                        path: dir.to_path_buf(),
+                        source,
+                    })?;
+                }
+                let backing = std::fs::canonicalize(backing).map_err(|source| DiskError::Io {
+                    action: "resolve",
+                    path: backing.clone(),
+                    source,
+                })?;
+                qemu_img(
+                    qemu_img_bin,
+                    &[
+                        "create",
+                        "-q",
+                        "-f",
+                        "qcow2",
+                        "-F",
+                        backing_format.as_str(),
+                        "-b",
+                        &backing.display().to_string(),
+                        &path.display().to_string(),
+                        &size.0.to_string(),
+                    ],
+                )?;
+            }
+            DiskAction::GrowOverlay { path, size } => {
+                qemu_img(
+                    qemu_img_bin,
+                    &[
+                        "resize",
+                        "-q",
+                        "-f",
+                        "qcow2",
+                        &path.display().to_string(),
+                        &size.0.to_string(),
+                    ],
+                )?;
+            }
+            DiskAction::CreateRaw { path, size } => {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir).map_err(|source| DiskError::Io {
+                        action: "create directory",
+                        path: dir.to_path_buf(),
+                        source,
+                    })?;
+                }
+                // create_new: never clobber a disk that appeared since observation.
+                let f = std::fs::File::create_new(path).map_err(|source| DiskError::Io {
+                    action: "create",
+                    path: path.clone(),
+                    source,
+                })?;
+                f.set_len(size.0).map_err(|source| DiskError::Io {
+                    action: "size",
+                    path: path.clone(),
+                    source,
+                })?;
+            }
+            DiskAction::GrowRaw { path, size } => {
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .map_err(|source| DiskError::Io {
+                        action: "open",
+                        path: path.clone(),
+                        source,
+                    })?;
+                if f.metadata().map(|m| m.len() < size.0).unwrap_or(false) {
+                    f.set_len(size.0).map_err(|source| DiskError::Io {
+                        action: "grow",
+                        path: path.clone(),
+                        source,
+                    })?;
+                }
+            }
+            DiskAction::Keep { .. } => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> DiskRequest {
+        DiskRequest {
+            state_dir: "/var/lib/capk".into(),
+            image: "/images/flatcar.qcow2".into(),
+            image_format: DiskFormat::Qcow2,
+            root_size: ByteSize::gib(40),
+            docker_size: ByteSize::gib(40),
+            kubelet_size: ByteSize::gib(20),
+            etcd: Some(("/var/lib/etcd-disk/etcd.img".into(), ByteSize::gib(10))),
+        }
+    }
+
+    #[test]
+    fn first_boot_creates_everything() {
+        let s = DiskState {
+            image_size: Some(ByteSize::gib(8)),
+            ..Default::default()
+        };
+        insta::assert_yaml_snapshot!(plan(&request(), &s).unwrap());
+    }
+
+    #[test]
+    fn restart_keeps_etcd_even_when_sizes_changed_and_grows_data_disks() {
+        let s = DiskState {
+            image_size: Some(ByteSize::gib(8)),
+            overlay_size: Some(ByteSize::gib(40)),
+            docker_size: Some(ByteSize::gib(30)),
+            kubelet_size: Some(ByteSize::gib(20)),
+            etcd_size: Some(ByteSize::gib(5)),
+        };
+        let p = plan(&request(), &s).unwrap();
+        assert_eq!(
+            p.actions,
+            vec![
+                DiskAction::Keep {
+                    path: "/var/lib/capk/root.qcow2".into()
+                },
+                DiskAction::GrowRaw {
+                    path: "/var/lib/capk/docker.img".into(),
+                    size: ByteSize::gib(40)
+                },
+                DiskAction::Keep {
+                    path: "/var/lib/capk/kubelet.img".into()
+                },
+                DiskAction::Keep {
+                    path: "/var/lib/etcd-disk/etcd.img".into()
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn root_smaller_than_image_is_refused() {
+        let mut r = request();
+        r.root_size = ByteSize::gib(4);
+        let s = DiskState {
+            image_size: Some(ByteSize::gib(8)),
+            ..Default::default()
+        };
+        assert_eq!(
+            plan(&r, &s).unwrap_err().to_string(),
+            "disk size 4Gi is smaller than the node image's 8Gi; raise --disk-size"
+        );
+    }
+
+    /// Real qemu-img: the overlay is backed by the image (no copy) and a second apply keeps
+    /// the etcd disk's bytes.
+    #[test]
+    fn apply_creates_overlay_and_keeps_etcd_bytes() {
+        let Some(qemu_img_bin) =
+            crate::testsupport::require_tool("qemu-img", "apt-get install qemu-utils")
+        else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("base.qcow2");
+        qemu_img(
+            &qemu_img_bin,
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                &image.display().to_string(),
+                "64M",
+            ],
+        )
+        .unwrap();
+        let r = DiskRequest {
+            state_dir: dir.path().join("state"),
+            image: image.clone(),
+            image_format: DiskFormat::Qcow2,
+            root_size: ByteSize::mib(128),
+            docker_size: ByteSize::mib(32),
+            kubelet_size: ByteSize(0),
+            etcd: Some((dir.path().join("etcd/etcd.img"), ByteSize::mib(16))),
+        };
+        let p = plan(&r, &observe(&r, &qemu_img_bin).unwrap()).unwrap();
+        apply(&p, &qemu_img_bin).unwrap();
+        let info = qemu_img(
+            &qemu_img_bin,
+            &[
+                "info",
+                "--output=json",
+                &dir.path().join("state/root.qcow2").display().to_string(),
+            ],
+        )
+        .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&info).unwrap();
+        assert_eq!(v["virtual-size"], 128 << 20);
+        assert_eq!(v["backing-filename"], image.display().to_string());
+        assert_eq!(
+            std::fs::metadata(dir.path().join("state/docker.img"))
+                .unwrap()
+                .len(),
+            32 << 20
+        );
+
+        let etcd = dir.path().join("etcd/etcd.img");
+        std::fs::write(&etcd, b"etcd data from the first boot").unwrap();
+        let s = observe(&r, &qemu_img_bin).unwrap();
+        let p = plan(&r, &s).unwrap();
+        apply(&p, &qemu_img_bin).unwrap();
+        assert_eq!(
+            std::fs::read(&etcd).unwrap(),
+            b"etcd data from the first boot"
+        );
+    }
+}

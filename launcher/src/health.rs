@@ -1,0 +1,291 @@
+//! Launcher state, guest heartbeat and the pure probe verdicts.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::qemu::argv::{Accel, DiskAttachment};
+use crate::qemu::qmp::VmStatus;
+
+/// Lifecycle phase of the machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// Setting up network and disks.
+    Preparing,
+    /// QEMU started, QMP not yet answering.
+    Starting,
+    /// QEMU runs the guest.
+    Running,
+    /// SIGTERM received, ACPI powerdown sent.
+    ShuttingDown,
+    /// QEMU exited.
+    Stopped,
+}
+
+/// Everything `status` reports and the probes judge.
+#[derive(Debug, Clone)]
+pub struct LauncherState {
+    /// Phase.
+    pub phase: Phase,
+    /// Accelerator in use.
+    pub accel: Option<Accel>,
+    /// Pod IP handed to the VM.
+    pub ip: Option<String>,
+    /// VM MAC.
+    pub mac: Option<String>,
+    /// Machine role.
+    pub role: String,
+    /// Launcher start.
+    pub started: Instant,
+    /// Wall clock of the launcher start.
+    pub started_wall: SystemTime,
+    /// QEMU pid while it runs.
+    pub qemu_pid: Option<u32>,
+    /// Why QEMU is gone, once it is.
+    pub qemu_exit: Option<String>,
+    /// Last heartbeat line from the guest.
+    pub last_heartbeat: Option<Instant>,
+    /// The guest reported bootstrap success.
+    pub bootstrap_succeeded: bool,
+    /// Readiness fails when the last heartbeat is older than this.
+    pub heartbeat_timeout: Duration,
+    /// Disks attached.
+    pub disks: Vec<DiskAttachment>,
+}
+
+impl LauncherState {
+    /// Fresh state at launcher start.
+    pub fn new(role: &str, heartbeat_timeout: Duration) -> Self {
+        Self {
+            phase: Phase::Preparing,
+            accel: None,
+            ip: None,
+            mac: None,
+            role: role.into(),
+            started: Instant::now(),
+            started_wall: SystemTime::now(),
+            qemu_pid: None,
+            qemu_exit: None,
+            last_heartbeat: None,
+            bootstrap_succeeded: false,
+            heartbeat_timeout,
+            disks: Vec::new(),
+        }
+    }
+}
+
+/// A probe's verdict: exit 0 or 1 with a one-line reason.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProbeResult {
+    /// Healthy.
+    pub ok: bool,
+    /// One line for the kubelet's event.
+    pub reason: String,
+}
+
+impl ProbeResult {
+    fn ok(reason: impl Into<String>) -> Self {
+        Self {
+            ok: true,
+            reason: reason.into(),
+        }
+    }
+    fn fail(reason: impl Into<String>) -> Self {
+        Self {
+            ok: false,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Liveness: QEMU alive, QMP answers, guest neither shut down nor panicked.
+pub fn liveness(state: &LauncherState, qmp: Option<Result<VmStatus, String>>) -> ProbeResult {
+    if let Some(exit) = &state.qemu_exit {
+        return ProbeResult::fail(format!("qemu exited: {exit}"));
+    }
+    if state.phase == Phase::Preparing {
+        return ProbeResult::ok("preparing network and disks");
+    }
+    match qmp {
+        None => ProbeResult::ok("qemu starting, QMP not connected yet"),
+        Some(Err(e)) => ProbeResult::fail(format!("QMP does not answer: {e}")),
+        Some(Ok(s)) if s.is_dead() => ProbeResult::fail(format!("guest is {}", s.status)),
+        Some(Ok(s)) => ProbeResult::ok(format!("qemu {}", s.status)),
+    }
+}
+
+/// Readiness: a recent heartbeat and bootstrap success.
+pub fn readiness(state: &LauncherState, now: Instant) -> ProbeResult {
+    if let Some(exit) = &state.qemu_exit {
+        return ProbeResult::fail(format!("qemu exited: {exit}"));
+    }
+    let Some(beat) = state.last_heartbeat else {
+        return ProbeResult::fail("no guest heartbeat yet");
+    };
+    let age = now.saturating_duration_since(beat);
+    if age > state.heartbeat_timeout {
+        return ProbeResult::fail(format!("last guest heartbeat {}s ago", age.as_secs()));
+    }
+    if !state.bootstrap_succeeded {
+        return ProbeResult::fail("guest has not reported bootstrap success");
+    }
+    ProbeResult::ok(format!(
+        "heartbeat {}s ago, bootstrap succeeded",
+        age.as_secs()
+    ))
+}
+
+/// `capk-launcher status` output.
+#[derive(Debug, Clone, Serialize)]
+pub struct StatusReport {
+    /// Phase.
+    pub phase: Phase,
+    /// Accelerator.
+    pub accel: Option<Accel>,
+    /// VM IP.
+    pub ip: Option<String>,
+    /// VM MAC.
+    pub mac: Option<String>,
+    /// Role.
+    pub role: String,
+    /// Seconds since the launcher started.
+    pub uptime_seconds: u64,
+    /// QEMU pid.
+    pub qemu_pid: Option<u32>,
+    /// QEMU's run state.
+    pub vm_status: Option<String>,
+    /// Seconds since the last heartbeat.
+    pub last_heartbeat_seconds_ago: Option<u64>,
+    /// Bootstrap success seen.
+    pub bootstrap_succeeded: bool,
+    /// Disks.
+    pub disks: Vec<DiskAttachment>,
+}
+
+/// Builds the status report.
+pub fn status_report(state: &LauncherState, vm: Option<&VmStatus>, now: Instant) -> StatusReport {
+    StatusReport {
+        phase: state.phase,
+        accel: state.accel,
+        ip: state.ip.clone(),
+        mac: state.mac.clone(),
+        role: state.role.clone(),
+        uptime_seconds: now.saturating_duration_since(state.started).as_secs(),
+        qemu_pid: state.qemu_pid,
+        vm_status: vm.map(|v| v.status.clone()),
+        last_heartbeat_seconds_ago: state
+            .last_heartbeat
+            .map(|b| now.saturating_duration_since(b).as_secs()),
+        bootstrap_succeeded: state.bootstrap_succeeded,
+        disks: state.disks.clone(),
+    }
+}
+
+/// What one heartbeat line means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeartbeatLine {
+    /// Periodic liveness.
+    Beat,
+    /// `/run/cluster-api/bootstrap-success.complete` exists in the guest.
+    BootstrapSuccess,
+    /// Anything else.
+    Unknown,
+}
+
+/// Parses one line from the heartbeat port.
+pub fn parse_heartbeat(line: &str) -> HeartbeatLine {
+    match line.trim() {
+        "heartbeat" => HeartbeatLine::Beat,
+        "bootstrap-success" => HeartbeatLine::BootstrapSuccess,
+        _ => HeartbeatLine::Unknown,
+    }
+}
+
+/// Reads the heartbeat socket QEMU serves, reconnecting, and records what the guest says.
+pub async fn follow_heartbeat(path: std::path::PathBuf, state: crate::control::SharedState) {
+    loop {
+        if let Ok(stream) = tokio::net::UnixStream::connect(&path).await {
+            let mut lines = BufReader::new(stream).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let mut s = state.lock().await;
+                match parse_heartbeat(&line) {
+                    HeartbeatLine::Beat => s.last_heartbeat = Some(Instant::now()),
+                    HeartbeatLine::BootstrapSuccess => {
+                        if !s.bootstrap_succeeded {
+                            tracing::info!("guest reported bootstrap success");
+                        }
+                        s.bootstrap_succeeded = true;
+                        s.last_heartbeat = Some(Instant::now());
+                    }
+                    HeartbeatLine::Unknown => {}
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn running() -> LauncherState {
+        let mut s = LauncherState::new("worker", Duration::from_secs(90));
+        s.phase = Phase::Running;
+        s
+    }
+
+    fn vm(status: &str) -> Option<Result<VmStatus, String>> {
+        Some(Ok(VmStatus {
+            running: status == "running",
+            status: status.into(),
+        }))
+    }
+
+    #[test]
+    fn liveness_fails_when_qemu_died_qmp_is_silent_or_guest_panicked() {
+        assert!(liveness(&running(), vm("running")).ok);
+        assert_eq!(
+            liveness(&running(), vm("guest-panicked")),
+            ProbeResult::fail("guest is guest-panicked")
+        );
+        assert!(!liveness(&running(), Some(Err("connection reset".into()))).ok);
+        let mut dead = running();
+        dead.qemu_exit = Some("killed by signal 9".into());
+        assert_eq!(
+            liveness(&dead, None).reason,
+            "qemu exited: killed by signal 9"
+        );
+    }
+
+    #[test]
+    fn readiness_needs_fresh_heartbeat_and_bootstrap_success() {
+        let now = Instant::now();
+        let mut s = running();
+        assert_eq!(readiness(&s, now).reason, "no guest heartbeat yet");
+        s.last_heartbeat = Some(now);
+        assert_eq!(
+            readiness(&s, now).reason,
+            "guest has not reported bootstrap success"
+        );
+        s.bootstrap_succeeded = true;
+        assert!(readiness(&s, now).ok);
+        let later = now + Duration::from_secs(120);
+        assert_eq!(
+            readiness(&s, later),
+            ProbeResult::fail("last guest heartbeat 120s ago")
+        );
+    }
+
+    #[test]
+    fn heartbeat_lines() {
+        assert_eq!(parse_heartbeat("heartbeat\n"), HeartbeatLine::Beat);
+        assert_eq!(
+            parse_heartbeat("bootstrap-success"),
+            HeartbeatLine::BootstrapSuccess
+        );
+        assert_eq!(parse_heartbeat("garbage"), HeartbeatLine::Unknown);
+    }
+}

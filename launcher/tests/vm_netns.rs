@@ -1,0 +1,591 @@
+//! The real launcher boots the test guest under QEMU (TCG) inside network namespaces built like
+//! a Calico Pod and a bridge-CNI Pod, and the guest proves it owns the Pod's IP and MAC.
+//!
+//! Needs root, `ip`, `qemu-system-x86_64`, `qemu-img` and the test guest
+//! (`bash hack/prepare.d/40-test-guest.sh`). Under `CI` a missing piece fails the test.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Namespaces and the launcher's bridge/tap names are per-namespace, but tests still run one at
+/// a time: each boots a VM on a 2-core machine.
+static NETNS_LOCK: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    NETNS_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn guest_dir() -> PathBuf {
+    repo_root().join("_output/test-guest")
+}
+
+/// Ok(()) when everything is present; otherwise fail under CI or skip with the reason.
+fn prerequisites() -> bool {
+    let mut missing = Vec::new();
+    if !nix_is_root() {
+        missing.push("root (run the tests as root)".to_string());
+    }
+    for (tool, how) in [
+        ("ip", "apt-get install iproute2"),
+        ("qemu-system-x86_64", "apt-get install qemu-system-x86"),
+        ("qemu-img", "apt-get install qemu-utils"),
+    ] {
+        if Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .map(|o| !o.status.success())
+            .unwrap_or(true)
+        {
+            missing.push(format!("{tool} ({how})"));
+        }
+    }
+    for f in ["vmlinuz", "initrd.img", "base.qcow2"] {
+        if !guest_dir().join(f).exists() {
+            missing.push(format!(
+                "{} (bash hack/prepare.d/40-test-guest.sh)",
+                guest_dir().join(f).display()
+            ));
+        }
+    }
+    if missing.is_empty() {
+        return true;
+    }
+    let msg = format!("launcher VM test needs: {}", missing.join(", "));
+    if std::env::var_os("CI").is_some() {
+        panic!("{msg}");
+    }
+    eprintln!("skipping: {msg}");
+    false
+}
+
+fn nix_is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+fn sh(cmd: &str) {
+    let out = Command::new("sh")
+        .args(["-c", cmd])
+        .output()
+        .expect("run sh");
+    assert!(
+        out.status.success(),
+        "{cmd} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn sh_out(cmd: &str) -> String {
+    let out = Command::new("sh")
+        .args(["-c", cmd])
+        .output()
+        .expect("run sh");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// Network namespaces of one test; deleted on drop, also when the test fails.
+struct Topology {
+    node: String,
+    pod: String,
+    peer: String,
+    pod_ip: &'static str,
+    peer_ip: &'static str,
+    mtu: u32,
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        for ns in [&self.pod, &self.peer, &self.node] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+fn names(style: &str) -> (String, String, String) {
+    let id = std::process::id();
+    (
+        format!("capk-{style}-node-{id}"),
+        format!("capk-{style}-pod-{id}"),
+        format!("capk-{style}-peer-{id}"),
+    )
+}
+
+/// Calico: eth0 holds a /32, default via 169.254.1.1 on-link; the host-side veth answers ARP
+/// by proxy and the node routes each Pod /32 to its veth.
+fn calico() -> Topology {
+    let (node, pod, peer) = names("calico");
+    let t = Topology {
+        node,
+        pod,
+        peer,
+        pod_ip: "10.244.1.5",
+        peer_ip: "10.244.1.9",
+        mtu: 1440,
+    };
+    for ns in [&t.node, &t.pod, &t.peer] {
+        sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
+    }
+    let n = &t.node;
+    sh(&format!(
+        "ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1"
+    ));
+    // Proxy ARP answers only for addresses routed out of another interface (a veth pair: this
+    // machine's kernel has no dummy driver).
+    sh(&format!(
+        "ip -n {n} link add gw0 type veth peer name gw0p && ip -n {n} link set gw0p up && \
+         ip -n {n} link set gw0 up && ip -n {n} route add 169.254.1.1/32 dev gw0"
+    ));
+    for (ns, ip, cali) in [
+        (&t.pod, t.pod_ip, "cali0pod"),
+        (&t.peer, t.peer_ip, "cali0peer"),
+    ] {
+        sh(&format!(
+            "ip -n {n} link add {cali} mtu {mtu} type veth peer name eth0 mtu {mtu} netns {ns}",
+            mtu = t.mtu
+        ));
+        sh(&format!(
+            "ip netns exec {n} sysctl -qw net.ipv4.conf.{cali}.proxy_arp=1 net.ipv4.neigh.{cali}.proxy_delay=0"
+        ));
+        sh(&format!(
+            "ip -n {n} link set {cali} up && ip -n {n} route add {ip}/32 dev {cali}"
+        ));
+        sh(&format!(
+            "ip -n {ns} addr add {ip}/32 dev eth0 && ip -n {ns} link set eth0 up"
+        ));
+        sh(&format!(
+            "ip -n {ns} route add 169.254.1.1 dev eth0 scope link && ip -n {ns} route add default via 169.254.1.1 dev eth0 onlink"
+        ));
+    }
+    t
+}
+
+/// Bridge CNI: eth0 holds a /24 behind the node's cni0 bridge, which is the gateway.
+fn bridge_cni() -> Topology {
+    let (node, pod, peer) = names("bridge");
+    let t = Topology {
+        node,
+        pod,
+        peer,
+        pod_ip: "10.22.0.5",
+        peer_ip: "10.22.0.6",
+        mtu: 1500,
+    };
+    for ns in [&t.node, &t.pod, &t.peer] {
+        sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
+    }
+    let n = &t.node;
+    sh(&format!(
+        "ip -n {n} link add cni0 type bridge && ip -n {n} addr add 10.22.0.1/24 dev cni0 && ip -n {n} link set cni0 up"
+    ));
+    for (ns, ip, veth) in [
+        (&t.pod, t.pod_ip, "vethpod"),
+        (&t.peer, t.peer_ip, "vethpeer"),
+    ] {
+        sh(&format!(
+            "ip -n {n} link add {veth} type veth peer name eth0 netns {ns}"
+        ));
+        sh(&format!("ip -n {n} link set {veth} master cni0 up"));
+        sh(&format!(
+            "ip -n {ns} addr add {ip}/24 dev eth0 && ip -n {ns} link set eth0 up"
+        ));
+        sh(&format!(
+            "ip -n {ns} route add default via 10.22.0.1 dev eth0"
+        ));
+    }
+    t
+}
+
+/// A running `capk-launcher run` and the guest's console lines.
+struct Launcher {
+    child: Child,
+    lines: Receiver<String>,
+    seen: Vec<String>,
+    runtime_dir: PathBuf,
+    started: Instant,
+}
+
+impl Launcher {
+    fn start(t: &Topology, work: &Path, boot_id: &str) -> Launcher {
+        let g = guest_dir();
+        let resolv = work.join("resolv.conf");
+        std::fs::write(
+            &resolv,
+            "search pods.svc.cluster.local cluster.local\nnameserver 10.96.0.10\noptions ndots:5\n",
+        )
+        .unwrap();
+        let runtime_dir = work.join("run");
+        let append = format!(
+            "console=ttyS0 quiet panic=-1 capk.peer={} capk.marker-disk=etcdfs capk.boot-id={boot_id}",
+            t.peer_ip
+        );
+        let mut child = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &t.pod,
+                env!("CARGO_BIN_EXE_capk-launcher"),
+                "run",
+            ])
+            .args(["--image", &g.join("base.qcow2").display().to_string()])
+            .args(["--kernel", &g.join("vmlinuz").display().to_string()])
+            .args(["--initrd", &g.join("initrd.img").display().to_string()])
+            .args(["--append", &append])
+            .args(["--accel", "auto", "--vcpus", "1", "--memory", "256Mi"])
+            .args([
+                "--disk-size",
+                "512Mi",
+                "--docker-disk-size",
+                "64Mi",
+                "--kubelet-disk-size",
+                "32Mi",
+            ])
+            .args([
+                "--etcd-disk",
+                &work.join("etcd/etcd.img").display().to_string(),
+                "--etcd-disk-size",
+                "16Mi",
+            ])
+            .args(["--state-dir", &work.join("state").display().to_string()])
+            .args(["--runtime-dir", &runtime_dir.display().to_string()])
+            .args(["--resolv-conf", &resolv.display().to_string()])
+            .args([
+                "--hostname",
+                "capk-test-vm",
+                "--ntp",
+                "10.0.0.123",
+                "--grace-period-seconds",
+                "30",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start capk-launcher");
+        let (tx, rx) = channel();
+        let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                println!("console| {l}");
+                let _ = tx.send(l);
+            }
+        });
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                println!("launcher| {l}");
+                let _ = tx2.send(format!("LAUNCHER {l}"));
+            }
+        });
+        Launcher {
+            child,
+            lines: rx,
+            seen: Vec::new(),
+            runtime_dir,
+            started: Instant::now(),
+        }
+    }
+
+    /// Waits for a console line containing `needle`; returns it.
+    fn wait_for(&mut self, needle: &str, timeout: Duration) -> String {
+        if let Some(l) = self.seen.iter().find(|l| l.contains(needle)) {
+            return l.clone();
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if l.contains(needle) {
+                        return l;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => panic!(
+                    "no {needle:?} within {timeout:?}; saw:\n{}",
+                    self.seen.join("\n")
+                ),
+                Err(RecvTimeoutError::Disconnected) => {
+                    panic!(
+                        "launcher ended before {needle:?}; saw:\n{}",
+                        self.seen.join("\n")
+                    )
+                }
+            }
+        }
+    }
+
+    fn cli(&self, args: &[&str]) -> (bool, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
+            .args(args)
+            .args(["--runtime-dir", &self.runtime_dir.display().to_string()])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
+    }
+
+    fn wait_probe(&self, kind: &str, want: bool, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (ok, out) = self.cli(&["probe", kind]);
+            if ok == want || Instant::now() > deadline {
+                assert_eq!(ok, want, "probe {kind}: {out}");
+                return out;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+
+    fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                // Drain what is left for diagnostics.
+                while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(200)) {
+                    self.seen.push(l);
+                }
+                return s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "launcher did not exit within {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        sh(&format!("kill -{sig} {}", self.child.id()));
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn boot_and_check(t: &Topology, work: &Path, boot_id: &str) -> (Launcher, String) {
+    let pod_mac = sh_out(&format!(
+        "ip netns exec {} cat /sys/class/net/eth0/address",
+        t.pod
+    ));
+    let mut l = Launcher::start(t, work, boot_id);
+    let lease = l.wait_for("CAPK-TESTGUEST lease ", Duration::from_secs(120));
+    let lease_secs = l.started.elapsed().as_secs_f64();
+    println!("MEASURE guest DHCP lease {lease_secs:.2}s after launcher start");
+    assert!(lease.contains(&format!("ip={}/", t.pod_ip)), "{lease}");
+    assert!(lease.contains("hostname=capk-test-vm"), "{lease}");
+    assert!(lease.contains("dns=10.96.0.10"), "{lease}");
+    assert!(
+        lease.contains("search=pods.svc.cluster.local cluster.local"),
+        "{lease}"
+    );
+    assert!(lease.contains("ntp=10.0.0.123"), "{lease}");
+    assert!(lease.contains(&format!("mtu={}", t.mtu)), "{lease}");
+    assert!(lease.contains("lease=4294967295"), "{lease}");
+    let nic = l.wait_for("CAPK-TESTGUEST nic mac=", Duration::from_secs(5));
+    assert!(
+        nic.ends_with(&pod_mac),
+        "guest NIC {nic} should own the Pod MAC {pod_mac}"
+    );
+    let mtu = l.wait_for("CAPK-TESTGUEST mtu=", Duration::from_secs(10));
+    assert!(mtu.ends_with(&format!("mtu={}", t.mtu)), "{mtu}");
+    let reach = l.wait_for("CAPK-TESTGUEST peer-", Duration::from_secs(60));
+    assert!(
+        reach.contains(&format!("peer-reachable={}", t.peer_ip)),
+        "{reach}"
+    );
+    // The peer sees the VM as the Pod: it answers the Pod IP from the peer namespace too.
+    sh(&format!(
+        "ip netns exec {} busybox ping -c 1 -W 5 {}",
+        t.peer, t.pod_ip
+    ));
+    let docker = l.wait_for("serial=dockerfs", Duration::from_secs(5));
+    assert!(
+        docker.ends_with(&format!("bytes={}", 64u64 << 20)),
+        "{docker}"
+    );
+    let kubelet = l.wait_for("serial=kubeletfs", Duration::from_secs(5));
+    assert!(
+        kubelet.ends_with(&format!("bytes={}", 32u64 << 20)),
+        "{kubelet}"
+    );
+    let root = l.wait_for("serial=rootfs", Duration::from_secs(5));
+    assert!(root.ends_with(&format!("bytes={}", 512u64 << 20)), "{root}");
+    let marker = l.wait_for("CAPK-TESTGUEST marker-", Duration::from_secs(5));
+    (l, marker)
+}
+
+fn work_dir() -> tempfile::TempDir {
+    // Short path: unix socket paths are limited to 108 bytes.
+    tempfile::Builder::new()
+        .prefix("capk-l")
+        .tempdir_in("/tmp")
+        .unwrap()
+}
+
+#[test]
+fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigterm() {
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    let t = calico();
+    let work = work_dir();
+
+    let (mut l, marker) = boot_and_check(&t, work.path(), "first");
+    assert!(marker.contains("marker-written first"), "{marker}");
+    let route = l.wait_for("CAPK-TESTGUEST route default", Duration::from_secs(5));
+    assert!(route.contains("default via 169.254.1.1"), "{route}");
+    let onlink = l.wait_for("CAPK-TESTGUEST route 169.254.1.1", Duration::from_secs(5));
+    assert!(onlink.contains("dev eth0"), "{onlink}");
+
+    let ready = l.wait_probe("readiness", true, Duration::from_secs(30));
+    assert!(ready.contains("bootstrap succeeded"), "{ready}");
+    let live = l.wait_probe("liveness", true, Duration::from_secs(10));
+    assert!(live.contains("running"), "{live}");
+    let (ok, status) = l.cli(&["status"]);
+    assert!(ok, "{status}");
+    let st: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(st["ip"], "10.244.1.5/32");
+    assert_eq!(st["phase"], "running");
+    assert_eq!(
+        st["accel"], "tcg",
+        "this machine's KVM hangs guests, auto must pick TCG"
+    );
+    // The launcher keeps the Pod IP on its dummy link (CNI CHECK), not on eth0.
+    let addrs = sh_out(&format!("ip -n {} -4 -o addr show", t.pod));
+    assert!(
+        addrs.contains("capkdummy0") && addrs.contains("10.244.1.5/32"),
+        "{addrs}"
+    );
+    assert!(
+        !addrs.contains("eth0"),
+        "eth0 must have no IPv4 while the VM owns it: {addrs}"
+    );
+    if let Some(rss) = sh_out(&format!("grep VmRSS /proc/{}/status", l.child.id()))
+        .split_whitespace()
+        .nth(1)
+    {
+        println!(
+            "MEASURE launcher RSS {:.1} MiB while the VM runs",
+            rss.parse::<f64>().unwrap_or(0.0) / 1024.0
+        );
+    }
+
+    let stop = Instant::now();
+    l.signal("TERM");
+    let exit = l.wait_exit(Duration::from_secs(30));
+    println!(
+        "MEASURE SIGTERM to launcher exit {:.2}s",
+        stop.elapsed().as_secs_f64()
+    );
+    assert!(
+        l.seen.iter().any(|x| x.contains("acpi-power-button")),
+        "guest must see the ACPI power button"
+    );
+    assert!(
+        exit.success(),
+        "clean ACPI shutdown must exit 0: {exit:?}\n{}",
+        l.seen.join("\n")
+    );
+    // Undo on exit: eth0 has its IP back for the next start.
+    let addrs = sh_out(&format!("ip -n {} -4 -o addr show dev eth0", t.pod));
+    assert!(addrs.contains("10.244.1.5/32"), "{addrs}");
+    drop(l);
+
+    // Second start: the etcd disk is reused, not recreated.
+    let (mut l, marker) = boot_and_check(&t, work.path(), "second");
+    assert!(marker.contains("marker-found first"), "{marker}");
+    let (_, status) = l.cli(&["status"]);
+    let st: serde_json::Value = serde_json::from_str(&status).unwrap();
+    let qemu_pid = st["qemu_pid"].as_u64().expect("qemu pid in status");
+    sh(&format!("kill -9 {qemu_pid}"));
+    let exit = l.wait_exit(Duration::from_secs(20));
+    assert!(!exit.success(), "QEMU killed → launcher must exit non-zero");
+    let cause = l
+        .seen
+        .iter()
+        .rev()
+        .find(|x| x.contains("capk-launcher: "))
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        cause.contains("qemu ended without a stop request (killed by signal 9)"),
+        "{cause}"
+    );
+    let (ok, out) = l.cli(&["probe", "liveness"]);
+    assert!(!ok, "liveness must fail once the launcher is gone: {out}");
+}
+
+#[test]
+fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    let t = bridge_cni();
+    let work = work_dir();
+    let (mut l, _) = boot_and_check(&t, work.path(), "bridge");
+    let route = l.wait_for("CAPK-TESTGUEST route default", Duration::from_secs(5));
+    assert!(route.contains("default via 10.22.0.1"), "{route}");
+    let addr = l.wait_for("CAPK-TESTGUEST addr ", Duration::from_secs(5));
+    assert!(addr.ends_with("10.22.0.5/24"), "{addr}");
+    l.signal("TERM");
+    assert!(l.wait_exit(Duration::from_secs(30)).success());
+}
+
+#[test]
+fn bad_input_exits_nonzero_with_one_line_cause() {
+    let work = work_dir();
+    let out = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
+        .args([
+            "run",
+            "--image",
+            "/nonexistent/flatcar.qcow2",
+            "--runtime-dir",
+        ])
+        .arg(work.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last = err.trim().lines().last().unwrap_or_default();
+    assert_eq!(
+        last,
+        "capk-launcher: node image /nonexistent/flatcar.qcow2: No such file or directory (os error 2)"
+    );
+
+    let out = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
+        .args(["probe", "readiness", "--runtime-dir"])
+        .arg(work.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.lines().count(), 1, "{text}");
+    assert!(text.contains("is `capk-launcher run` running"), "{text}");
+}
