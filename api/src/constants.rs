@@ -44,3 +44,19 @@ pub const PROVIDER_ID_SCHEME: &str = "kvm://";
 pub fn provider_id(namespace: &str, kvm_machine: &str) -> String {
     format!("{PROVIDER_ID_SCHEME}{namespace}/{kvm_machine}")
 }
+
+/// Label on machine Pods: `control-plane` or `worker`. The control-plane Service selects on it.
+pub const MACHINE_ROLE_LABEL: &str = "infrastructure.cluster.x-k8s.io/machine-role";
+/// Value of [`MACHINE_ROLE_LABEL`] on control-plane machine Pods.
+pub const ROLE_CONTROL_PLANE: &str = "control-plane";
+/// Value of [`MACHINE_ROLE_LABEL`] on worker machine Pods.
+pub const ROLE_WORKER: &str = "worker";
+/// `app.kubernetes.io/managed-by` value on every object the controller creates.
+pub const MANAGED_BY: &str = "capk-controller";
+/// Port of the workload cluster's API server (on the VMs and on the control-plane Service).
+pub const API_SERVER_PORT: i32 = 6443;
+
+/// Name of the control-plane Service of a cluster.
+pub fn control_plane_service_name(cluster: &str) -> String {
+    format!("{cluster}-apiserver")
+}

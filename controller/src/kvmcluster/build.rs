@@ -1,0 +1,248 @@
+//! Pure: from a KVMCluster and its Cluster to the desired Service, endpoint and status.
+
+use std::collections::BTreeMap;
+
+use capk_api::{
+    constants::{
+        API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_PAUSED, CONDITION_READY, MACHINE_ROLE_LABEL,
+        MANAGED_BY, ROLE_CONTROL_PLANE, control_plane_service_name,
+    },
+    v1alpha1::{ApiEndpoint, Initialization, KVMCluster, KVMClusterStatus, ServiceType},
+};
+use k8s_openapi::{
+    api::core::v1::{Service, ServicePort, ServiceSpec},
+    apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
+    jiff::Timestamp,
+};
+use kube::Resource;
+
+use crate::conditions::{self, DesiredCondition};
+
+/// Labels on every object the controller creates for a cluster.
+pub fn owned_labels(cluster: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (CLUSTER_NAME_LABEL.to_owned(), cluster.to_owned()),
+        (
+            "app.kubernetes.io/managed-by".to_owned(),
+            MANAGED_BY.to_owned(),
+        ),
+    ])
+}
+
+/// The control-plane Service: port 6443 to the cluster's control-plane machine Pods.
+///
+/// `publishNotReadyAddresses`: the first control-plane VM reaches its own API server through this
+/// endpoint while `kubeadm init` runs, long before its Pod is Ready.
+pub fn control_plane_service(kc: &KVMCluster, cluster: &str) -> Service {
+    let svc_spec = kc.spec.control_plane_service.clone().unwrap_or_default();
+    let type_ = match svc_spec.type_.unwrap_or_default() {
+        ServiceType::ClusterIP => "ClusterIP",
+        ServiceType::NodePort => "NodePort",
+        ServiceType::LoadBalancer => "LoadBalancer",
+    };
+    let selector = BTreeMap::from([
+        (CLUSTER_NAME_LABEL.to_owned(), cluster.to_owned()),
+        (MACHINE_ROLE_LABEL.to_owned(), ROLE_CONTROL_PLANE.to_owned()),
+    ]);
+    Service {
+        metadata: ObjectMeta {
+            name: Some(control_plane_service_name(cluster)),
+            namespace: kc.meta().namespace.clone(),
+            labels: Some(owned_labels(cluster)),
+            annotations: svc_spec.annotations.filter(|a| !a.is_empty()),
+            owner_references: kc.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(ServiceSpec {
+            type_: Some(type_.to_owned()),
+            selector: Some(selector),
+            publish_not_ready_addresses: Some(true),
+            ports: Some(vec![ServicePort {
+                name: Some("apiserver".to_owned()),
+                port: API_SERVER_PORT,
+                target_port: Some(IntOrString::Int(API_SERVER_PORT)),
+                protocol: Some("TCP".to_owned()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The endpoint to record when the user left `spec.controlPlaneEndpoint` empty: the external
+/// host when configured, else the Service's in-cluster DNS name. `None` keeps the user's value.
+pub fn endpoint_to_set(
+    kc: &KVMCluster,
+    cluster: &str,
+    cluster_domain: &str,
+) -> Option<ApiEndpoint> {
+    if kc
+        .spec
+        .control_plane_endpoint
+        .as_ref()
+        .is_some_and(ApiEndpoint::is_set)
+    {
+        return None;
+    }
+    let ns = kc.meta().namespace.as_deref().unwrap_or("default");
+    let host = kc
+        .spec
+        .control_plane_service
+        .as_ref()
+        .and_then(|s| s.external_host.clone())
+        .unwrap_or_else(|| {
+            format!(
+                "{}.{ns}.svc.{cluster_domain}",
+                control_plane_service_name(cluster)
+            )
+        });
+    Some(ApiEndpoint {
+        host: Some(host),
+        port: Some(API_SERVER_PORT),
+    })
+}
+
+/// Why the cluster is not provisioned yet, or that it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClusterState {
+    /// No Cluster owns the KVMCluster yet (CAPI sets the owner reference).
+    WaitingForOwner,
+    /// Reconciliation is paused.
+    Paused,
+    /// Service applied and endpoint recorded.
+    Provisioned,
+}
+
+/// The status the KVMCluster should have.
+pub fn status(kc: &KVMCluster, state: &ClusterState, now: Timestamp) -> KVMClusterStatus {
+    let current = kc.status.clone().unwrap_or_default();
+    let generation = kc.meta().generation;
+    let paused = match state {
+        ClusterState::Paused => DesiredCondition::truthy(
+            CONDITION_PAUSED,
+            "Paused",
+            "the Cluster or this object is paused; nothing is changed until it is unpaused",
+        ),
+        _ => DesiredCondition::falsy(CONDITION_PAUSED, "NotPaused", ""),
+    };
+    let mut desired = vec![paused];
+    let mut out = current.clone();
+    match state {
+        ClusterState::WaitingForOwner => desired.push(DesiredCondition::falsy(
+            CONDITION_READY,
+            "WaitingForClusterOwner",
+            "waiting for Cluster API to set a Cluster as owner of this KVMCluster",
+        )),
+        ClusterState::Paused => {}
+        ClusterState::Provisioned => {
+            desired.push(DesiredCondition::truthy(
+                CONDITION_READY,
+                "Provisioned",
+                "control-plane Service and endpoint are in place",
+            ));
+            out.initialization = Some(Initialization {
+                provisioned: Some(true),
+            });
+            out.ready = Some(true);
+            out.failure_domains = kc.spec.failure_domains.clone().filter(|f| !f.is_empty());
+            out.observed_generation = generation;
+        }
+    }
+    let merged = conditions::merge(
+        current.conditions.as_deref().unwrap_or_default(),
+        &desired,
+        generation,
+        now,
+    );
+    out.conditions = Some(merged);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use capk_api::v1alpha1::{ControlPlaneService, KVMClusterSpec};
+
+    fn kvm_cluster(spec: KVMClusterSpec) -> KVMCluster {
+        let mut kc = KVMCluster::new("demo", spec);
+        kc.metadata.namespace = Some("team-a".into());
+        kc.metadata.uid = Some("0000-1111".into());
+        kc.metadata.generation = Some(3);
+        kc
+    }
+
+    #[test]
+    fn service_selects_the_control_plane_pods_of_its_cluster() {
+        let kc = kvm_cluster(KVMClusterSpec {
+            control_plane_service: Some(ControlPlaneService {
+                type_: Some(ServiceType::LoadBalancer),
+                annotations: Some(BTreeMap::from([("lb.example/pool".into(), "a".into())])),
+                external_host: None,
+            }),
+            ..Default::default()
+        });
+        insta::assert_yaml_snapshot!(control_plane_service(&kc, "demo"));
+    }
+
+    #[test]
+    fn endpoint_defaults_to_the_service_dns_name_and_keeps_a_user_value() {
+        let kc = kvm_cluster(KVMClusterSpec::default());
+        assert_eq!(
+            endpoint_to_set(&kc, "demo", "cluster.local"),
+            Some(ApiEndpoint {
+                host: Some("demo-apiserver.team-a.svc.cluster.local".into()),
+                port: Some(6443)
+            })
+        );
+        let external = kvm_cluster(KVMClusterSpec {
+            control_plane_service: Some(ControlPlaneService {
+                external_host: Some("demo.k8s.example.com".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        assert_eq!(
+            endpoint_to_set(&external, "demo", "cluster.local")
+                .and_then(|e| e.host)
+                .as_deref(),
+            Some("demo.k8s.example.com")
+        );
+        let user = kvm_cluster(KVMClusterSpec {
+            control_plane_endpoint: Some(ApiEndpoint {
+                host: Some("10.0.0.1".into()),
+                port: Some(443),
+            }),
+            ..Default::default()
+        });
+        assert_eq!(endpoint_to_set(&user, "demo", "cluster.local"), None);
+    }
+
+    #[test]
+    fn status_is_stable_when_nothing_changes() {
+        let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let t1: Timestamp = "2026-01-01T01:00:00Z".parse().unwrap();
+        let mut kc = kvm_cluster(KVMClusterSpec::default());
+        let first = status(&kc, &ClusterState::Provisioned, t0);
+        assert_eq!(
+            first.initialization.as_ref().unwrap().provisioned,
+            Some(true)
+        );
+        assert_eq!(first.ready, Some(true));
+        kc.status = Some(first.clone());
+        // Same world an hour later: identical status, so the controller writes nothing.
+        assert_eq!(status(&kc, &ClusterState::Provisioned, t1), first);
+    }
+
+    #[test]
+    fn paused_keeps_everything_but_the_paused_condition() {
+        let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let mut kc = kvm_cluster(KVMClusterSpec::default());
+        kc.status = Some(status(&kc, &ClusterState::Provisioned, t0));
+        let paused = status(&kc, &ClusterState::Paused, t0);
+        let conds = paused.conditions.clone().unwrap();
+        assert_eq!(conditions::find(&conds, "Paused").unwrap().status, "True");
+        assert_eq!(conditions::find(&conds, "Ready").unwrap().status, "True");
+        assert_eq!(paused.ready, Some(true));
+    }
+}

@@ -1,0 +1,194 @@
+//! KVMCluster reconciler: fetch → build (pure, in [`build`]) → apply → status.
+
+pub mod build;
+
+use std::{sync::Arc, time::Duration};
+
+use capk_api::{
+    capi::Cluster,
+    constants::{KVMCLUSTER_FINALIZER, PAUSED_ANNOTATION, control_plane_service_name},
+    v1alpha1::KVMCluster,
+};
+use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
+use kube::{
+    Api, Resource, ResourceExt,
+    api::{Patch, PatchParams},
+    runtime::{
+        controller::Action,
+        events::{Event, EventType},
+        finalizer::{Event as Finalizer, finalizer},
+    },
+};
+use serde_json::json;
+use tracing::{info, instrument, warn};
+
+use self::build::ClusterState;
+use crate::{
+    context::{Context, FIELD_MANAGER},
+    error::{Error, Result},
+};
+
+/// The owning Cluster's name, from the owner reference Cluster API sets.
+pub fn owner_cluster_name(kc: &KVMCluster) -> Option<String> {
+    kc.owner_references()
+        .iter()
+        .find(|o| o.kind == "Cluster" && o.api_version.starts_with("cluster.x-k8s.io/"))
+        .map(|o| o.name.clone())
+}
+
+/// Reconciles one KVMCluster; publishes a Warning Event when a step fails.
+#[instrument(skip_all, fields(kvmcluster = %kc.name_any(), namespace = kc.namespace().unwrap_or_default()))]
+pub async fn reconcile(kc: Arc<KVMCluster>, ctx: Arc<Context>) -> Result<Action> {
+    let result = reconcile_inner(kc.clone(), &ctx).await;
+    if let Err(e) = &result {
+        warn!(error = %e, "reconcile failed");
+        let ev = Event {
+            type_: EventType::Warning,
+            reason: e.category().into(),
+            note: Some(e.to_string()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        let _ = ctx.recorder.publish(&ev, &kc.object_ref(&())).await;
+    }
+    result
+}
+
+async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
+    let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
+    let api: Api<KVMCluster> = Api::namespaced(ctx.client.clone(), &ns);
+    let cluster = match owner_cluster_name(&kc) {
+        Some(name) => Some(get_cluster(ctx, &ns, &name).await?),
+        None => None,
+    };
+    if is_paused(&kc, cluster.as_ref()) {
+        write_status(&api, &kc, &ClusterState::Paused).await?;
+        return Ok(Action::await_change());
+    }
+    finalizer(&api, KVMCLUSTER_FINALIZER, kc, |event| async {
+        match event {
+            Finalizer::Apply(kc) => apply(&api, &kc, cluster.as_ref(), ctx).await,
+            Finalizer::Cleanup(kc) => cleanup(&kc, cluster.as_ref(), ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+fn is_paused(kc: &KVMCluster, cluster: Option<&Cluster>) -> bool {
+    cluster.is_some_and(Cluster::is_paused) || kc.annotations().contains_key(PAUSED_ANNOTATION)
+}
+
+async fn get_cluster(ctx: &Context, ns: &str, name: &str) -> Result<Cluster> {
+    Api::<Cluster>::namespaced(ctx.client.clone(), ns)
+        .get(name)
+        .await
+        .map_err(|source| Error::Read {
+            kind: "Cluster",
+            name: name.to_owned(),
+            source,
+        })
+}
+
+async fn apply(
+    api: &Api<KVMCluster>,
+    kc: &KVMCluster,
+    cluster: Option<&Cluster>,
+    ctx: &Context,
+) -> Result<Action> {
+    let Some(cluster) = cluster else {
+        write_status(api, kc, &ClusterState::WaitingForOwner).await?;
+        return Ok(Action::await_change());
+    };
+    let cluster_name = cluster.name_any();
+    let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
+
+    let svc = build::control_plane_service(kc, &cluster_name);
+    let svc_name = svc.name_any();
+    Api::<Service>::namespaced(ctx.client.clone(), &ns)
+        .patch(
+            &svc_name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&svc),
+        )
+        .await
+        .map_err(|source| Error::Apply {
+            kind: "Service",
+            name: svc_name.clone(),
+            source,
+        })?;
+
+    if let Some(endpoint) = build::endpoint_to_set(kc, &cluster_name, &ctx.settings.cluster_domain)
+    {
+        info!(host = ?endpoint.host, port = ?endpoint.port, "setting controlPlaneEndpoint");
+        let patch = json!({"spec": {"controlPlaneEndpoint": endpoint}});
+        api.patch(
+            &kc.name_any(),
+            &PatchParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..Default::default()
+            },
+            &Patch::Merge(&patch),
+        )
+        .await
+        .map_err(|source| Error::Apply {
+            kind: "KVMCluster",
+            name: kc.name_any(),
+            source,
+        })?;
+    }
+    write_status(api, kc, &ClusterState::Provisioned).await?;
+    Ok(Action::await_change())
+}
+
+async fn cleanup(kc: &KVMCluster, cluster: Option<&Cluster>, ctx: &Context) -> Result<Action> {
+    let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
+    if let Some(cluster) = cluster {
+        let name = control_plane_service_name(&cluster.name_any());
+        let svcs: Api<Service> = Api::namespaced(ctx.client.clone(), &ns);
+        // Only delete the Service this KVMCluster owns.
+        if let Some(svc) = svcs.get_opt(&name).await.map_err(|source| Error::Read {
+            kind: "Service",
+            name: name.clone(),
+            source,
+        })? && svc
+            .owner_references()
+            .iter()
+            .any(|o| Some(&o.uid) == kc.meta().uid.as_ref())
+        {
+            svcs.delete(&name, &Default::default())
+                .await
+                .map_err(|source| Error::Delete {
+                    kind: "Service",
+                    name,
+                    source,
+                })?;
+        }
+    }
+    Ok(Action::await_change())
+}
+
+async fn write_status(api: &Api<KVMCluster>, kc: &KVMCluster, state: &ClusterState) -> Result<()> {
+    let desired = build::status(kc, state, Timestamp::now());
+    if kc.status.as_ref() == Some(&desired) {
+        return Ok(());
+    }
+    let patch = json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+        "kind": "KVMCluster",
+        "status": desired,
+    });
+    api.patch_status(
+        &kc.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(Error::UpdateStatus)?;
+    Ok(())
+}
+
+/// Requeue after a failure; the next watch event may come sooner.
+pub fn error_policy(_kc: Arc<KVMCluster>, _error: &Error, _ctx: Arc<Context>) -> Action {
+    Action::requeue(Duration::from_secs(10))
+}
