@@ -15,11 +15,12 @@ kernel=$(ls /boot/vmlinuz-*-cloud-amd64 2>/dev/null | sort -V | tail -1 || true)
 [[ -n $kernel ]] || { echo "test-guest: no /boot/vmlinuz-*-cloud-amd64; apt-get install linux-image-cloud-amd64" >&2; exit 1; }
 kver=${kernel#/boot/vmlinuz-}
 busybox=/bin/busybox
-[[ -x $busybox ]] && file_static=$($busybox 2>&1 | head -1) || { echo "test-guest: apt-get install busybox-static" >&2; exit 1; }
+[[ -x $busybox ]] || { echo "test-guest: apt-get install busybox-static" >&2; exit 1; }
+bb_version=$({ "$busybox" --help 2>&1 || true; } | sed -n 1p)
 command -v cpio >/dev/null || { echo "test-guest: apt-get install cpio" >&2; exit 1; }
 command -v qemu-img >/dev/null || { echo "test-guest: apt-get install qemu-utils" >&2; exit 1; }
 
-stamp="$kver $(cat "$HERE/build.sh" "$HERE/init" "$HERE/udhcpc.sh" | sha256sum | cut -d' ' -f1) ${file_static%% *}"
+stamp="$kver $(cat "$HERE/build.sh" "$HERE/init" "$HERE/udhcpc.sh" | sha256sum | cut -d' ' -f1) $bb_version"
 if [[ -f $OUT/stamp && $(cat "$OUT/stamp") == "$stamp" && -f $OUT/initrd.img && -f $OUT/vmlinuz && -f $OUT/base.qcow2 ]]; then
   echo "test-guest: up to date in $OUT"
   exit 0
@@ -36,7 +37,7 @@ install -m 0755 "$HERE/udhcpc.sh" "$root/bin/udhcpc.sh"
 
 # Modules in dependency order, flattened into /lib/modules; /etc/modules lists the load order.
 : >"$root/etc/modules"
-for m in virtio_pci virtio_net virtio_blk virtio_console virtio_rng button evdev; do
+for m in virtio_pci virtio_net virtio_blk virtio_console virtio_rng button evdev pvpanic-pci; do
   modprobe -S "$kver" --show-depends "$m" | awk '$1 == "insmod" {print $2}'
 done | awk '!seen[$0]++' | while read -r ko; do
   name=$(basename "$ko")

@@ -269,7 +269,18 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
 
     // Network: observe → plan → apply (apply undoes itself on failure).
     let nl = observe::connect()?;
-    let pod = observe::observe(&nl, &a.interface).await?;
+    let mut pod = observe::observe(&nl, &a.interface).await?;
+    let binding_file = a.state_dir.join(apply::SavedBinding::FILE);
+    if pod.addresses.is_empty()
+        && let Some(saved) = std::fs::read(&binding_file)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<apply::SavedBinding>(&b).ok())
+            .filter(|s| s.original.name == a.interface)
+    {
+        tracing::warn!(interface = %a.interface, "previous run left the Pod interface bound; restoring it first");
+        apply::recover(&nl, &saved).await?;
+        pod = observe::observe(&nl, &a.interface).await?;
+    }
     let resolv_text = std::fs::read_to_string(&a.resolv_conf).unwrap_or_default();
     let net_plan = plan::plan(
         &pod,
@@ -284,6 +295,16 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
         "network planned"
     );
     let mut applied = apply::apply(&nl, &net_plan, &pod).await?;
+    let saved = serde_json::to_vec(&apply::SavedBinding::new(&net_plan, &pod)).unwrap_or_default();
+    if let Err(e) =
+        std::fs::create_dir_all(&a.state_dir).and_then(|()| std::fs::write(&binding_file, saved))
+    {
+        applied.undo(&nl).await;
+        return Err(RunError::Runtime(
+            format!("write {}", binding_file.display()),
+            e,
+        ));
+    }
     {
         let mut s = state.lock().await;
         s.ip = Some(net_plan.lease.address.to_string());
@@ -295,6 +316,7 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
         Ok(x) => x,
         Err(e) => {
             applied.undo(&nl).await;
+            let _ = std::fs::remove_file(&binding_file);
             return Err(e);
         }
     };
@@ -333,6 +355,7 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
         t.abort();
     }
     applied.undo(&nl).await;
+    let _ = std::fs::remove_file(&binding_file);
     result
 }
 

@@ -107,6 +107,18 @@ struct Topology {
     pod_ip: &'static str,
     peer_ip: &'static str,
     mtu: u32,
+    /// eth0's MAC as the CNI made it (the VM must own it).
+    pod_mac: String,
+}
+
+impl Topology {
+    fn with_pod_mac(mut self) -> Self {
+        self.pod_mac = sh_out(&format!(
+            "ip netns exec {} cat /sys/class/net/eth0/address",
+            self.pod
+        ));
+        self
+    }
 }
 
 impl Drop for Topology {
@@ -137,6 +149,7 @@ fn calico() -> Topology {
         pod_ip: "10.244.1.5",
         peer_ip: "10.244.1.9",
         mtu: 1440,
+        pod_mac: String::new(),
     };
     for ns in [&t.node, &t.pod, &t.peer] {
         sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
@@ -172,7 +185,7 @@ fn calico() -> Topology {
             "ip -n {ns} route add 169.254.1.1 dev eth0 scope link && ip -n {ns} route add default via 169.254.1.1 dev eth0 onlink"
         ));
     }
-    t
+    t.with_pod_mac()
 }
 
 /// Bridge CNI: eth0 holds a /24 behind the node's cni0 bridge, which is the gateway.
@@ -185,6 +198,7 @@ fn bridge_cni() -> Topology {
         pod_ip: "10.22.0.5",
         peer_ip: "10.22.0.6",
         mtu: 1500,
+        pod_mac: String::new(),
     };
     for ns in [&t.node, &t.pod, &t.peer] {
         sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
@@ -208,7 +222,7 @@ fn bridge_cni() -> Topology {
             "ip -n {ns} route add default via 10.22.0.1 dev eth0"
         ));
     }
-    t
+    t.with_pod_mac()
 }
 
 /// A running `capk-launcher run` and the guest's console lines.
@@ -221,7 +235,7 @@ struct Launcher {
 }
 
 impl Launcher {
-    fn start(t: &Topology, work: &Path, boot_id: &str) -> Launcher {
+    fn start(t: &Topology, work: &Path, boot_id: &str, extra_append: &str) -> Launcher {
         let g = guest_dir();
         let resolv = work.join("resolv.conf");
         std::fs::write(
@@ -231,7 +245,7 @@ impl Launcher {
         .unwrap();
         let runtime_dir = work.join("run");
         let append = format!(
-            "console=ttyS0 quiet panic=-1 capk.peer={} capk.marker-disk=etcdfs capk.boot-id={boot_id}",
+            "console=ttyS0 quiet panic=-1 capk.peer={} capk.marker-disk=etcdfs capk.boot-id={boot_id} {extra_append}",
             t.peer_ip
         );
         let mut child = Command::new("ip")
@@ -387,12 +401,14 @@ impl Drop for Launcher {
     }
 }
 
-fn boot_and_check(t: &Topology, work: &Path, boot_id: &str) -> (Launcher, String) {
-    let pod_mac = sh_out(&format!(
-        "ip netns exec {} cat /sys/class/net/eth0/address",
-        t.pod
-    ));
-    let mut l = Launcher::start(t, work, boot_id);
+fn boot_and_check(
+    t: &Topology,
+    work: &Path,
+    boot_id: &str,
+    extra_append: &str,
+) -> (Launcher, String) {
+    let pod_mac = &t.pod_mac;
+    let mut l = Launcher::start(t, work, boot_id, extra_append);
     let lease = l.wait_for("CAPK-TESTGUEST lease ", Duration::from_secs(120));
     let lease_secs = l.started.elapsed().as_secs_f64();
     println!("MEASURE guest DHCP lease {lease_secs:.2}s after launcher start");
@@ -408,7 +424,7 @@ fn boot_and_check(t: &Topology, work: &Path, boot_id: &str) -> (Launcher, String
     assert!(lease.contains("lease=4294967295"), "{lease}");
     let nic = l.wait_for("CAPK-TESTGUEST nic mac=", Duration::from_secs(5));
     assert!(
-        nic.ends_with(&pod_mac),
+        nic.ends_with(pod_mac.as_str()),
         "guest NIC {nic} should own the Pod MAC {pod_mac}"
     );
     let mtu = l.wait_for("CAPK-TESTGUEST mtu=", Duration::from_secs(10));
@@ -456,7 +472,7 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
     let t = calico();
     let work = work_dir();
 
-    let (mut l, marker) = boot_and_check(&t, work.path(), "first");
+    let (mut l, marker) = boot_and_check(&t, work.path(), "first", "");
     assert!(marker.contains("marker-written first"), "{marker}");
     let route = l.wait_for("CAPK-TESTGUEST route default", Duration::from_secs(5));
     assert!(route.contains("default via 169.254.1.1"), "{route}");
@@ -517,13 +533,25 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
     assert!(addrs.contains("10.244.1.5/32"), "{addrs}");
     drop(l);
 
-    // Second start: the etcd disk is reused, not recreated.
-    let (mut l, marker) = boot_and_check(&t, work.path(), "second");
+    // Second start: the etcd disk is reused, not recreated. Then the container dies hard
+    // (launcher and QEMU SIGKILLed, as the kubelet does): nothing undoes the binding.
+    let (l, marker) = boot_and_check(&t, work.path(), "second", "");
     assert!(marker.contains("marker-found first"), "{marker}");
-    let (_, status) = l.cli(&["status"]);
-    let st: serde_json::Value = serde_json::from_str(&status).unwrap();
-    let qemu_pid = st["qemu_pid"].as_u64().expect("qemu pid in status");
-    sh(&format!("kill -9 {qemu_pid}"));
+    let qemu = qemu_pid(&l);
+    sh(&format!("kill -9 {} {qemu}", l.child.id()));
+    drop(l);
+    let addrs = sh_out(&format!("ip -n {} -4 -o addr show dev eth0", t.pod));
+    assert!(addrs.is_empty(), "eth0 stays bound after SIGKILL: {addrs}");
+
+    // Third start in the same Pod recovers the binding from the state directory, and the VM
+    // gets the same IP and MAC again. QEMU killed → the launcher exits non-zero.
+    let (mut l, marker) = boot_and_check(&t, work.path(), "third", "");
+    assert!(marker.contains("marker-found first"), "{marker}");
+    assert!(
+        l.seen.iter().any(|x| x.contains("restoring it first")),
+        "recovery must be logged"
+    );
+    sh(&format!("kill -9 {}", qemu_pid(&l)));
     let exit = l.wait_exit(Duration::from_secs(20));
     assert!(!exit.success(), "QEMU killed → launcher must exit non-zero");
     let cause = l
@@ -541,6 +569,12 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
     assert!(!ok, "liveness must fail once the launcher is gone: {out}");
 }
 
+fn qemu_pid(l: &Launcher) -> u64 {
+    let (_, status) = l.cli(&["status"]);
+    let st: serde_json::Value = serde_json::from_str(&status).unwrap();
+    st["qemu_pid"].as_u64().expect("qemu pid in status")
+}
+
 #[test]
 fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
     let _g = serial();
@@ -549,13 +583,32 @@ fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
     }
     let t = bridge_cni();
     let work = work_dir();
-    let (mut l, _) = boot_and_check(&t, work.path(), "bridge");
+    let (mut l, _) = boot_and_check(&t, work.path(), "bridge", "");
     let route = l.wait_for("CAPK-TESTGUEST route default", Duration::from_secs(5));
     assert!(route.contains("default via 10.22.0.1"), "{route}");
     let addr = l.wait_for("CAPK-TESTGUEST addr ", Duration::from_secs(5));
     assert!(addr.ends_with("10.22.0.5/24"), "{addr}");
     l.signal("TERM");
     assert!(l.wait_exit(Duration::from_secs(30)).success());
+    drop(l);
+
+    // A guest kernel panic ends QEMU (pvpanic + -action panic=exit-failure) and the launcher
+    // exits non-zero so the kubelet restarts the container.
+    let (mut l, _) = boot_and_check(&t, work.path(), "panic", "capk.panic=1");
+    l.wait_for("CAPK-TESTGUEST panicking", Duration::from_secs(20));
+    let exit = l.wait_exit(Duration::from_secs(30));
+    assert!(!exit.success(), "guest panic → launcher must exit non-zero");
+    let cause = l
+        .seen
+        .iter()
+        .rev()
+        .find(|x| x.contains("capk-launcher: "))
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        cause.contains("qemu ended without a stop request (exit status 1)"),
+        "{cause}"
+    );
 }
 
 #[test]

@@ -26,6 +26,37 @@ pub struct AppliedNetwork {
     original: PodInterface,
 }
 
+/// What a running launcher leaves in its state directory so that the next start in the same
+/// Pod can put the Pod interface back when the previous run died without undoing (SIGKILL, OOM).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SavedBinding {
+    /// The Pod interface as it was before the binding.
+    pub original: PodInterface,
+    /// Links the binding created.
+    pub links: Vec<String>,
+}
+
+impl SavedBinding {
+    /// File name inside the state directory.
+    pub const FILE: &'static str = "network-binding.json";
+
+    /// The record for a plan.
+    pub fn new(plan: &NetworkPlan, original: &PodInterface) -> Self {
+        Self {
+            original: original.clone(),
+            links: vec![plan.tap.clone(), plan.bridge.clone(), plan.dummy.clone()],
+        }
+    }
+}
+
+/// Removes a binding left by a previous run: deletes its links and restores the Pod interface.
+pub async fn recover(handle: &Handle, saved: &SavedBinding) -> Result<(), NetlinkError> {
+    for l in &saved.links {
+        delete_link(handle, l).await?;
+    }
+    restore_pod(handle, &saved.original).await
+}
+
 fn sysctl_path(iface: &str, key: &str) -> String {
     format!("/proc/sys/net/ipv4/conf/{iface}/{key}")
 }

@@ -63,6 +63,13 @@ impl serde::Serialize for MacAddr {
     }
 }
 
+impl<'de> serde::Deserialize<'de> for MacAddr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// Why a MAC address could not be parsed.
 #[derive(Debug, thiserror::Error)]
 #[error("invalid MAC address {0:?}")]

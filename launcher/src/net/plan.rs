@@ -17,7 +17,7 @@ pub const DUMMY: &str = "capkdummy0";
 pub const DHCP_SERVER_ADDRESS: Ipv4Addr = Ipv4Addr::new(169, 254, 75, 10);
 
 /// What the Pod interface has before the launcher touches it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct PodInterface {
     /// Interface name (eth0).
     pub name: String,
@@ -32,7 +32,7 @@ pub struct PodInterface {
 }
 
 /// One route through the Pod interface.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct PodRoute {
     /// Destination.
     pub destination: Ipv4Net,
