@@ -1,6 +1,10 @@
 //! `capk-controller`: the Cluster API infrastructure provider for KVM.
 
-use clap::{Parser, ValueEnum};
+use std::io::{Read, Write};
+
+use anyhow::Context;
+use capk_bootstrap::{BootstrapFormat, MachineFacts};
+use clap::{Parser, Subcommand, ValueEnum};
 use kube::Client;
 use tracing_subscriber::EnvFilter;
 
@@ -25,11 +29,65 @@ struct Cli {
     /// Log format.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the reconcilers (the default).
+    Run,
+    /// Read CAPI bootstrap data on stdin and print the Ignition v3 config the controller would
+    /// store for it (before the launcher's per-boot additions). For debugging bootstrap data.
+    RenderIgnition {
+        /// The Secret's `format`: cloud-config or ignition.
+        #[arg(long, default_value = "cloud-config")]
+        format: String,
+        /// The machine's hostname (node name), substituted for cloud-init placeholders.
+        #[arg(long)]
+        hostname: String,
+        /// Instance id substituted for `{{ v1.instance_id }}` (default: the hostname).
+        #[arg(long)]
+        instance_id: Option<String>,
+    },
+}
+
+fn render_ignition(
+    format: &str,
+    hostname: String,
+    instance_id: Option<String>,
+) -> anyhow::Result<()> {
+    let format: BootstrapFormat = format.parse()?;
+    let mut data = Vec::new();
+    std::io::stdin()
+        .read_to_end(&mut data)
+        .context("read bootstrap data from stdin")?;
+    let mut facts = MachineFacts::new(hostname);
+    if let Some(id) = instance_id {
+        facts.instance_id = id;
+    }
+    let config = capk_bootstrap::convert(format, &data, &facts)?;
+    let json = capk_bootstrap::to_json_pretty(&config)?;
+    writeln!(std::io::stdout(), "{json}")?;
+    Ok(())
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Some(Command::RenderIgnition {
+        format,
+        hostname,
+        instance_id,
+    }) = cli.command
+    {
+        // One line on error, the way a CLI user expects (no backtrace).
+        if let Err(e) = render_ignition(&format, hostname, instance_id) {
+            eprintln!("capk-controller render-ignition: {e:#}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     match cli.log_format {
         LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
