@@ -186,11 +186,14 @@ fn top_level_hint(key: &str) -> String {
 /// Deserialises `value` into `T`, turning unknown keys into an error that names them.
 fn typed<T: DeserializeOwned>(value: Value, at: &KeyPath) -> Result<T, ConvertError> {
     let mut unknown: Option<KeyPath> = None;
-    let parsed: Result<T, _> = serde_ignored::deserialize(value, |path| {
-        if unknown.is_none() {
-            unknown = Some(ignored_path(&path));
-        }
-    });
+    let parsed: Result<T, _> = serde_path_to_error::deserialize(serde_ignored::Deserializer::new(
+        value,
+        &mut |path: serde_ignored::Path<'_>| {
+            if unknown.is_none() {
+                unknown = Some(ignored_path(&path));
+            }
+        },
+    ));
     if let Some(key) = unknown {
         let full = if key.as_str().starts_with('[') {
             KeyPath::from(format!("{at}{key}"))
@@ -202,7 +205,17 @@ fn typed<T: DeserializeOwned>(value: Value, at: &KeyPath) -> Result<T, ConvertEr
             "not convertible to Ignition; remove it from the KubeadmConfig",
         ));
     }
-    parsed.map_err(|e| ConvertError::invalid(at.clone(), e.to_string()))
+    parsed.map_err(|e| {
+        let inner = e.path().to_string();
+        let key = if inner == "." {
+            at.clone()
+        } else if inner.starts_with('[') {
+            KeyPath::from(format!("{at}{inner}"))
+        } else {
+            at.field(&inner)
+        };
+        ConvertError::invalid(key, e.into_inner().to_string())
+    })
 }
 
 fn sequence(value: Value, at: &KeyPath) -> Result<Vec<Value>, ConvertError> {

@@ -46,18 +46,28 @@ pub fn convert(text: &str) -> Result<v3t::Config, ConvertError> {
 fn parse<T: DeserializeOwned>(text: &str, spec: &str) -> Result<T, ConvertError> {
     let mut unknown: Option<KeyPath> = None;
     let mut de = serde_json::Deserializer::from_str(text);
-    let parsed: Result<T, _> = serde_ignored::deserialize(&mut de, |path| {
-        if unknown.is_none() {
-            unknown = Some(ignored_path(&path));
-        }
-    });
+    let parsed: Result<T, _> = serde_path_to_error::deserialize(serde_ignored::Deserializer::new(
+        &mut de,
+        &mut |path: serde_ignored::Path<'_>| {
+            if unknown.is_none() {
+                unknown = Some(ignored_path(&path));
+            }
+        },
+    ));
     if let Some(key) = unknown {
         return Err(ConvertError::unsupported(
             key,
             format!("not part of Ignition spec {spec}"),
         ));
     }
-    parsed.map_err(|e| ConvertError::ParseIgnition(e.to_string()))
+    parsed.map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            ConvertError::ParseIgnition(e.into_inner().to_string())
+        } else {
+            ConvertError::invalid(path, e.into_inner().to_string())
+        }
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -12,6 +12,28 @@
 //! and 3.4 is the newest spec that every supported input maps onto. Types come from the
 //! `ignition-config` crate (coreos/ignition-config-rs, generated from upstream's schemas), so
 //! the output cannot drift from the spec; spec 2.3 has no Rust crate and is typed here.
+//!
+//! # cloud-config
+//!
+//! Supported keys (all that CABPK v1.14 emits), each documented on its converter:
+//!
+//! | key | becomes |
+//! | --- | --- |
+//! | `write_files` | `storage.files`; encodings `text/plain`, `b64`, `base64`, `gz`, `gzip`, `gz+b64`, `gz+base64`, `gzip+b64`, `gzip+base64`; `owner`, `permissions` (quoted octal), `append`; `/run`, `/var/run`, `/tmp` paths staged and copied by [`STAGE_UNIT`] |
+//! | `bootcmd` | [`BOOTCMD_UNIT`], every boot, `set -e` |
+//! | `runcmd` | [`RUNCMD_UNIT`], once per instance, after network-online and containerd, `set -e`, console output |
+//! | `users` | `passwd.users` (`name`, `passwd`, `lock_passwd`, `gecos`, `groups`, `homedir`, `shell`, `primary_group`, `ssh_authorized_keys`), `sudo` → `/etc/sudoers.d/90-cloud-init-users`; the entry `default` is accepted |
+//! | `ntp` | systemd-timesyncd drop-in (`enabled`, `servers`, `pools`) |
+//! | `disk_setup` | `storage.disks` (GPT; `layout: true` or one 100% partition; `overwrite` → `wipeTable`) |
+//! | `fs_setup` | `storage.filesystems` (ext4, xfs, btrfs, vfat, swap; `label`, `partition`, `overwrite`, `extra_opts`) |
+//! | `mounts` | one `.mount` unit per entry |
+//!
+//! Rejected with an error naming the key: every other top-level key (`packages`, `hostname`,
+//! `apt`, `ssh_pwauth`, `power_state`, …), unknown keys inside supported ones (for example
+//! `write_files[].defer`, `users[].inactive`, `users[].system`, `ntp.ntp_client`,
+//! `fs_setup[].replace_fs`, `fs_setup[].cmd`), `table_type: mbr`, percentage layouts other than
+//! one 100% partition, swap mounts, cloud-init device aliases (`ephemeral0`, `swap`), and any
+//! Jinja other than the hostname and instance-id placeholders.
 #![forbid(unsafe_code)]
 
 mod cloud_config;

@@ -114,7 +114,7 @@ fn conversion_cases() -> Vec<(&'static str, BootstrapFormat, Vec<u8>, &'static s
             "append of the wrong type",
             CC,
             cc("write_files:\n- path: /a\n  append: maybe\n"),
-            "`write_files[0]`",
+            "`write_files[0].append`",
         ),
         ("runcmd mapping entry", CC, cc("runcmd:\n- {a: b}\n"), "`runcmd[0]`"),
         ("runcmd empty argv", CC, cc("runcmd:\n- []\n"), "`runcmd[0]`"),
@@ -126,7 +126,7 @@ fn conversion_cases() -> Vec<(&'static str, BootstrapFormat, Vec<u8>, &'static s
             cc("users:\n- name: a\n  inactive: '5'\n"),
             "`users[0].inactive`",
         ),
-        ("users without name", CC, cc("users:\n- {shell: /bin/sh}\n"), "`users[0]`"),
+        ("users without name", CC, cc("users:\n- {shell: /bin/sh}\n"), "`users[0]`: missing field `name`"),
         ("users empty name", CC, cc("users:\n- name: ''\n"), "`users[0].name`"),
         ("users bad groups", CC, cc("users:\n- name: a\n  groups: 3\n"), "`users[0].groups`"),
         ("users bad sudo", CC, cc("users:\n- name: a\n  sudo: {x: y}\n"), "`users[0].sudo`"),
@@ -312,7 +312,7 @@ fn conversion_cases() -> Vec<(&'static str, BootstrapFormat, Vec<u8>, &'static s
             "ignition 3 wrong type",
             IGN,
             br#"{"ignition":{"version":"3.4.0"},"storage":{"files":"x"}}"#.to_vec(),
-            "Ignition config is not valid",
+            "`storage.files`",
         ),
     ]
 }
