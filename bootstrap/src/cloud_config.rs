@@ -298,6 +298,14 @@ fn convert_write_files(value: Value, out: &mut Config) -> Result<Vec<Staged>, Co
                 format!("`{}` is not an absolute path", wf.path),
             )
         })?;
+        if path.starts_with(&format!("{SCRIPT_DIR}/")) || path.starts_with("/var/lib/capk/") {
+            return Err(ConvertError::invalid(
+                at.field("path"),
+                format!(
+                    "`{path}` is reserved for what capk-bootstrap generates ({SCRIPT_DIR}, /var/lib/capk)"
+                ),
+            ));
+        }
         if FORBIDDEN_PREFIXES.iter().any(|p| path.starts_with(p)) {
             return Err(ConvertError::invalid(
                 at.field("path"),
@@ -638,6 +646,7 @@ struct CloudUser {
 fn convert_users(value: Value, out: &mut Config) -> Result<(), ConvertError> {
     let at = KeyPath::from("users");
     let mut sudoers = String::new();
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     for (i, item) in sequence(value, &at)?.into_iter().enumerate() {
         let at = at.index(i);
         let cu: CloudUser = match item {
@@ -660,6 +669,12 @@ fn convert_users(value: Value, out: &mut Config) -> Result<(), ConvertError> {
             return Err(ConvertError::invalid(
                 at.field("name"),
                 "a user needs a name",
+            ));
+        }
+        if let Some(prev) = seen.insert(cu.name.clone(), i) {
+            return Err(ConvertError::invalid(
+                at.field("name"),
+                format!("user `{}` is already defined at users[{prev}]", cu.name),
             ));
         }
         let groups = match &cu.groups {

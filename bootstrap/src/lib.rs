@@ -164,10 +164,82 @@ pub fn convert(
     let text = std::str::from_utf8(data).map_err(|e| ConvertError::NotUtf8 {
         offset: e.valid_up_to(),
     })?;
-    match format {
-        BootstrapFormat::CloudConfig => cloud_config::convert(text, facts),
-        BootstrapFormat::Ignition => ignition::convert(text),
+    let config = match format {
+        BootstrapFormat::CloudConfig => cloud_config::convert(text, facts)?,
+        BootstrapFormat::Ignition => ignition::convert(text)?,
+    };
+    check_duplicates(&config)?;
+    Ok(config)
+}
+
+/// Ignition 3 refuses a config that defines a path, unit, filesystem, disk or user twice; say
+/// which one here rather than at boot.
+fn check_duplicates(config: &ignition_v3::Config) -> Result<(), ConvertError> {
+    fn check<'a>(
+        what: &str,
+        field: &str,
+        lists: &[(&str, Vec<&'a str>)],
+    ) -> Result<(), ConvertError> {
+        let mut seen: std::collections::BTreeMap<&'a str, String> = Default::default();
+        for (list, names) in lists {
+            for (i, name) in names.iter().enumerate() {
+                let at = format!("{list}[{i}].{field}");
+                if let Some(prev) = seen.insert(name, at.clone()) {
+                    return Err(ConvertError::InvalidValue {
+                        key: at.into(),
+                        reason: format!(
+                            "`{name}` is also defined at `{prev}`; Ignition 3 allows one entry per {what}"
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
+    fn names<T>(list: &Option<Vec<T>>, key: impl Fn(&T) -> &str) -> Vec<&str> {
+        list.iter().flatten().map(key).collect()
+    }
+    if let Some(s) = &config.storage {
+        check(
+            "path",
+            "path",
+            &[
+                ("storage.files", names(&s.files, |f| &f.path)),
+                ("storage.directories", names(&s.directories, |d| &d.path)),
+                ("storage.links", names(&s.links, |l| &l.path)),
+            ],
+        )?;
+        check(
+            "device",
+            "device",
+            &[("storage.filesystems", names(&s.filesystems, |f| &f.device))],
+        )?;
+        check(
+            "disk",
+            "device",
+            &[("storage.disks", names(&s.disks, |d| &d.device))],
+        )?;
+    }
+    if let Some(sd) = &config.systemd {
+        check(
+            "unit",
+            "name",
+            &[("systemd.units", names(&sd.units, |u| &u.name))],
+        )?;
+    }
+    if let Some(p) = &config.passwd {
+        check(
+            "user",
+            "name",
+            &[("passwd.users", names(&p.users, |u| &u.name))],
+        )?;
+        check(
+            "group",
+            "name",
+            &[("passwd.groups", names(&p.groups, |g| &g.name))],
+        )?;
+    }
+    Ok(())
 }
 
 /// Serialises a config as compact JSON without `null` fields, enforcing [`MAX_OUTPUT_BYTES`].
