@@ -65,6 +65,7 @@ pub fn convert(text: &str, facts: &MachineFacts) -> Result<Config, ConvertError>
     } else {
         body.rest
     };
+    refuse_binary_tags(yaml)?;
     let doc: Value =
         serde_yaml_ng::from_str(yaml).map_err(|e| ConvertError::ParseCloudConfig(e.to_string()))?;
     let map = match doc {
@@ -129,6 +130,26 @@ pub fn convert(text: &str, facts: &MachineFacts) -> Result<Config, ConvertError>
         convert_mounts(v, &fs_labels, &mut out)?;
     }
     Ok(out)
+}
+
+/// The YAML parser resolves core-schema tags itself and would hand a `!!binary` value over as
+/// its base64 text, silently writing the encoded form. Refuse the tag instead (a conservative
+/// text scan: a block scalar containing `: !!binary` is refused too).
+fn refuse_binary_tags(yaml: &str) -> Result<(), ConvertError> {
+    for (i, line) in yaml.lines().enumerate() {
+        let t = line.trim_start().trim_start_matches("- ");
+        let tagged = t.contains(": !!binary")
+            || t.starts_with("!!binary")
+            || t.contains("!<tag:yaml.org,2002:binary>");
+        if tagged && !t.starts_with('#') {
+            return Err(ConvertError::ParseCloudConfig(format!(
+                "the YAML tag `!!binary` on line {} is not supported; give the content as \
+                 base64 text with `encoding: b64`",
+                i + 1
+            )));
+        }
+    }
+    Ok(())
 }
 
 struct Body<'a> {
@@ -402,22 +423,13 @@ fn normalize_path(p: &str) -> Option<String> {
     Some(format!("/{}", parts.join("/")))
 }
 
-/// The raw bytes of `content`: a string, a YAML `!!binary` value, or absent (empty file).
+/// The raw bytes of `content`: a string or absent (empty file). (`!!binary` is refused before
+/// parsing, see [`refuse_binary_tags`].)
 fn content_bytes(v: &Value, at: &KeyPath) -> Result<Vec<u8>, ConvertError> {
     match v {
         Value::Null => Ok(Vec::new()),
         Value::String(s) => Ok(s.as_bytes().to_vec()),
         Value::Number(n) => Ok(n.to_string().into_bytes()),
-        Value::Tagged(t) if t.tag == "binary" || t.tag == "tag:yaml.org,2002:binary" => {
-            match &t.value {
-                Value::String(s) => content::decode_base64(s.as_bytes())
-                    .map_err(|e| ConvertError::invalid(at.clone(), e)),
-                other => Err(ConvertError::invalid(
-                    at.clone(),
-                    format!("!!binary holds {}, not base64 text", kind(other)),
-                )),
-            }
-        }
         other => Err(ConvertError::invalid(
             at.clone(),
             format!("expected text, got {}", kind(other)),

@@ -32,7 +32,8 @@
 //! `apt`, `ssh_pwauth`, `power_state`, …), unknown keys inside supported ones (for example
 //! `write_files[].defer`, `users[].inactive`, `users[].system`, `ntp.ntp_client`,
 //! `fs_setup[].replace_fs`, `fs_setup[].cmd`), `table_type: mbr`, percentage layouts other than
-//! one 100% partition, swap mounts, cloud-init device aliases (`ephemeral0`, `swap`), and any
+//! one 100% partition, swap mounts, cloud-init device aliases (`ephemeral0`, `swap`), YAML
+//! `!!binary` values (use `encoding: b64`), unquoted numeric `permissions`, and any
 //! Jinja other than the hostname and instance-id placeholders.
 #![forbid(unsafe_code)]
 

@@ -116,6 +116,12 @@ fn conversion_cases() -> Vec<(&'static str, BootstrapFormat, Vec<u8>, &'static s
             cc("write_files:\n- path: /a\n  append: maybe\n"),
             "`write_files[0].append`",
         ),
+        (
+            "yaml binary tag",
+            CC,
+            cc("write_files:\n- path: /b\n  content: !!binary |\n    AAECAw==\n"),
+            "`!!binary` on line 4",
+        ),
         ("runcmd mapping entry", CC, cc("runcmd:\n- {a: b}\n"), "`runcmd[0]`"),
         ("runcmd empty argv", CC, cc("runcmd:\n- []\n"), "`runcmd[0]`"),
         ("runcmd argv with a list", CC, cc("runcmd:\n- [echo, [x]]\n"), "`runcmd[0][1]`"),
