@@ -137,10 +137,7 @@ fn mount_sources_resolve_like_cloud_init_and_cabpk() {
          mounts:\n- [etcd_disk, /var/lib/etcddisk]\n- [vdc, /mnt/c, xfs, 'defaults,noatime']\n\
          - ['UUID=1234', /mnt/u]\n- [/dev/vde, /mnt/n, nfs, '_netdev,ro', '0', '0']\n",
     );
-    let what = |name: &str| {
-        let text = unit(&v, name)["contents"].as_str().unwrap().to_owned();
-        text
-    };
+    let what = |name: &str| unit(&v, name)["contents"].as_str().unwrap().to_owned();
     assert!(what("var-lib-etcddisk.mount").contains("What=/dev/vdb\n"));
     let c = what("mnt-c.mount");
     assert!(
