@@ -6,6 +6,7 @@ pub mod conditions;
 pub mod context;
 pub mod error;
 pub mod kvmcluster;
+pub mod kvmmachine;
 
 use std::sync::Arc;
 

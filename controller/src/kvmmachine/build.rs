@@ -1,0 +1,735 @@
+//! Pure: from a KVMMachine and its Machine to the desired machine Pod and Ignition Secret.
+//!
+//! The Pod runs `capk-launcher run` as PID 1 with the machine's settings as flags. The Ignition
+//! (which carries bootstrap tokens) is only ever a file from a Secret volume, mode 0400: never
+//! an argument or an environment variable.
+
+use std::collections::BTreeMap;
+
+use capk_api::{
+    constants::{
+        CLUSTER_NAME_LABEL, MACHINE_ROLE_LABEL, NODE_READY_GATE, ROLE_CONTROL_PLANE, ROLE_WORKER,
+    },
+    quantity::QuantityError,
+    v1alpha1::{Accel, EtcdStorageType, FlatcarChannel, KVMMachine},
+};
+use k8s_openapi::{
+    ByteString,
+    api::core::v1::{
+        Affinity, Container, EmptyDirVolumeSource, ExecAction, HostPathVolumeSource,
+        ImageVolumeSource, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
+        PersistentVolumeClaimVolumeSource, Pod, PodAffinityTerm, PodAntiAffinity, PodReadinessGate,
+        PodSpec, Probe, ResourceRequirements, Secret, SecretVolumeSource, SecurityContext, Volume,
+        VolumeMount, WeightedPodAffinityTerm,
+    },
+    apimachinery::pkg::{
+        api::resource::Quantity,
+        apis::meta::v1::{LabelSelector, ObjectMeta},
+    },
+};
+use kube::Resource;
+
+use crate::kvmcluster::build::owned_labels;
+
+/// Label on machine Pods and Secrets naming their KVMMachine.
+pub const KVMMACHINE_LABEL: &str = "infrastructure.cluster.x-k8s.io/kvmmachine";
+/// Key of the Ignition config in the machine's Ignition Secret.
+pub const IGNITION_KEY: &str = "config.ign";
+/// Where the Ignition Secret is mounted in the machine Pod.
+pub const IGNITION_DIR: &str = "/etc/capk/ignition";
+/// Where the VM disks live in the Pod (an emptyDir: survives container restarts).
+pub const STATE_DIR: &str = "/var/lib/capk/state";
+/// Where the node image is mounted read-only.
+pub const IMAGE_DIR: &str = "/var/lib/capk/image";
+/// Where the etcd disk's directory is mounted (control plane).
+pub const ETCD_DIR: &str = "/var/lib/capk/etcd";
+/// Host directory where MC nodes keep node images (Flatcar releases and URL downloads).
+pub const HOST_IMAGE_CACHE: &str = "/var/lib/capk/images";
+/// Default path of the disk file inside a node-image container image.
+pub const DEFAULT_CONTAINER_DISK_PATH: &str = "/disk/image.qcow2";
+/// Seconds the launcher gives the guest for an ACPI shutdown before killing QEMU.
+pub const GUEST_SHUTDOWN_SECONDS: i64 = 300;
+
+/// Pod resources beyond the VM's own: QEMU's device and code buffers, the launcher, and the
+/// kernel's per-process overhead. Provisional until measured on real runs (the launcher issue
+/// measures QEMU + launcher RSS); requests = limits so machine Pods get Guaranteed QoS.
+pub mod overhead {
+    /// Fixed memory overhead per machine Pod, MiB.
+    pub const FIXED_MIB: u64 = 256;
+    /// Memory overhead per vCPU, MiB.
+    pub const PER_VCPU_MIB: u64 = 16;
+    /// Memory overhead per GiB of VM memory (page tables, QEMU's RAM bookkeeping), MiB.
+    pub const PER_GIB_MIB: u64 = 16;
+    /// CPU overhead in millicores for the launcher, QEMU's I/O threads and the DHCP server.
+    pub const CPU_MILLIS: u64 = 250;
+
+    /// Memory overhead in bytes for a VM of `vcpus` vCPUs and `vm_bytes` of memory.
+    pub fn memory_bytes(vcpus: u64, vm_bytes: u64) -> u64 {
+        let mib = FIXED_MIB + PER_VCPU_MIB * vcpus + PER_GIB_MIB * vm_bytes.div_ceil(1 << 30);
+        mib << 20
+    }
+}
+
+/// Defaults for what a KVMMachine leaves out.
+#[derive(Clone, Debug)]
+pub struct MachineDefaults {
+    /// The launcher container image (concrete tag).
+    pub launcher_image: String,
+    /// Flatcar version used when `spec.image` is absent.
+    pub flatcar_version: String,
+    /// containerd disk size when `dockerVolumeSize` is absent.
+    pub docker_volume_bytes: u64,
+    /// kubelet disk size when `kubeletVolumeSize` is absent.
+    pub kubelet_volume_bytes: u64,
+    /// etcd disk size for hostPath etcd storage.
+    pub etcd_volume_bytes: u64,
+    /// Require (not just prefer) control-plane Pods of a cluster on different MC nodes.
+    pub require_control_plane_anti_affinity: bool,
+}
+
+impl Default for MachineDefaults {
+    fn default() -> Self {
+        Self {
+            launcher_image: "capk-launcher:dev".into(),
+            flatcar_version: "current".into(),
+            docker_volume_bytes: 10 << 30,
+            kubelet_volume_bytes: 5 << 30,
+            etcd_volume_bytes: 10 << 30,
+            require_control_plane_anti_affinity: false,
+        }
+    }
+}
+
+/// What the Pod builder needs to know about the owning Machine.
+#[derive(Clone, Debug)]
+pub struct MachineFacts {
+    /// The Cluster's name.
+    pub cluster: String,
+    /// Whether this is a control-plane machine.
+    pub control_plane: bool,
+    /// The Machine's failure domain.
+    pub failure_domain: Option<String>,
+}
+
+/// Why a Pod cannot be built from the spec (shown in a condition and an Event).
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// A size in the spec cannot be turned into bytes.
+    #[error("spec.resources.{field}: {source}")]
+    Size {
+        /// The field.
+        field: &'static str,
+        /// Cause.
+        #[source]
+        source: QuantityError,
+    },
+}
+
+/// Name of the machine Pod (= the KVMMachine's name).
+pub fn pod_name(km: &KVMMachine) -> String {
+    km.meta().name.clone().unwrap_or_default()
+}
+
+/// Name of the machine's Ignition Secret.
+pub fn ignition_secret_name(km: &KVMMachine) -> String {
+    format!("{}-ignition", pod_name(km))
+}
+
+/// The node's hostname: the KVMMachine's name, cut to a DNS label.
+pub fn hostname(km: &KVMMachine) -> String {
+    let mut name: String = pod_name(km)
+        .chars()
+        .map(|c| if c == '.' { '-' } else { c })
+        .take(63)
+        .collect();
+    while name.ends_with('-') {
+        name.pop();
+    }
+    name
+}
+
+fn labels(km: &KVMMachine, facts: &MachineFacts) -> BTreeMap<String, String> {
+    let mut labels = owned_labels(&facts.cluster);
+    labels.insert(KVMMACHINE_LABEL.into(), pod_name(km));
+    labels.insert(
+        MACHINE_ROLE_LABEL.into(),
+        if facts.control_plane {
+            ROLE_CONTROL_PLANE
+        } else {
+            ROLE_WORKER
+        }
+        .into(),
+    );
+    labels
+}
+
+/// The Secret holding the machine's Ignition config.
+pub fn ignition_secret(km: &KVMMachine, facts: &MachineFacts, ignition: Vec<u8>) -> Secret {
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(ignition_secret_name(km)),
+            namespace: km.meta().namespace.clone(),
+            labels: Some(labels(km, facts)),
+            owner_references: km.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        type_: Some("infrastructure.cluster.x-k8s.io/ignition".into()),
+        data: Some(BTreeMap::from([(
+            IGNITION_KEY.to_owned(),
+            ByteString(ignition),
+        )])),
+        ..Default::default()
+    }
+}
+
+fn bytes(
+    q: Option<&capk_api::quantity::SizeQuantity>,
+    field: &'static str,
+    default: u64,
+) -> Result<u64, BuildError> {
+    match q {
+        Some(q) => q
+            .bytes()
+            .map_err(|source| BuildError::Size { field, source }),
+        None => Ok(default),
+    }
+}
+
+/// The machine Pod.
+pub fn machine_pod(
+    km: &KVMMachine,
+    facts: &MachineFacts,
+    defaults: &MachineDefaults,
+) -> Result<Pod, BuildError> {
+    let spec = &km.spec;
+    let vcpus = u64::try_from(spec.resources.cpu.max(1)).unwrap_or(1);
+    let memory = spec
+        .resources
+        .memory
+        .bytes()
+        .map_err(|source| BuildError::Size {
+            field: "memory",
+            source,
+        })?;
+    let disk = spec
+        .resources
+        .disk
+        .bytes()
+        .map_err(|source| BuildError::Size {
+            field: "disk",
+            source,
+        })?;
+    let docker = bytes(
+        spec.resources.docker_volume_size.as_ref(),
+        "dockerVolumeSize",
+        defaults.docker_volume_bytes,
+    )?;
+    let kubelet = bytes(
+        spec.resources.kubelet_volume_size.as_ref(),
+        "kubeletVolumeSize",
+        defaults.kubelet_volume_bytes,
+    )?;
+
+    // No hostPath volumes for /dev/kvm and /dev/net/tun: a privileged container sees the node's
+    // devices, and a node without /dev/kvm must still start the Pod (accel auto falls back to TCG).
+    let mut volumes = vec![
+        Volume {
+            name: "ignition".into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(ignition_secret_name(km)),
+                default_mode: Some(0o400),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        Volume {
+            name: "state".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                // qcow2 overlays grow up to their virtual size; the data disks are sparse files.
+                size_limit: Some(Quantity((disk + docker + kubelet).to_string())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    ];
+    let mut mounts = vec![
+        mount("ignition", IGNITION_DIR, true),
+        mount("state", STATE_DIR, false),
+        mount("image", IMAGE_DIR, true),
+    ];
+
+    let (image_volume, image_file) = node_image(km, defaults);
+    volumes.push(image_volume);
+
+    let mut args = vec![
+        "run".to_owned(),
+        format!("--vcpus={vcpus}"),
+        format!("--memory={memory}"),
+        format!("--disk-size={disk}"),
+        format!("--docker-disk-size={docker}"),
+        format!("--kubelet-disk-size={kubelet}"),
+        format!("--image={IMAGE_DIR}/{image_file}"),
+        format!("--ignition={IGNITION_DIR}/{IGNITION_KEY}"),
+        format!("--state-dir={STATE_DIR}"),
+        format!("--hostname={}", hostname(km)),
+        format!(
+            "--role={}",
+            if facts.control_plane {
+                "control-plane"
+            } else {
+                "worker"
+            }
+        ),
+        format!(
+            "--accel={}",
+            match spec.accel.unwrap_or_default() {
+                Accel::Auto => "auto",
+                Accel::Kvm => "kvm",
+                Accel::Tcg => "tcg",
+            }
+        ),
+        format!("--grace-period-seconds={GUEST_SHUTDOWN_SECONDS}"),
+    ];
+    if let Some(dns) = &spec.dns {
+        for s in &dns.servers {
+            args.push(format!("--dns={}", s.0));
+        }
+        for s in &dns.searches {
+            args.push(format!("--dns-search={}", s.0));
+        }
+    }
+    if let Some(ntp) = &spec.ntp {
+        // The launcher hands NTP servers to the guest by DHCP, which carries addresses only.
+        for s in ntp
+            .servers
+            .iter()
+            .filter(|s| s.0.parse::<std::net::Ipv4Addr>().is_ok())
+        {
+            args.push(format!("--ntp={}", s.0));
+        }
+    }
+
+    if facts.control_plane {
+        let storage = spec.etcd_storage.as_ref();
+        let etcd_bytes = storage
+            .and_then(|s| s.size.as_ref())
+            .map(|q| {
+                q.bytes().map_err(|source| BuildError::Size {
+                    field: "etcdStorage.size",
+                    source,
+                })
+            })
+            .transpose()?
+            .unwrap_or(defaults.etcd_volume_bytes);
+        let volume = match storage {
+            Some(s) if s.type_ == EtcdStorageType::PersistentVolume => Volume {
+                name: "etcd".into(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: etcd_claim_name(km),
+                    read_only: Some(false),
+                }),
+                ..Default::default()
+            },
+            Some(s) => {
+                // One directory per machine under the user's path.
+                let base = s.host_path.clone().unwrap_or_default();
+                let dir = format!(
+                    "{}/{}/{}",
+                    base.trim_end_matches('/'),
+                    km.meta().namespace.as_deref().unwrap_or("default"),
+                    pod_name(km)
+                );
+                host_path("etcd", &dir, "DirectoryOrCreate")
+            }
+            // No storage configured: etcd lives next to the VM disks (lost with the Pod).
+            None => Volume {
+                name: "etcd".into(),
+                empty_dir: Some(EmptyDirVolumeSource::default()),
+                ..Default::default()
+            },
+        };
+        volumes.push(volume);
+        mounts.push(mount("etcd", ETCD_DIR, false));
+        args.push(format!("--etcd-disk={ETCD_DIR}/etcd.img"));
+        args.push(format!("--etcd-disk-size={etcd_bytes}"));
+    } else {
+        for hv in spec.host_volumes.iter().flatten() {
+            let name = format!("hostvol-{}", sanitize(&hv.mount_tag));
+            let path = format!("/var/lib/capk/host-volumes/{}", hv.mount_tag);
+            volumes.push(host_path(&name, &hv.host_path, "Directory"));
+            mounts.push(mount(&name, &path, false));
+            args.push(format!("--host-volume={}={path}", hv.mount_tag));
+        }
+    }
+
+    let overhead_bytes = overhead::memory_bytes(vcpus, memory);
+    let cpu_millis = vcpus * 1000 + overhead::CPU_MILLIS;
+    let resources = BTreeMap::from([
+        ("cpu".to_owned(), Quantity(format!("{cpu_millis}m"))),
+        (
+            "memory".to_owned(),
+            Quantity((memory + overhead_bytes).to_string()),
+        ),
+    ]);
+
+    let probe = |kind: &str, initial: i32, period: i32, failures: i32| Probe {
+        exec: Some(ExecAction {
+            command: Some(vec!["capk-launcher".into(), "probe".into(), kind.into()]),
+        }),
+        initial_delay_seconds: Some(initial),
+        period_seconds: Some(period),
+        timeout_seconds: Some(5),
+        failure_threshold: Some(failures),
+        ..Default::default()
+    };
+
+    let container = Container {
+        name: "launcher".into(),
+        image: Some(defaults.launcher_image.clone()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(vec!["capk-launcher".into()]),
+        args: Some(args),
+        security_context: Some(SecurityContext {
+            privileged: Some(true),
+            ..Default::default()
+        }),
+        resources: Some(ResourceRequirements {
+            requests: Some(resources.clone()),
+            limits: Some(resources),
+            ..Default::default()
+        }),
+        volume_mounts: Some(mounts),
+        // QEMU alive and answering QMP; generous start-up because TCG boots slowly.
+        liveness_probe: Some(probe("liveness", 30, 20, 6)),
+        // Guest heartbeat (+ API server on control planes).
+        readiness_probe: Some(probe("readiness", 10, 10, 3)),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        ..Default::default()
+    };
+
+    Ok(Pod {
+        metadata: ObjectMeta {
+            name: Some(pod_name(km)),
+            namespace: km.meta().namespace.clone(),
+            labels: Some(labels(km, facts)),
+            owner_references: km.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            hostname: Some(hostname(km)),
+            containers: vec![container],
+            volumes: Some(volumes),
+            restart_policy: Some("Always".into()),
+            termination_grace_period_seconds: Some(GUEST_SHUTDOWN_SECONDS + 30),
+            readiness_gates: Some(vec![PodReadinessGate {
+                condition_type: NODE_READY_GATE.into(),
+            }]),
+            // The launcher needs no access to the management cluster's API.
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            node_selector: spec.node_selector.clone().filter(|m| !m.is_empty()),
+            tolerations: spec.tolerations.clone().filter(|t| !t.is_empty()),
+            priority_class_name: spec.priority_class_name.clone(),
+            affinity: affinity(facts, defaults),
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+/// Name of the etcd PVC of a control-plane machine (type persistentVolume).
+pub fn etcd_claim_name(km: &KVMMachine) -> String {
+    format!("{}-etcd", pod_name(km))
+}
+
+/// The node-image volume and the disk file's name inside it.
+fn node_image(km: &KVMMachine, defaults: &MachineDefaults) -> (Volume, String) {
+    let image = km.spec.image.as_ref();
+    if let Some(ci) = image.and_then(|i| i.container_image.as_ref()) {
+        // The container runtime pulls and caches the image by digest; it is mounted read-only
+        // and used as the qcow2 backing file, never copied.
+        let path = ci
+            .path
+            .clone()
+            .unwrap_or_else(|| DEFAULT_CONTAINER_DISK_PATH.into());
+        let volume = Volume {
+            name: "image".into(),
+            image: Some(ImageVolumeSource {
+                reference: Some(ci.image.clone()),
+                pull_policy: Some("IfNotPresent".into()),
+            }),
+            ..Default::default()
+        };
+        return (volume, path.trim_start_matches('/').to_owned());
+    }
+    let file = match image {
+        Some(i) if i.url.is_some() => {
+            format!(
+                "sha256-{}.img",
+                i.url
+                    .as_ref()
+                    .map(|u| u.sha256.as_str())
+                    .unwrap_or_default()
+            )
+        }
+        Some(i) if i.flatcar.is_some() => {
+            let f = i.flatcar.as_ref().expect("checked");
+            format!("flatcar-{}-{}.img", channel(f.channel), f.version)
+        }
+        _ => format!("flatcar-stable-{}.img", defaults.flatcar_version),
+    };
+    (
+        host_path("image", HOST_IMAGE_CACHE, "DirectoryOrCreate"),
+        file,
+    )
+}
+
+fn channel(c: FlatcarChannel) -> &'static str {
+    match c {
+        FlatcarChannel::Stable => "stable",
+        FlatcarChannel::Beta => "beta",
+        FlatcarChannel::Alpha => "alpha",
+        FlatcarChannel::Lts => "lts",
+    }
+}
+
+fn affinity(facts: &MachineFacts, defaults: &MachineDefaults) -> Option<Affinity> {
+    let mut affinity = Affinity::default();
+    if facts.control_plane {
+        let term = PodAffinityTerm {
+            label_selector: Some(LabelSelector {
+                match_labels: Some(BTreeMap::from([
+                    (CLUSTER_NAME_LABEL.to_owned(), facts.cluster.clone()),
+                    (MACHINE_ROLE_LABEL.to_owned(), ROLE_CONTROL_PLANE.to_owned()),
+                ])),
+                ..Default::default()
+            }),
+            topology_key: "kubernetes.io/hostname".into(),
+            ..Default::default()
+        };
+        affinity.pod_anti_affinity = Some(if defaults.require_control_plane_anti_affinity {
+            PodAntiAffinity {
+                required_during_scheduling_ignored_during_execution: Some(vec![term]),
+                ..Default::default()
+            }
+        } else {
+            PodAntiAffinity {
+                preferred_during_scheduling_ignored_during_execution: Some(vec![
+                    WeightedPodAffinityTerm {
+                        weight: 100,
+                        pod_affinity_term: term,
+                    },
+                ]),
+                ..Default::default()
+            }
+        });
+    }
+    if let Some(fd) = &facts.failure_domain {
+        affinity.node_affinity = Some(NodeAffinity {
+            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                node_selector_terms: vec![NodeSelectorTerm {
+                    match_expressions: Some(vec![NodeSelectorRequirement {
+                        key: "topology.kubernetes.io/zone".into(),
+                        operator: "In".into(),
+                        values: Some(vec![fd.clone()]),
+                    }]),
+                    ..Default::default()
+                }],
+            }),
+            ..Default::default()
+        });
+    }
+    (affinity != Affinity::default()).then_some(affinity)
+}
+
+fn host_path(name: &str, path: &str, type_: &str) -> Volume {
+    Volume {
+        name: name.into(),
+        host_path: Some(HostPathVolumeSource {
+            path: path.into(),
+            type_: Some(type_.into()),
+        }),
+        ..Default::default()
+    }
+}
+
+fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
+    VolumeMount {
+        name: name.into(),
+        mount_path: path.into(),
+        read_only: read_only.then_some(true),
+        ..Default::default()
+    }
+}
+
+fn sanitize(tag: &str) -> String {
+    tag.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn kvm_machine(name: &str, spec: serde_json::Value) -> KVMMachine {
+        let mut km: KVMMachine = serde_json::from_value(json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+            "kind": "KVMMachine",
+            "metadata": {"name": name, "namespace": "team-a", "uid": "uid-1"},
+            "spec": spec,
+        }))
+        .unwrap();
+        km.metadata.generation = Some(1);
+        km
+    }
+
+    #[test]
+    fn control_plane_pod() {
+        let km = kvm_machine(
+            "demo-cp-x7k2p",
+            json!({
+                "resources": {"cpu": 2, "memory": "4Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
+                "etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/capk-etcd"},
+                "image": {"flatcar": {"channel": "stable", "version": "4230.2.3"}},
+                "dns": {"servers": ["10.96.0.10"], "searches": ["team-a.svc.cluster.local"]},
+            }),
+        );
+        let facts = MachineFacts {
+            cluster: "demo".into(),
+            control_plane: true,
+            failure_domain: Some("zone-a".into()),
+        };
+        let pod = machine_pod(&km, &facts, &MachineDefaults::default()).unwrap();
+        insta::assert_yaml_snapshot!(pod);
+    }
+
+    #[test]
+    fn worker_pod_with_host_volumes_and_a_container_disk_image() {
+        let km = kvm_machine(
+            "demo-md-0-abcde",
+            json!({
+                "resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
+                "hostVolumes": [{"mountTag": "Data_1", "hostPath": "/srv/data"}],
+                "image": {"containerImage": {"image": "capk-test-guest:v1"}},
+                "nodeSelector": {"kvm": "true"},
+                "priorityClassName": "workload-vms",
+            }),
+        );
+        let facts = MachineFacts {
+            cluster: "demo".into(),
+            control_plane: false,
+            failure_domain: None,
+        };
+        let pod = machine_pod(&km, &facts, &MachineDefaults::default()).unwrap();
+        insta::assert_yaml_snapshot!(pod);
+    }
+
+    #[test]
+    fn pod_resources_are_the_vm_plus_the_overhead() {
+        let km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 4, "memory": "8Gi", "disk": "40Gi"}}),
+        );
+        let facts = MachineFacts {
+            cluster: "c".into(),
+            control_plane: false,
+            failure_domain: None,
+        };
+        let pod = machine_pod(&km, &facts, &MachineDefaults::default()).unwrap();
+        let c = &pod.spec.unwrap().containers[0];
+        let r = c.resources.as_ref().unwrap();
+        assert_eq!(r.requests, r.limits, "Guaranteed QoS");
+        let mem: u64 = r.limits.as_ref().unwrap()["memory"].0.parse().unwrap();
+        // 8 GiB + 256 MiB fixed + 4 x 16 MiB + 8 x 16 MiB
+        assert_eq!(mem, (8 << 30) + ((256 + 64 + 128) << 20));
+        assert_eq!(r.limits.as_ref().unwrap()["cpu"].0, "4250m");
+    }
+
+    #[test]
+    fn ignition_never_travels_in_args_or_env() {
+        let km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
+        );
+        let facts = MachineFacts {
+            cluster: "c".into(),
+            control_plane: true,
+            failure_domain: None,
+        };
+        let secret = ignition_secret(
+            &km,
+            &facts,
+            b"{\"token\":\"abcdef.0123456789abcdef\"}".to_vec(),
+        );
+        let pod = machine_pod(&km, &facts, &MachineDefaults::default()).unwrap();
+        let text = serde_json::to_string(&pod).unwrap();
+        assert!(!text.contains("abcdef.0123456789abcdef"));
+        let c = &pod.spec.as_ref().unwrap().containers[0];
+        assert!(c.env.is_none());
+        let vol = pod.spec.as_ref().unwrap().volumes.as_ref().unwrap();
+        let ign = vol.iter().find(|v| v.name == "ignition").unwrap();
+        assert_eq!(ign.secret.as_ref().unwrap().default_mode, Some(0o400));
+        assert_eq!(
+            ign.secret.as_ref().unwrap().secret_name.as_deref(),
+            secret.metadata.name.as_deref()
+        );
+    }
+
+    #[test]
+    fn the_launcher_accepts_the_arguments_the_controller_builds() {
+        use clap::Parser;
+        for (control_plane, spec) in [
+            (
+                true,
+                json!({"resources": {"cpu": 2, "memory": "4Gi", "disk": "20Gi"},
+                       "etcdStorage": {"type": "persistentVolume", "size": "8Gi"},
+                       "ntp": {"servers": ["10.0.0.1", "pool.ntp.example"]}}),
+            ),
+            (
+                false,
+                json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "kubeletVolumeSize": "3Gi"},
+                       "hostVolumes": [{"mountTag": "data", "hostPath": "/srv"}],
+                       "accel": "tcg"}),
+            ),
+        ] {
+            let km = kvm_machine("m", spec);
+            let facts = MachineFacts {
+                cluster: "c".into(),
+                control_plane,
+                failure_domain: None,
+            };
+            let pod = machine_pod(&km, &facts, &MachineDefaults::default()).unwrap();
+            let c = &pod.spec.unwrap().containers[0];
+            let argv = c
+                .command
+                .clone()
+                .unwrap()
+                .into_iter()
+                .chain(c.args.clone().unwrap());
+            if let Err(e) = capk_launcher::cli::Cli::try_parse_from(argv) {
+                panic!("capk-launcher rejects the Pod's arguments: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn hostname_is_a_dns_label() {
+        let km = kvm_machine(
+            &format!("{}.x", "a".repeat(70)),
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
+        );
+        let h = hostname(&km);
+        assert!(
+            h.len() <= 63 && !h.contains('.') && !h.ends_with('-'),
+            "{h}"
+        );
+    }
+}
