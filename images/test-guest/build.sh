@@ -37,7 +37,7 @@ install -m 0755 "$HERE/udhcpc.sh" "$root/bin/udhcpc.sh"
 
 # Modules in dependency order, flattened into /lib/modules; /etc/modules lists the load order.
 : >"$root/etc/modules"
-for m in virtio_pci virtio_net virtio_blk virtio_console virtio_rng button evdev pvpanic-pci; do
+for m in virtio_pci virtio_net virtio_blk virtio_console virtio_rng button evdev pvpanic-pci qemu_fw_cfg; do
   modprobe -S "$kver" --show-depends "$m" | awk '$1 == "insmod" {print $2}'
 done | awk '!seen[$0]++' | while read -r ko; do
   name=$(basename "$ko")

@@ -37,6 +37,22 @@ pub enum Command {
     Probe(ProbeArgs),
     /// Print the running launcher's state as JSON.
     Status(SocketArgs),
+    /// Print the VM's serial console (kept in the runtime directory) and follow it.
+    Console {
+        #[command(flatten)]
+        socket: SocketArgs,
+        /// Print what is there and exit instead of following.
+        #[arg(long)]
+        no_follow: bool,
+    },
+    /// Send a QMP command to the running VM through the launcher and print QEMU's answer.
+    Qmp {
+        /// The command.
+        #[arg(value_enum)]
+        command: crate::qemu::qmp::SimpleCommand,
+        #[command(flatten)]
+        socket: SocketArgs,
+    },
     /// Check whether KVM can run a guest instruction here and print the accelerator `auto` picks.
     ProbeAccel {
         /// How long the probe vCPU may take for its loop (real KVM needs about 1 ms).

@@ -12,7 +12,7 @@ use tokio::sync::Mutex;
 
 use crate::cli::ProbeKind;
 use crate::health::{self, LauncherState, ProbeResult};
-use crate::qemu::qmp::{QapiQmp, Qmp};
+use crate::qemu::qmp::{QapiQmp, Qmp, SimpleCommand};
 
 /// State shared by the tasks of a running launcher.
 pub type SharedState = Arc<Mutex<LauncherState>>;
@@ -36,6 +36,11 @@ pub enum Request {
     },
     /// Report status.
     Status,
+    /// Send a QMP command.
+    Qmp {
+        /// Which.
+        command: SimpleCommand,
+    },
 }
 
 /// Control socket client failures.
@@ -73,6 +78,19 @@ pub async fn call(runtime_dir: &Path, req: &Request) -> Result<serde_json::Value
 }
 
 async fn answer(req: Request, state: &SharedState, qmp: &SharedQmp) -> serde_json::Value {
+    if let Request::Qmp { command } = req {
+        let guard = qmp.lock().await;
+        let Some(q) = guard.as_ref() else {
+            return serde_json::json!({"error": "QMP is not connected yet"});
+        };
+        return match tokio::time::timeout(QMP_PROBE_TIMEOUT, q.simple(command)).await {
+            Ok(Ok(v)) => serde_json::json!({ "return": v }),
+            Ok(Err(e)) => serde_json::json!({ "error": e.to_string() }),
+            Err(_) => {
+                serde_json::json!({ "error": format!("no answer within {QMP_PROBE_TIMEOUT:?}") })
+            }
+        };
+    }
     let vm = match req {
         Request::Probe {
             kind: ProbeKind::Readiness,
@@ -103,6 +121,7 @@ async fn answer(req: Request, state: &SharedState, qmp: &SharedQmp) -> serde_jso
             let vm = vm.and_then(Result::ok);
             json(&health::status_report(&s, vm.as_ref(), Instant::now()))
         }
+        Request::Qmp { .. } => unreachable!("answered above"),
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
+use capk_bootstrap::heartbeat::{BootstrapState, HeartbeatLine};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -183,24 +184,22 @@ pub fn status_report(state: &LauncherState, vm: Option<&VmStatus>, now: Instant)
     }
 }
 
-/// What one heartbeat line means.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HeartbeatLine {
-    /// Periodic liveness.
-    Beat,
-    /// `/run/cluster-api/bootstrap-success.complete` exists in the guest.
-    BootstrapSuccess,
-    /// Anything else.
-    Unknown,
-}
-
-/// Parses one line from the heartbeat port.
-pub fn parse_heartbeat(line: &str) -> HeartbeatLine {
-    match line.trim() {
-        "heartbeat" => HeartbeatLine::Beat,
-        "bootstrap-success" => HeartbeatLine::BootstrapSuccess,
-        _ => HeartbeatLine::Unknown,
+/// Applies one line from the heartbeat port (format owned by capk-bootstrap, which writes the
+/// guest side). Returns false for a line that is not a heartbeat.
+pub fn record_heartbeat(state: &mut LauncherState, line: &str, now: Instant) -> bool {
+    let Ok(beat) = line.parse::<HeartbeatLine>() else {
+        return false;
+    };
+    let done = beat.bootstrap == BootstrapState::Done;
+    if done && !state.bootstrap_succeeded {
+        tracing::info!(
+            guest.uptime_seconds = beat.uptime_seconds,
+            "guest reported bootstrap success"
+        );
     }
+    state.bootstrap_succeeded = done;
+    state.last_heartbeat = Some(now);
+    true
 }
 
 /// Reads the heartbeat socket QEMU serves, reconnecting, and records what the guest says.
@@ -209,17 +208,8 @@ pub async fn follow_heartbeat(path: std::path::PathBuf, state: crate::control::S
         if let Ok(stream) = tokio::net::UnixStream::connect(&path).await {
             let mut lines = BufReader::new(stream).lines();
             while let Ok(Some(line)) = lines.next_line().await {
-                let mut s = state.lock().await;
-                match parse_heartbeat(&line) {
-                    HeartbeatLine::Beat => s.last_heartbeat = Some(Instant::now()),
-                    HeartbeatLine::BootstrapSuccess => {
-                        if !s.bootstrap_succeeded {
-                            tracing::info!("guest reported bootstrap success");
-                        }
-                        s.bootstrap_succeeded = true;
-                        s.last_heartbeat = Some(Instant::now());
-                    }
-                    HeartbeatLine::Unknown => {}
+                if !record_heartbeat(&mut *state.lock().await, &line, Instant::now()) {
+                    tracing::debug!(line = %line.chars().take(120).collect::<String>(), "ignored heartbeat port line");
                 }
             }
         }
@@ -280,12 +270,23 @@ mod tests {
     }
 
     #[test]
-    fn heartbeat_lines() {
-        assert_eq!(parse_heartbeat("heartbeat\n"), HeartbeatLine::Beat);
-        assert_eq!(
-            parse_heartbeat("bootstrap-success"),
-            HeartbeatLine::BootstrapSuccess
-        );
-        assert_eq!(parse_heartbeat("garbage"), HeartbeatLine::Unknown);
+    fn heartbeat_lines_set_liveness_and_bootstrap_state() {
+        let mut s = running();
+        let now = Instant::now();
+        assert!(!record_heartbeat(&mut s, "hello", now));
+        assert_eq!(s.last_heartbeat, None);
+        assert!(record_heartbeat(
+            &mut s,
+            "capk-heartbeat/1 bootstrap=pending uptime=3.2",
+            now
+        ));
+        assert!(!s.bootstrap_succeeded);
+        assert_eq!(s.last_heartbeat, Some(now));
+        assert!(record_heartbeat(
+            &mut s,
+            "capk-heartbeat/1 bootstrap=done uptime=9.0\n",
+            now
+        ));
+        assert!(s.bootstrap_succeeded);
     }
 }

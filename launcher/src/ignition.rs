@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::disk;
+use crate::qemu::argv::{DiskAttachment, HostVolume};
+
 /// Per-boot facts the overlay merges into the machine's Ignition.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct BootFacts {
@@ -24,6 +27,29 @@ pub struct BootFacts {
     pub mounts: Vec<(String, String)>,
     /// virtio-serial port name of the heartbeat.
     pub heartbeat_port: String,
+}
+
+/// Where the guest mounts each data disk (by virtio serial) and each host volume (9p tag,
+/// written as `9p:<tag>`): the facts the overlay turns into filesystems and mount units.
+pub fn boot_mounts(disks: &[DiskAttachment], host_volumes: &[HostVolume]) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = disks
+        .iter()
+        .filter_map(|d| {
+            let at = match d.serial.as_str() {
+                disk::DOCKER_SERIAL => "/var/lib/containerd",
+                disk::KUBELET_SERIAL => "/var/lib/kubelet",
+                disk::ETCD_SERIAL => "/var/lib/etcd",
+                _ => return None,
+            };
+            Some((d.serial.clone(), at.to_string()))
+        })
+        .collect();
+    out.extend(
+        host_volumes
+            .iter()
+            .map(|v| (format!("9p:{}", v.tag), format!("/data/{}", v.tag))),
+    );
+    out
 }
 
 /// Ignition preparation failures.
@@ -84,6 +110,33 @@ pub fn prepare(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::qemu::argv::DiskFormat;
+
+    #[test]
+    fn data_disks_and_host_volumes_get_their_mount_points() {
+        let d = |serial: &str| DiskAttachment {
+            serial: serial.into(),
+            path: "/x".into(),
+            format: DiskFormat::Raw,
+        };
+        let m = boot_mounts(
+            &[d("rootfs"), d("dockerfs"), d("kubeletfs"), d("etcdfs")],
+            &[HostVolume {
+                tag: "shared".into(),
+                path: "/srv".into(),
+            }],
+        );
+        assert_eq!(
+            m,
+            [
+                ("dockerfs", "/var/lib/containerd"),
+                ("kubeletfs", "/var/lib/kubelet"),
+                ("etcdfs", "/var/lib/etcd"),
+                ("9p:shared", "/data/shared"),
+            ]
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+        );
+    }
 
     #[test]
     fn rejects_non_ignition_and_writes_private_copy() {

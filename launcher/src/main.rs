@@ -33,6 +33,26 @@ fn one_line(e: &dyn std::error::Error) -> String {
     s.replace('\n', " ")
 }
 
+/// Prints the console log, then (when `follow`) what is appended, until interrupted.
+fn follow_console(path: &std::path::Path, follow: bool) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    let mut f = std::fs::File::open(path)?;
+    let mut out = std::io::stdout().lock();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n > 0 {
+            out.write_all(&buf[..n])?;
+            continue;
+        }
+        if !follow {
+            return Ok(());
+        }
+        out.flush()?;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -90,6 +110,37 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Console { socket, no_follow } => {
+            match follow_console(&socket.runtime_dir.join(run::CONSOLE_LOG), !no_follow) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!(
+                        "capk-launcher: console {}: {e}",
+                        socket.runtime_dir.display()
+                    );
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Qmp { command, socket } => {
+            match rt.block_on(control::call(
+                &socket.runtime_dir,
+                &Request::Qmp { command },
+            )) {
+                Ok(v) => {
+                    println!("{v}");
+                    if v.get("error").is_some() {
+                        ExitCode::FAILURE
+                    } else {
+                        ExitCode::SUCCESS
+                    }
+                }
+                Err(e) => {
+                    eprintln!("capk-launcher: {}", one_line(&e));
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::ProbeAccel { timeout_ms } => {
             match accel::probe_kvm(Duration::from_millis(timeout_ms)) {
                 Ok(()) => {

@@ -22,6 +22,9 @@ use crate::qemu::argv::{self, DirectKernel, DiskFormat, HostVolume, VmSpec};
 use crate::qemu::qmp::{QapiQmp, Qmp};
 use crate::supervise::{QemuExit, Reaper};
 
+/// File name of the console copy in the runtime directory.
+pub const CONSOLE_LOG: &str = "console.log";
+
 /// Why `run` stopped or could not start. Each message is one line and says what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -402,7 +405,7 @@ async fn start_vm(
                     .iter()
                     .map(Ipv4Addr::to_string)
                     .collect(),
-                mounts: Vec::new(),
+                mounts: ignition::boot_mounts(&disk_plan.attachments, &v.host_volumes),
                 heartbeat_port: argv::HEARTBEAT_PORT.into(),
             };
             Some(ignition::prepare(
@@ -431,6 +434,7 @@ async fn start_vm(
         ignition,
         qmp_socket: a.socket.runtime_dir.join("qmp.sock"),
         heartbeat_socket: a.socket.runtime_dir.join("heartbeat.sock"),
+        console_log: a.socket.runtime_dir.join(CONSOLE_LOG),
         host_volumes: v.host_volumes.clone(),
         direct_kernel: a.kernel.clone().map(|kernel| DirectKernel {
             kernel,

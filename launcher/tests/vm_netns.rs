@@ -244,6 +244,8 @@ impl Launcher {
         )
         .unwrap();
         let runtime_dir = work.join("run");
+        let ignition = work.join("ignition.json");
+        std::fs::write(&ignition, IGNITION).unwrap();
         let append = format!(
             "console=ttyS0 quiet panic=-1 capk.peer={} capk.marker-disk=etcdfs capk.boot-id={boot_id} {extra_append}",
             t.peer_ip
@@ -278,6 +280,7 @@ impl Launcher {
             .args(["--state-dir", &work.join("state").display().to_string()])
             .args(["--runtime-dir", &runtime_dir.display().to_string()])
             .args(["--resolv-conf", &resolv.display().to_string()])
+            .args(["--ignition", &ignition.display().to_string()])
             .args([
                 "--hostname",
                 "capk-test-vm",
@@ -451,9 +454,20 @@ fn boot_and_check(
     );
     let root = l.wait_for("serial=rootfs", Duration::from_secs(5));
     assert!(root.ends_with(&format!("bytes={}", 512u64 << 20)), "{root}");
+    let ign = l.wait_for("CAPK-TESTGUEST fw-cfg-ignition", Duration::from_secs(5));
+    let want = sh_out(&format!(
+        "printf '%s' '{IGNITION}' | sha256sum | cut -d' ' -f1"
+    ));
+    assert!(
+        ign.ends_with(&format!("sha256={want}")),
+        "{ign} (want {want})"
+    );
     let marker = l.wait_for("CAPK-TESTGUEST marker-", Duration::from_secs(5));
     (l, marker)
 }
+
+/// The machine's Ignition; the guest reports the digest of what fw_cfg delivered.
+const IGNITION: &str = r#"{"ignition":{"version":"3.4.0"},"storage":{"files":[{"path":"/etc/capk-test","contents":{"source":"data:,hello"}}]}}"#;
 
 fn work_dir() -> tempfile::TempDir {
     // Short path: unix socket paths are limited to 108 bytes.
@@ -588,14 +602,24 @@ fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
     assert!(route.contains("default via 10.22.0.1"), "{route}");
     let addr = l.wait_for("CAPK-TESTGUEST addr ", Duration::from_secs(5));
     assert!(addr.ends_with("10.22.0.5/24"), "{addr}");
+    l.wait_probe("readiness", true, Duration::from_secs(30));
+    let (ok, answer) = l.cli(&["qmp", "query-status"]);
+    assert!(ok, "{answer}");
+    let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(v["return"]["status"], "running", "{answer}");
+    let (ok, console) = l.cli(&["console", "--no-follow"]);
+    assert!(
+        ok && console.contains("CAPK-TESTGUEST lease ip=10.22.0.5/24"),
+        "{console}"
+    );
     l.signal("TERM");
     assert!(l.wait_exit(Duration::from_secs(30)).success());
     drop(l);
 
     // A guest kernel panic ends QEMU (pvpanic + -action panic=exit-failure) and the launcher
     // exits non-zero so the kubelet restarts the container.
-    let (mut l, _) = boot_and_check(&t, work.path(), "panic", "capk.panic=1");
-    l.wait_for("CAPK-TESTGUEST panicking", Duration::from_secs(20));
+    let mut l = Launcher::start(&t, work.path(), "panic", "capk.panic=1");
+    l.wait_for("CAPK-TESTGUEST panicking", Duration::from_secs(120));
     let exit = l.wait_exit(Duration::from_secs(30));
     assert!(!exit.success(), "guest panic → launcher must exit non-zero");
     let cause = l

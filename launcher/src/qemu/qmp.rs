@@ -51,6 +51,22 @@ pub enum QmpError {
     },
 }
 
+/// QMP commands `capk-launcher qmp` may send (no arguments, nothing that reads guest memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum SimpleCommand {
+    /// `query-status`.
+    QueryStatus,
+    /// `system_powerdown` (ACPI power button).
+    SystemPowerdown,
+    /// `system_reset` (hard reset).
+    SystemReset,
+    /// `stop` (pause vCPUs).
+    Stop,
+    /// `cont` (resume vCPUs).
+    Cont,
+}
+
 /// The QMP commands the launcher uses.
 pub trait Qmp: Send {
     /// `query-status`.
@@ -59,6 +75,11 @@ pub trait Qmp: Send {
     fn system_powerdown(&self) -> impl Future<Output = Result<(), QmpError>> + Send;
     /// `quit`: stop QEMU now.
     fn quit(&self) -> impl Future<Output = Result<(), QmpError>> + Send;
+    /// One of the operator commands; the answer as JSON.
+    fn simple(
+        &self,
+        cmd: SimpleCommand,
+    ) -> impl Future<Output = Result<serde_json::Value, QmpError>> + Send;
 }
 
 type Writer = QmpStreamTokio<WriteHalf<UnixStream>>;
@@ -99,6 +120,10 @@ impl QapiQmp {
     }
 }
 
+fn done<T>(_: T) -> serde_json::Value {
+    serde_json::json!({})
+}
+
 fn cmd_err(command: &'static str) -> impl FnOnce(qapi::ExecuteError) -> QmpError {
     move |e| QmpError::Command {
         command,
@@ -129,6 +154,33 @@ impl Qmp for QapiQmp {
             .await
             .map(|_| ())
             .map_err(cmd_err("system_powerdown"))
+    }
+
+    async fn simple(&self, cmd: SimpleCommand) -> Result<serde_json::Value, QmpError> {
+        match cmd {
+            SimpleCommand::QueryStatus => {
+                Ok(serde_json::to_value(self.query_status().await?).unwrap_or_default())
+            }
+            SimpleCommand::SystemPowerdown => self.system_powerdown().await.map(done),
+            SimpleCommand::SystemReset => self
+                .service
+                .execute(qapi::qmp::system_reset {})
+                .await
+                .map(done)
+                .map_err(cmd_err("system_reset")),
+            SimpleCommand::Stop => self
+                .service
+                .execute(qapi::qmp::stop {})
+                .await
+                .map(done)
+                .map_err(cmd_err("stop")),
+            SimpleCommand::Cont => self
+                .service
+                .execute(qapi::qmp::cont {})
+                .await
+                .map(done)
+                .map_err(cmd_err("cont")),
+        }
     }
 
     async fn quit(&self) -> Result<(), QmpError> {
