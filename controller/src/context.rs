@@ -15,6 +15,8 @@ pub struct Settings {
     pub namespace: Option<String>,
     /// DNS domain of the management cluster (`cluster.local`), for the endpoint's Service name.
     pub cluster_domain: String,
+    /// Defaults for machine Pods (launcher image, volume sizes, ...).
+    pub machine_defaults: crate::kvmmachine::build::MachineDefaults,
 }
 
 impl Default for Settings {
@@ -22,6 +24,7 @@ impl Default for Settings {
         Self {
             namespace: None,
             cluster_domain: "cluster.local".into(),
+            machine_defaults: Default::default(),
         }
     }
 }

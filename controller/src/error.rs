@@ -43,6 +43,9 @@ pub enum Error {
     /// Adding or removing the finalizer failed.
     #[error("finalizer: {0}")]
     Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+    /// Deletion waits for the machine Pod (and its VM) to be gone.
+    #[error("machine Pod {0} is still terminating")]
+    PodStillTerminating(String),
     /// The object lacks a namespace (our kinds are namespaced; this is a bug).
     #[error("object has no namespace")]
     MissingNamespace,
@@ -57,6 +60,7 @@ impl Error {
             Error::Delete { .. } => "DeleteFailed",
             Error::UpdateStatus(_) => "StatusUpdateFailed",
             Error::Finalizer(_) => "FinalizerFailed",
+            Error::PodStillTerminating(_) => "WaitingForPodDeletion",
             Error::MissingNamespace => "InvalidObject",
         }
     }

@@ -10,9 +10,13 @@ pub mod kvmmachine;
 
 use std::sync::Arc;
 
-use capk_api::{capi::Cluster, constants::MANAGED_BY, v1alpha1::KVMCluster};
+use capk_api::{
+    capi::{Cluster, Machine},
+    constants::{CLUSTER_NAME_LABEL, MANAGED_BY},
+    v1alpha1::{KVMCluster, KVMMachine},
+};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Secret, Service};
 use kube::{
     Api, Client, ResourceExt,
     runtime::{Controller, reflector::ObjectRef, watcher},
@@ -35,18 +39,28 @@ where
 pub async fn run(
     client: Client,
     settings: Settings,
-    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
     let ns = settings.namespace.clone();
     let ctx = Arc::new(Context::new(client.clone(), settings));
     let owned =
         watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
 
-    Controller::new(
+    // One shutdown signal, fanned out to both controllers.
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let clusters = Controller::new(
         api::<KVMCluster>(&client, ns.as_deref()),
         watcher::Config::default(),
     )
-    .owns(api::<Service>(&client, ns.as_deref()), owned)
+    .owns(api::<Service>(&client, ns.as_deref()), owned.clone())
     .watches(
         api::<Cluster>(&client, ns.as_deref()),
         watcher::Config::default(),
@@ -56,13 +70,56 @@ pub async fn run(
             (r.kind == "KVMCluster").then(|| ObjectRef::new(&r.name).within(&ns))
         },
     )
-    .graceful_shutdown_on(shutdown)
-    .run(kvmcluster::reconcile, kvmcluster::error_policy, ctx)
+    .graceful_shutdown_on(stopped(rx.clone()))
+    .run(kvmcluster::reconcile, kvmcluster::error_policy, ctx.clone())
     .for_each(|res| async move {
         match res {
             Ok((obj, _)) => debug!(kvmcluster = %obj.name, "reconciled"),
-            Err(e) => warn!(error = %e, "reconcile error"),
+            Err(e) => warn!(error = %e, "KVMCluster reconcile error"),
         }
-    })
-    .await;
+    });
+
+    let machines = Controller::new(
+        api::<KVMMachine>(&client, ns.as_deref()),
+        watcher::Config::default(),
+    );
+    let store = machines.store();
+    let machines = machines
+        .owns(api::<Pod>(&client, ns.as_deref()), owned.clone())
+        .owns(api::<Secret>(&client, ns.as_deref()), owned.clone())
+        .owns(api::<PersistentVolumeClaim>(&client, ns.as_deref()), owned)
+        .watches(
+            api::<Machine>(&client, ns.as_deref()),
+            watcher::Config::default(),
+            |m: Machine| {
+                let ns = m.namespace()?;
+                let r = &m.spec.infrastructure_ref;
+                (r.kind == "KVMMachine").then(|| ObjectRef::new(&r.name).within(&ns))
+            },
+        )
+        // A Cluster's infrastructure becoming provisioned (or pausing) concerns its machines.
+        .watches(
+            api::<Cluster>(&client, ns.as_deref()),
+            watcher::Config::default(),
+            move |c: Cluster| {
+                let (name, ns) = (c.name_any(), c.namespace());
+                store
+                    .state()
+                    .into_iter()
+                    .filter(|km| {
+                        km.namespace() == ns && km.labels().get(CLUSTER_NAME_LABEL) == Some(&name)
+                    })
+                    .map(|km| ObjectRef::from(&*km))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .graceful_shutdown_on(stopped(rx))
+        .run(kvmmachine::reconcile, kvmmachine::error_policy, ctx)
+        .for_each(|res| async move {
+            match res {
+                Ok((obj, _)) => debug!(kvmmachine = %obj.name, "reconciled"),
+                Err(e) => warn!(error = %e, "KVMMachine reconcile error"),
+            }
+        });
+    futures::join!(clusters, machines);
 }

@@ -29,6 +29,15 @@ struct Cli {
     /// Log format.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// Container image of capk-launcher used for machine Pods (a concrete tag).
+    #[arg(long, env = "CAPK_LAUNCHER_IMAGE", default_value = "capk-launcher:dev")]
+    launcher_image: String,
+    /// Flatcar version for KVMMachines that name no image.
+    #[arg(long, default_value = "current")]
+    default_flatcar_version: String,
+    /// Require control-plane machine Pods of one cluster on different MC nodes (default: prefer).
+    #[arg(long)]
+    require_control_plane_anti_affinity: bool,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -100,6 +109,12 @@ async fn main() -> anyhow::Result<()> {
     let settings = capk_controller::Settings {
         namespace: cli.namespace,
         cluster_domain: cli.cluster_domain,
+        machine_defaults: capk_controller::kvmmachine::build::MachineDefaults {
+            launcher_image: cli.launcher_image,
+            flatcar_version: cli.default_flatcar_version,
+            require_control_plane_anti_affinity: cli.require_control_plane_anti_affinity,
+            ..Default::default()
+        },
     };
     // Kubernetes stops Pods with SIGTERM; a terminal sends SIGINT.
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -18,9 +18,10 @@ use k8s_openapi::{
     api::core::v1::{
         Affinity, Container, EmptyDirVolumeSource, ExecAction, HostPathVolumeSource,
         ImageVolumeSource, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm,
-        PersistentVolumeClaimVolumeSource, Pod, PodAffinityTerm, PodAntiAffinity, PodReadinessGate,
-        PodSpec, Probe, ResourceRequirements, Secret, SecretVolumeSource, SecurityContext, Volume,
-        VolumeMount, WeightedPodAffinityTerm,
+        PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource, Pod,
+        PodAffinityTerm, PodAntiAffinity, PodReadinessGate, PodSpec, Probe, ResourceRequirements,
+        Secret, SecretVolumeSource, SecurityContext, Volume, VolumeMount,
+        VolumeResourceRequirements, WeightedPodAffinityTerm,
     },
     apimachinery::pkg::{
         api::resource::Quantity,
@@ -572,6 +573,162 @@ fn sanitize(tag: &str) -> String {
             }
         })
         .collect()
+}
+
+/// The etcd PVC of a control-plane machine with `etcdStorage.type: persistentVolume`.
+pub fn etcd_claim(km: &KVMMachine, facts: &MachineFacts) -> Option<PersistentVolumeClaim> {
+    let storage = km.spec.etcd_storage.as_ref()?;
+    if !facts.control_plane || storage.type_ != EtcdStorageType::PersistentVolume {
+        return None;
+    }
+    let size = storage.size.as_ref()?.0.clone();
+    Some(PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some(etcd_claim_name(km)),
+            namespace: km.meta().namespace.clone(),
+            labels: Some(labels(km, facts)),
+            owner_references: km.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            storage_class_name: storage.storage_class_name.clone(),
+            resources: Some(VolumeResourceRequirements {
+                requests: Some(BTreeMap::from([("storage".to_owned(), Quantity(size))])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+/// Where a KVMMachine is on its way to a running VM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MachineState {
+    /// No Machine owns the KVMMachine yet.
+    WaitingForMachineOwner,
+    /// Reconciliation is paused.
+    Paused,
+    /// The Cluster's infrastructure is not provisioned yet.
+    WaitingForClusterInfrastructure,
+    /// The Machine has no bootstrap data Secret yet.
+    WaitingForBootstrapData,
+    /// The bootstrap data cannot be turned into Ignition; the message says why.
+    BootstrapDataInvalid(String),
+    /// The Pod exists but the VM is not running yet.
+    PodStarting {
+        /// Pod name.
+        pod: String,
+        /// The Pod's phase and reason, for the message.
+        detail: String,
+    },
+    /// The machine Pod runs the VM.
+    Running {
+        /// Pod name.
+        pod: String,
+        /// Pod (= VM) IP.
+        ip: String,
+    },
+    /// The machine Pod disappeared after the VM ran; the controller recreates it.
+    PodMissing,
+}
+
+/// The status the KVMMachine should have.
+pub fn status(
+    km: &KVMMachine,
+    state: &MachineState,
+    failure_domain: Option<&str>,
+    now: k8s_openapi::jiff::Timestamp,
+) -> capk_api::v1alpha1::KVMMachineStatus {
+    use crate::conditions::{self, DesiredCondition as C};
+    use capk_api::constants::{CONDITION_PAUSED, CONDITION_READY};
+    use capk_api::v1alpha1::{Initialization, MachineAddress, MachineAddressType};
+
+    let current = km.status.clone().unwrap_or_default();
+    let generation = km.meta().generation;
+    let mut out = current.clone();
+    let mut desired = vec![match state {
+        MachineState::Paused => C::truthy(
+            CONDITION_PAUSED,
+            "Paused",
+            "the Cluster or this object is paused; nothing is changed until it is unpaused",
+        ),
+        _ => C::falsy(CONDITION_PAUSED, "NotPaused", ""),
+    }];
+    let ready = match state {
+        MachineState::Paused => None,
+        MachineState::WaitingForMachineOwner => Some(C::falsy(
+            CONDITION_READY,
+            "WaitingForMachineOwner",
+            "waiting for Cluster API to set a Machine as owner of this KVMMachine",
+        )),
+        MachineState::WaitingForClusterInfrastructure => Some(C::falsy(
+            CONDITION_READY,
+            "WaitingForClusterInfrastructure",
+            "waiting for the Cluster's infrastructure (KVMCluster) to be provisioned",
+        )),
+        MachineState::WaitingForBootstrapData => Some(C::falsy(
+            CONDITION_READY,
+            "WaitingForBootstrapData",
+            "waiting for the Machine's bootstrap data Secret (spec.bootstrap.dataSecretName)",
+        )),
+        MachineState::BootstrapDataInvalid(msg) => Some(C::falsy(
+            CONDITION_READY,
+            "BootstrapDataInvalid",
+            format!("cannot convert the bootstrap data to Ignition: {msg}"),
+        )),
+        MachineState::PodStarting { pod, detail } => Some(C::falsy(
+            CONDITION_READY,
+            "VMStarting",
+            format!("machine Pod {pod}: {detail}"),
+        )),
+        MachineState::Running { pod, .. } => Some(C::truthy(
+            CONDITION_READY,
+            "VMRunning",
+            format!("the VM runs in machine Pod {pod}"),
+        )),
+        MachineState::PodMissing => Some(C::falsy(
+            CONDITION_READY,
+            "MachinePodMissing",
+            "the machine Pod was deleted; it is being recreated and the VM boots again",
+        )),
+    };
+    desired.extend(ready);
+    match state {
+        MachineState::PodStarting { pod, .. } => {
+            out.pod_name = Some(pod.clone());
+        }
+        MachineState::Running { pod, ip } => {
+            out.pod_name = Some(pod.clone());
+            out.addresses = Some(vec![
+                MachineAddress {
+                    type_: MachineAddressType::InternalIP,
+                    address: ip.clone(),
+                },
+                MachineAddress {
+                    type_: MachineAddressType::Hostname,
+                    address: hostname(km),
+                },
+            ]);
+            out.initialization = Some(Initialization {
+                provisioned: Some(true),
+            });
+            out.ready = Some(true);
+        }
+        _ => {}
+    }
+    if !matches!(state, MachineState::Paused) {
+        out.failure_domain = failure_domain.map(str::to_owned);
+        out.observed_generation = generation;
+    }
+    out.conditions = Some(conditions::merge(
+        current.conditions.as_deref().unwrap_or_default(),
+        &desired,
+        generation,
+        now,
+    ));
+    out
 }
 
 #[cfg(test)]

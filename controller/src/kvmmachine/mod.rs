@@ -1,3 +1,397 @@
-//! KVMMachine: the machine Pod and its Ignition Secret. The pure builders are in [`build`].
+//! KVMMachine reconciler: fetch (Machine, Cluster, bootstrap Secret) → build (pure, in
+//! [`build`]) → apply (Ignition Secret, etcd PVC, machine Pod) → status.
 
 pub mod build;
+
+use std::{sync::Arc, time::Duration};
+
+use capk_api::{
+    capi::{Cluster, Machine},
+    constants::{KVMMACHINE_FINALIZER, PAUSED_ANNOTATION, provider_id},
+    v1alpha1::KVMMachine,
+};
+use capk_bootstrap::{BootstrapFormat, MachineFacts as BootFacts};
+use k8s_openapi::{
+    api::core::v1::{PersistentVolumeClaim, Pod, Secret},
+    jiff::Timestamp,
+};
+use kube::{
+    Api, Resource, ResourceExt,
+    api::{DeleteParams, Patch, PatchParams, PostParams},
+    runtime::{
+        controller::Action,
+        events::{Event, EventType},
+        finalizer::{Event as Finalizer, finalizer},
+    },
+};
+use serde_json::json;
+use tracing::{info, instrument, warn};
+
+use self::build::{MachineFacts, MachineState};
+use crate::{
+    context::{Context, FIELD_MANAGER},
+    error::{Error, Result},
+};
+
+/// The owning Machine's name, from the owner reference Cluster API sets.
+pub fn owner_machine_name(km: &KVMMachine) -> Option<String> {
+    km.owner_references()
+        .iter()
+        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
+        .map(|o| o.name.clone())
+}
+
+/// Reconciles one KVMMachine; publishes a Warning Event when a step fails.
+#[instrument(skip_all, fields(kvmmachine = %km.name_any(), namespace = km.namespace().unwrap_or_default()))]
+pub async fn reconcile(km: Arc<KVMMachine>, ctx: Arc<Context>) -> Result<Action> {
+    let result = reconcile_inner(km.clone(), &ctx).await;
+    if let Err(e) = &result {
+        warn!(error = %e, "reconcile failed");
+        publish(&ctx, &km, EventType::Warning, e.category(), e.to_string()).await;
+    }
+    result
+}
+
+async fn publish(ctx: &Context, km: &KVMMachine, type_: EventType, reason: &str, note: String) {
+    let ev = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    let _ = ctx.recorder.publish(&ev, &km.object_ref(&())).await;
+}
+
+fn read_err(kind: &'static str, name: &str) -> impl FnOnce(kube::Error) -> Error {
+    let name = name.to_owned();
+    move |source| Error::Read { kind, name, source }
+}
+
+async fn reconcile_inner(km: Arc<KVMMachine>, ctx: &Context) -> Result<Action> {
+    let ns = km.namespace().ok_or(Error::MissingNamespace)?;
+    let api: Api<KVMMachine> = Api::namespaced(ctx.client.clone(), &ns);
+    let machine = match owner_machine_name(&km) {
+        Some(name) => Api::<Machine>::namespaced(ctx.client.clone(), &ns)
+            .get_opt(&name)
+            .await
+            .map_err(read_err("Machine", &name))?,
+        None => None,
+    };
+    let cluster = match &machine {
+        Some(m) if !m.spec.cluster_name.is_empty() => {
+            Api::<Cluster>::namespaced(ctx.client.clone(), &ns)
+                .get_opt(&m.spec.cluster_name)
+                .await
+                .map_err(read_err("Cluster", &m.spec.cluster_name))?
+        }
+        _ => None,
+    };
+    let paused = cluster.as_ref().is_some_and(Cluster::is_paused)
+        || km.annotations().contains_key(PAUSED_ANNOTATION);
+    if paused {
+        write_status(&api, &km, &MachineState::Paused, None).await?;
+        return Ok(Action::await_change());
+    }
+    finalizer(&api, KVMMACHINE_FINALIZER, km, |event| async {
+        match event {
+            Finalizer::Apply(km) => apply(&api, &km, machine.as_ref(), cluster.as_ref(), ctx).await,
+            Finalizer::Cleanup(km) => cleanup(&km, ctx).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+async fn apply(
+    api: &Api<KVMMachine>,
+    km: &KVMMachine,
+    machine: Option<&Machine>,
+    cluster: Option<&Cluster>,
+    ctx: &Context,
+) -> Result<Action> {
+    let ns = km.namespace().ok_or(Error::MissingNamespace)?;
+    let Some(machine) = machine else {
+        write_status(api, km, &MachineState::WaitingForMachineOwner, None).await?;
+        return Ok(Action::await_change());
+    };
+    let fd = machine.spec.failure_domain.as_deref();
+    if !cluster.is_some_and(Cluster::infrastructure_provisioned) {
+        write_status(api, km, &MachineState::WaitingForClusterInfrastructure, fd).await?;
+        return Ok(Action::await_change());
+    }
+    let Some(secret_name) = machine.spec.bootstrap.data_secret_name.clone() else {
+        write_status(api, km, &MachineState::WaitingForBootstrapData, fd).await?;
+        return Ok(Action::await_change());
+    };
+    let facts = MachineFacts {
+        cluster: machine.spec.cluster_name.clone(),
+        control_plane: machine.is_control_plane(),
+        failure_domain: machine.spec.failure_domain.clone(),
+    };
+
+    // Bootstrap data → Ignition Secret. A conversion error is the user's to fix: a condition
+    // and an Event say what is wrong, and no Pod is created.
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let bootstrap = secrets
+        .get_opt(&secret_name)
+        .await
+        .map_err(read_err("Secret", &secret_name))?;
+    let Some(bootstrap) = bootstrap else {
+        write_status(api, km, &MachineState::WaitingForBootstrapData, fd).await?;
+        return Ok(Action::await_change());
+    };
+    let data = bootstrap.data.clone().unwrap_or_default();
+    let value = data.get("value").map(|b| b.0.clone()).unwrap_or_default();
+    let format = data
+        .get("format")
+        .map(|b| String::from_utf8_lossy(&b.0).into_owned());
+    let boot_facts = BootFacts {
+        hostname: build::hostname(km),
+        instance_id: provider_id(&ns, &km.name_any()),
+    };
+    let rendered = BootstrapFormat::from_secret(format.as_deref())
+        .and_then(|f| capk_bootstrap::render_ignition(f, &value, &boot_facts, None));
+    let ignition = match rendered {
+        Ok(r) => r.json,
+        Err(e) => {
+            let msg = e.to_string();
+            if km
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_none_or(|cs| {
+                    !cs.iter()
+                        .any(|c| c.reason == "BootstrapDataInvalid" && c.message.contains(&msg))
+                })
+            {
+                publish(
+                    ctx,
+                    km,
+                    EventType::Warning,
+                    "BootstrapDataInvalid",
+                    msg.clone(),
+                )
+                .await;
+            }
+            write_status(api, km, &MachineState::BootstrapDataInvalid(msg), fd).await?;
+            return Ok(Action::await_change());
+        }
+    };
+    let secret = build::ignition_secret(km, &facts, ignition);
+    apply_object(&secrets, &secret, "Secret").await?;
+
+    if let Some(pvc) = build::etcd_claim(km, &facts) {
+        let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
+        if pvcs
+            .get_opt(&pvc.name_any())
+            .await
+            .map_err(read_err("PersistentVolumeClaim", &pvc.name_any()))?
+            .is_none()
+        {
+            pvcs.create(&PostParams::default(), &pvc)
+                .await
+                .map_err(|source| Error::Apply {
+                    kind: "PersistentVolumeClaim",
+                    name: pvc.name_any(),
+                    source,
+                })?;
+        }
+    }
+
+    // The machine Pod: created once; a Pod's spec is immutable, so drift is not patched.
+    let pod = match build::machine_pod(km, &facts, &ctx.settings.machine_defaults) {
+        Ok(p) => p,
+        Err(e) => {
+            write_status(
+                api,
+                km,
+                &MachineState::BootstrapDataInvalid(e.to_string()),
+                fd,
+            )
+            .await?;
+            return Ok(Action::await_change());
+        }
+    };
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let pod_name = pod.name_any();
+    let existing = pods
+        .get_opt(&pod_name)
+        .await
+        .map_err(read_err("Pod", &pod_name))?;
+    let was_provisioned = km
+        .status
+        .as_ref()
+        .and_then(|s| s.initialization.as_ref())
+        .and_then(|i| i.provisioned)
+        .unwrap_or(false);
+    let existing = match existing {
+        Some(p) => p,
+        None => {
+            info!(pod = %pod_name, "creating machine Pod");
+            let created = pods
+                .create(&PostParams::default(), &pod)
+                .await
+                .map_err(|source| Error::Apply {
+                    kind: "Pod",
+                    name: pod_name.clone(),
+                    source,
+                })?;
+            if was_provisioned {
+                publish(
+                    ctx,
+                    km,
+                    EventType::Warning,
+                    "MachinePodMissing",
+                    format!("machine Pod {pod_name} was gone; created it again"),
+                )
+                .await;
+                write_status(api, km, &MachineState::PodMissing, fd).await?;
+            } else {
+                publish(
+                    ctx,
+                    km,
+                    EventType::Normal,
+                    "MachinePodCreated",
+                    format!("created machine Pod {pod_name}"),
+                )
+                .await;
+            }
+            created
+        }
+    };
+
+    if km.spec.provider_id.is_none() {
+        let patch = json!({"spec": {"providerID": provider_id(&ns, &km.name_any())}});
+        api.patch(
+            &km.name_any(),
+            &PatchParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..Default::default()
+            },
+            &Patch::Merge(&patch),
+        )
+        .await
+        .map_err(|source| Error::Apply {
+            kind: "KVMMachine",
+            name: km.name_any(),
+            source,
+        })?;
+    }
+
+    let state = pod_state(&existing);
+    write_status(api, km, &state, fd).await?;
+    Ok(Action::await_change())
+}
+
+/// Reads the machine Pod's state: running with an IP, or starting (with why).
+fn pod_state(pod: &Pod) -> MachineState {
+    let name = pod.name_any();
+    let status = pod.status.clone().unwrap_or_default();
+    let running = status
+        .container_statuses
+        .as_ref()
+        .and_then(|cs| cs.iter().find(|c| c.name == "launcher"))
+        .and_then(|c| c.state.as_ref())
+        .is_some_and(|s| s.running.is_some());
+    match (status.phase.as_deref(), status.pod_ip, running) {
+        (Some("Running"), Some(ip), true) => MachineState::Running { pod: name, ip },
+        (phase, _, _) => MachineState::PodStarting {
+            pod: name,
+            detail: format!(
+                "phase {}{}",
+                phase.unwrap_or("Pending"),
+                status.reason.map(|r| format!(" ({r})")).unwrap_or_default()
+            ),
+        },
+    }
+}
+
+async fn apply_object<K>(api: &Api<K>, obj: &K, kind: &'static str) -> Result<()>
+where
+    K: Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(obj),
+    )
+    .await
+    .map_err(|source| Error::Apply { kind, name, source })?;
+    Ok(())
+}
+
+/// Deletes the Pod (the launcher shuts the guest down by ACPI), then the Secret and the etcd
+/// PVC; the finalizer goes once the Pod is gone so no VM outlives its KVMMachine.
+async fn cleanup(km: &KVMMachine, ctx: &Context) -> Result<Action> {
+    let ns = km.namespace().ok_or(Error::MissingNamespace)?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let name = build::pod_name(km);
+    if let Some(pod) = pods.get_opt(&name).await.map_err(read_err("Pod", &name))? {
+        if pod.metadata.deletion_timestamp.is_none() {
+            pods.delete(&name, &DeleteParams::default())
+                .await
+                .map_err(|source| Error::Delete {
+                    kind: "Pod",
+                    name: name.clone(),
+                    source,
+                })?;
+        }
+        // The Pod's deletion event wakes us; the requeue is a safety net.
+        return Err(Error::PodStillTerminating(name));
+    }
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    delete_if_present(&secrets, &build::ignition_secret_name(km), "Secret").await?;
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
+    delete_if_present(&pvcs, &build::etcd_claim_name(km), "PersistentVolumeClaim").await?;
+    Ok(Action::await_change())
+}
+
+async fn delete_if_present<K>(api: &Api<K>, name: &str, kind: &'static str) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(source) => Err(Error::Delete {
+            kind,
+            name: name.to_owned(),
+            source,
+        }),
+    }
+}
+
+async fn write_status(
+    api: &Api<KVMMachine>,
+    km: &KVMMachine,
+    state: &MachineState,
+    failure_domain: Option<&str>,
+) -> Result<()> {
+    let desired = build::status(km, state, failure_domain, Timestamp::now());
+    if km.status.as_ref() == Some(&desired) {
+        return Ok(());
+    }
+    let patch = json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+        "kind": "KVMMachine",
+        "status": desired,
+    });
+    api.patch_status(
+        &km.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(Error::UpdateStatus)?;
+    Ok(())
+}
+
+/// Requeue after a failure; a Pod still terminating is checked again soon.
+pub fn error_policy(_km: Arc<KVMMachine>, error: &Error, _ctx: Arc<Context>) -> Action {
+    match error {
+        Error::Finalizer(_) => Action::requeue(Duration::from_secs(2)),
+        _ => Action::requeue(Duration::from_secs(10)),
+    }
+}
