@@ -58,7 +58,7 @@ pub enum ConvertError {
     /// The Ignition input declares a spec version this converter does not read.
     #[error(
         "Ignition spec version `{version}` is not supported; \
-         give spec 2.3.0 (CABPK's `format: ignition`) or 3.0.0 to 3.4.0"
+         give spec 2.3.0 (CABPK's `format: ignition`) or 3.0.0 to 3.5.0"
     )]
     UnsupportedIgnitionVersion { version: String },
 

@@ -1,5 +1,6 @@
 //! Ignition input: spec 2.3.0 (CABPK's `format: ignition`, made by Flatcar's CLC transpiler)
-//! translated to 3.4.0, and spec 3.0.0–3.4.0 passed through.
+//! translated to 3.4.0, and spec 3.0.0–3.5.0 passed through as 3.4.0 (every 3.x spec up to 3.5
+//! only adds fields; a field newer than 3.4, such as 3.5's `luks[].cex`, is an error naming it).
 //!
 //! The 2.3 types below mirror Flatcar's `config/v2_3/types` (which CABPK marshals) plus
 //! upstream's `proxy` and `httpHeaders`. Unknown keys are errors naming their path.
@@ -13,9 +14,9 @@ use crate::error::{ConvertError, KeyPath, ignored_path};
 use crate::v3;
 
 /// Input spec versions passed through (re-emitted as [`crate::OUTPUT_SPEC_VERSION`]).
-pub const PASSTHROUGH_VERSIONS: &[&str] = &["3.0.0", "3.1.0", "3.2.0", "3.3.0", "3.4.0"];
+pub const PASSTHROUGH_VERSIONS: &[&str] = &["3.0.0", "3.1.0", "3.2.0", "3.3.0", "3.4.0", "3.5.0"];
 
-/// Reads an Ignition config of spec 2.3.0 or 3.0.0–3.4.0 and returns it as 3.4.0.
+/// Reads an Ignition config of spec 2.3.0 or 3.0.0–3.5.0 and returns it as 3.4.0.
 pub fn convert(text: &str) -> Result<v3t::Config, ConvertError> {
     #[derive(Deserialize)]
     struct Minimal {
@@ -35,7 +36,7 @@ pub fn convert(text: &str) -> Result<v3t::Config, ConvertError> {
         let v2: Config = parse(text, "2.3.0")?;
         translate(v2)
     } else if PASSTHROUGH_VERSIONS.contains(&version.as_str()) {
-        let mut c: v3t::Config = parse(text, "3.4.0")?;
+        let mut c: v3t::Config = parse(text, "3.4.0, the spec capk-bootstrap emits")?;
         c.ignition.version = crate::OUTPUT_SPEC_VERSION.to_owned();
         Ok(c)
     } else {

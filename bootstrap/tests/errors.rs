@@ -250,10 +250,10 @@ fn conversion_cases() -> Vec<(&'static str, BootstrapFormat, Vec<u8>, &'static s
             "`2.2.0`",
         ),
         (
-            "ignition 3.5",
+            "ignition 3.6",
             IGN,
-            br#"{"ignition":{"version":"3.5.0"}}"#.to_vec(),
-            "`3.5.0`",
+            br#"{"ignition":{"version":"3.6.0"}}"#.to_vec(),
+            "`3.6.0`",
         ),
         (
             "ignition 2.3 unknown key",
@@ -342,9 +342,9 @@ fn conversion_cases() -> Vec<(&'static str, BootstrapFormat, Vec<u8>, &'static s
             "`networkd.units[0].dropins[0].name`",
         ),
         (
-            "ignition 3 key from a later spec",
+            "ignition 3.5 key not in 3.4",
             IGN,
-            br#"{"ignition":{"version":"3.4.0"},"storage":{"luks":[{"name":"x","cex":{"enabled":true}}]}}"#.to_vec(),
+            br#"{"ignition":{"version":"3.5.0"},"storage":{"luks":[{"name":"x","cex":{"enabled":true}}]}}"#.to_vec(),
             "`storage.luks[0].cex`",
         ),
         (

@@ -64,3 +64,19 @@ fn overlay_fragment_alone_validates() {
     }
     insta::assert_yaml_snapshot!("overlay_fragment", readable(&json));
 }
+
+#[test]
+fn every_3x_spec_up_to_3_5_is_reemitted_as_3_4() {
+    for v in ["3.0.0", "3.1.0", "3.2.0", "3.3.0", "3.4.0", "3.5.0"] {
+        let input = format!(
+            r#"{{"ignition":{{"version":"{v}"}},"storage":{{"files":[{{"path":"/etc/x","contents":{{"source":"data:,x"}}}}]}}}}"#
+        );
+        let r = render_ignition(BootstrapFormat::Ignition, input.as_bytes(), &facts(), None)
+            .unwrap_or_else(|e| panic!("{v}: {e}"));
+        assert_eq!(
+            String::from_utf8(r.json).unwrap(),
+            r#"{"ignition":{"version":"3.4.0"},"storage":{"files":[{"contents":{"source":"data:,x"},"path":"/etc/x"}]}}"#,
+            "spec {v}"
+        );
+    }
+}
