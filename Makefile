@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build test test-deps lint fmt generate testenv testenv-down clean help
+.PHONY: all build test test-deps lint fmt generate release-manifests testenv testenv-down clean help
 
 all: build
 
@@ -28,6 +28,9 @@ fmt: ## Format the code
 
 generate: ## Regenerate manifests/crd from the Rust types
 	$(CARGO) run -q -p capk-api --example crdgen -- manifests/crd
+
+release-manifests: test-deps ## clusterctl repository files under _output/release/infrastructure-kvm/<version>
+	@bash hack/release-manifests.sh
 
 testenv: test-deps ## Start etcd + kube-apiserver with our CRDs in the background; last line = kubeconfig
 	@bash hack/testenv.sh up

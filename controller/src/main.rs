@@ -107,7 +107,8 @@ async fn main() -> anyhow::Result<()> {
     }
     let client = Client::try_default().await?;
     let settings = capk_controller::Settings {
-        namespace: cli.namespace,
+        // `--namespace=` (clusterctl with an empty variable) means all namespaces.
+        namespace: cli.namespace.filter(|n| !n.is_empty()),
         cluster_domain: cli.cluster_domain,
         machine_defaults: capk_controller::kvmmachine::build::MachineDefaults {
             launcher_image: cli.launcher_image,

@@ -1,54 +1,26 @@
 //! The KVMCluster reconciler against a real kube-apiserver (Cluster API objects created by the
 //! test, as the CAPI controllers would).
 
+mod support;
+
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use capk_api::{capi::Cluster, v1alpha1::KVMCluster};
 use capk_tests::env::TestEnv;
-use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::core::v1::Service;
 use kube::{
     Api, Client, ResourceExt,
     api::{DeleteParams, Patch, PatchParams, PostParams},
 };
 use serde_json::json;
+use support::{create_namespace, eventually, start_controller};
 
 async fn setup(ns: &str) -> Result<(Client, tokio::sync::oneshot::Sender<()>)> {
     let client = TestEnv::shared().client().await?;
-    let nsobj: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}}))?;
-    Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &nsobj)
-        .await?;
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let settings = capk_controller::Settings {
-        namespace: Some(ns.to_owned()),
-        ..Default::default()
-    };
-    tokio::spawn(capk_controller::run(client.clone(), settings, async {
-        let _ = rx.await;
-    }));
-    Ok((client, tx))
-}
-
-/// Polls `probe` until it returns `Some`, or fails after `secs` with the last observation.
-async fn eventually<T, F, Fut>(secs: u64, what: &str, mut probe: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Option<T>>>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    loop {
-        match probe().await {
-            Ok(Some(v)) => return Ok(v),
-            Ok(None) => {}
-            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
-            Err(_) => {}
-        }
-        if tokio::time::Instant::now() >= deadline {
-            bail!("timed out after {secs}s waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    create_namespace(&client, ns).await?;
+    let stop = start_controller(client.clone(), ns);
+    Ok((client, stop))
 }
 
 fn condition(kc: &KVMCluster, type_: &str) -> Option<(String, String)> {

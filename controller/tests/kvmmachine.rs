@@ -2,56 +2,27 @@
 //! the test the way the CAPI controllers would; no kubelet runs here, so machine Pods stay
 //! Pending (the VM itself is covered by the launcher and end-to-end tests).
 
-use std::time::Duration;
+mod support;
 
-use anyhow::{Context, Result, bail};
-use capk_api::{
-    capi::{Cluster, Machine},
-    v1alpha1::KVMMachine,
-};
+use anyhow::{Context, Result};
+use capk_api::v1alpha1::KVMMachine;
 use capk_tests::env::TestEnv;
 use k8s_openapi::api::{
-    core::v1::{Namespace, Pod, Secret},
+    core::v1::{Pod, Secret},
     events::v1::Event,
 };
 use kube::{
     Api, Client, ResourceExt,
-    api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
+    api::{DeleteParams, ListParams},
 };
-use serde_json::{Value, json};
+use serde_json::Value;
+use support::{control_plane_machine as world, create_namespace, eventually, start_controller};
 
 async fn setup(ns: &str) -> Result<(Client, tokio::sync::oneshot::Sender<()>)> {
     let client = TestEnv::shared().client().await?;
-    let nsobj: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}}))?;
-    Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &nsobj)
-        .await?;
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let settings = capk_controller::Settings {
-        namespace: Some(ns.to_owned()),
-        ..Default::default()
-    };
-    tokio::spawn(capk_controller::run(client.clone(), settings, async {
-        let _ = rx.await;
-    }));
-    Ok((client, tx))
-}
-
-async fn eventually<T, F, Fut>(secs: u64, what: &str, mut probe: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Option<T>>>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Ok(Some(v)) = probe().await {
-            return Ok(v);
-        }
-        if tokio::time::Instant::now() >= deadline {
-            bail!("timed out after {secs}s waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    create_namespace(&client, ns).await?;
+    let stop = start_controller(client.clone(), ns);
+    Ok((client, stop))
 }
 
 fn ready(km: &KVMMachine) -> Option<(String, String, String)> {
@@ -63,59 +34,6 @@ fn ready(km: &KVMMachine) -> Option<(String, String, String)> {
         .iter()
         .find(|c| c.type_ == "Ready")?;
     Some((c.status.clone(), c.reason.clone(), c.message.clone()))
-}
-
-/// A provisioned Cluster, a bootstrap Secret, a Machine and its KVMMachine.
-async fn world(client: &Client, ns: &str, name: &str, bootstrap: &str) -> Result<()> {
-    let clusters: Api<Cluster> = Api::namespaced(client.clone(), ns);
-    if clusters.get_opt("demo").await?.is_none() {
-        let c: Cluster = serde_json::from_value(json!({
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-            "metadata": {"name": "demo"},
-            "spec": {"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
-                                           "kind": "KVMCluster", "name": "demo"}},
-        }))?;
-        clusters.create(&PostParams::default(), &c).await?;
-        let status = json!({"status": {"initialization": {"infrastructureProvisioned": true}}});
-        clusters
-            .patch_status("demo", &PatchParams::default(), &Patch::Merge(&status))
-            .await?;
-    }
-    let secret: Secret = serde_json::from_value(json!({
-        "metadata": {"name": format!("{name}-bootstrap")},
-        "type": "cluster.x-k8s.io/secret",
-        "stringData": {"value": bootstrap, "format": "cloud-config"},
-    }))?;
-    Api::<Secret>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &secret)
-        .await?;
-    let machine: Machine = serde_json::from_value(json!({
-        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
-        "metadata": {"name": name, "labels": {
-            "cluster.x-k8s.io/cluster-name": "demo", "cluster.x-k8s.io/control-plane": ""}},
-        "spec": {
-            "clusterName": "demo",
-            "bootstrap": {"dataSecretName": format!("{name}-bootstrap")},
-            "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
-                                  "kind": "KVMMachine", "name": name},
-        },
-    }))?;
-    let machine = Api::<Machine>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &machine)
-        .await?;
-    let km: KVMMachine = serde_json::from_value(json!({
-        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
-        "metadata": {"name": name,
-            "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
-            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
-                "name": name, "uid": machine.uid().context("uid")?, "controller": true}]},
-        "spec": {"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
-                 "etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/capk-etcd"}},
-    }))?;
-    Api::<KVMMachine>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &km)
-        .await?;
-    Ok(())
 }
 
 #[tokio::test]

@@ -268,6 +268,7 @@ pub fn crd_files() -> Result<Vec<PathBuf>> {
             .with_context(|| format!("read {}", dir.display()))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+            .filter(|p| !p.ends_with("kustomization.yaml"))
             .collect();
         in_dir.sort();
         files.extend(in_dir);

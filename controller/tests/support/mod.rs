@@ -1,0 +1,133 @@
+//! Shared by the controller's integration tests: namespaces, the controller running in-process
+//! against the test apiserver, polling, and the Cluster API objects the CAPI controllers would
+//! create.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use capk_api::{
+    capi::{Cluster, Machine},
+    v1alpha1::KVMMachine,
+};
+use k8s_openapi::api::core::v1::{Namespace, Secret};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{Patch, PatchParams, PostParams},
+};
+use serde_json::json;
+
+/// Creates a namespace (idempotent).
+pub async fn create_namespace(client: &Client, ns: &str) -> Result<()> {
+    let nsobj: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}}))?;
+    match Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &nsobj)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Runs the controller, watching `ns` only, until the returned sender is dropped.
+pub fn start_controller(client: Client, ns: &str) -> tokio::sync::oneshot::Sender<()> {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let settings = capk_controller::Settings {
+        namespace: Some(ns.to_owned()),
+        ..Default::default()
+    };
+    tokio::spawn(capk_controller::run(client, settings, async {
+        let _ = rx.await;
+    }));
+    tx
+}
+
+/// Polls `probe` until it returns `Some`, or fails after `secs`.
+pub async fn eventually<T, F, Fut>(secs: u64, what: &str, mut probe: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>>>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    let mut last_error = None;
+    loop {
+        match probe().await {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last_error = Some(e),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            match last_error {
+                Some(e) => bail!("timed out after {secs}s waiting for {what}; last error: {e:#}"),
+                None => bail!("timed out after {secs}s waiting for {what}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A Cluster `demo` whose infrastructure is provisioned (as CAPI records it).
+pub async fn provisioned_cluster(client: &Client, ns: &str) -> Result<()> {
+    let clusters: Api<Cluster> = Api::namespaced(client.clone(), ns);
+    if clusters.get_opt("demo").await?.is_some() {
+        return Ok(());
+    }
+    let c: Cluster = serde_json::from_value(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+        "metadata": {"name": "demo"},
+        "spec": {"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
+                                       "kind": "KVMCluster", "name": "demo"}},
+    }))?;
+    clusters.create(&PostParams::default(), &c).await?;
+    let status = json!({"status": {"initialization": {"infrastructureProvisioned": true}}});
+    clusters
+        .patch_status("demo", &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    Ok(())
+}
+
+/// A control-plane Machine `name` of cluster `demo` with its bootstrap Secret and KVMMachine.
+pub async fn control_plane_machine(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    bootstrap: &str,
+) -> Result<()> {
+    provisioned_cluster(client, ns).await?;
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": format!("{name}-bootstrap")},
+        "type": "cluster.x-k8s.io/secret",
+        "stringData": {"value": bootstrap, "format": "cloud-config"},
+    }))?;
+    Api::<Secret>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &secret)
+        .await?;
+    let machine: Machine = serde_json::from_value(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+        "metadata": {"name": name, "labels": {
+            "cluster.x-k8s.io/cluster-name": "demo", "cluster.x-k8s.io/control-plane": ""}},
+        "spec": {
+            "clusterName": "demo",
+            "bootstrap": {"dataSecretName": format!("{name}-bootstrap")},
+            "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
+                                  "kind": "KVMMachine", "name": name},
+        },
+    }))?;
+    let machine = Api::<Machine>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &machine)
+        .await?;
+    let km: KVMMachine = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
+        "metadata": {"name": name,
+            "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
+            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+                "name": name, "uid": machine.uid().context("uid")?, "controller": true}]},
+        "spec": {"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
+                 "etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/capk-etcd"}},
+    }))?;
+    Api::<KVMMachine>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &km)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds the clusterctl repository layout for this provider:
+#   _output/release/infrastructure-kvm/<version>/{infrastructure-components.yaml,metadata.yaml,cluster-template*.yaml}
+# infrastructure-components.yaml = `kubectl kustomize manifests/default` (CRDs, RBAC, Deployment).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+OUT=${CAPK_OUTPUT:-$ROOT/_output}
+version=v$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+dest=$OUT/release/infrastructure-kvm/$version
+kubectl=$OUT/bin/kubectl
+[[ -x $kubectl ]] || { echo "release-manifests: $kubectl missing; run 'make test-deps'" >&2; exit 1; }
+mkdir -p "$dest"
+"$kubectl" kustomize manifests/default >"$dest/infrastructure-components.yaml"
+cp manifests/metadata.yaml "$dest/metadata.yaml"
+cp manifests/templates/cluster-template*.yaml "$dest/"
+echo "$dest"
