@@ -35,6 +35,19 @@
 //! one 100% partition, swap mounts, cloud-init device aliases (`ephemeral0`, `swap`), YAML
 //! `!!binary` values (use `encoding: b64`), unquoted numeric `permissions`, and any
 //! Jinja other than the hostname and instance-id placeholders.
+//!
+//! Where the result knowingly differs from cloud-init on a cloud image:
+//!
+//! - `runcmd` runs with `set -e`: a failing command stops the ones after it (cloud-init goes on).
+//!   The success file is still written only when kubeadm and everything before it succeeded.
+//! - `bootcmd` sees the files already written (Ignition writes before boot; cloud-init runs
+//!   `bootcmd` before `write_files`).
+//! - `users[].groups` must exist in the image; cloud-init would create missing groups.
+//! - A disk without `table_type` gets GPT (cloud-init's default is MBR, which Ignition cannot
+//!   write).
+//! - `fs_setup` without `overwrite` on a disk holding a different filesystem fails Ignition (and
+//!   the boot); cloud-init would leave the disk alone.
+//! - `mounts` without options use `defaults,nofail`.
 #![forbid(unsafe_code)]
 
 mod cloud_config;
