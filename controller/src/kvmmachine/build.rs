@@ -630,7 +630,7 @@ pub enum MachineState {
         /// Pod (= VM) IP.
         ip: String,
     },
-    /// The machine Pod disappeared after the VM ran; the controller recreates it.
+    /// The machine Pod disappeared (or failed) after the VM ran; the Machine must be replaced.
     PodMissing,
 }
 
@@ -691,7 +691,8 @@ pub fn status(
         MachineState::PodMissing => Some(C::falsy(
             CONDITION_READY,
             "MachinePodMissing",
-            "the machine Pod was deleted; it is being recreated and the VM boots again",
+            "the machine Pod is gone or failed, and with it the VM and its disks; the Machine \
+             needs replacing (a MachineHealthCheck does this)",
         )),
     };
     desired.extend(ready);
@@ -875,6 +876,35 @@ mod tests {
                 panic!("capk-launcher rejects the Pod's arguments: {e}");
             }
         }
+    }
+
+    #[test]
+    fn a_lost_pod_turns_ready_false_but_keeps_provisioned() {
+        let t0: k8s_openapi::jiff::Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let mut km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
+        );
+        let running = MachineState::Running {
+            pod: "m".into(),
+            ip: "10.0.0.5".into(),
+        };
+        km.status = Some(status(&km, &running, Some("zone-a"), t0));
+        let lost = status(&km, &MachineState::PodMissing, Some("zone-a"), t0);
+        let ready = lost
+            .conditions
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .unwrap();
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "MachinePodMissing")
+        );
+        // The contract: provisioned never goes back to false.
+        assert_eq!(lost.initialization.unwrap().provisioned, Some(true));
+        assert_eq!(lost.failure_domain.as_deref(), Some("zone-a"));
     }
 
     #[test]

@@ -225,6 +225,34 @@ async fn apply(
         .and_then(|s| s.initialization.as_ref())
         .and_then(|i| i.provisioned)
         .unwrap_or(false);
+    // A provisioned machine whose Pod is gone (or failed for good) lost its VM and ephemeral
+    // disks: report it and let a MachineHealthCheck replace the Machine, rather than silently
+    // booting a fresh VM under the same Machine.
+    let lost = match &existing {
+        None => was_provisioned,
+        Some(p) => {
+            was_provisioned && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")
+        }
+    };
+    if lost {
+        let already = km
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.reason == "MachinePodMissing"));
+        if !already {
+            publish(
+                ctx,
+                km,
+                EventType::Warning,
+                "MachinePodMissing",
+                format!("machine Pod {pod_name} is gone or failed; the VM is lost and the Machine needs replacing"),
+            )
+            .await;
+        }
+        write_status(api, km, &MachineState::PodMissing, fd).await?;
+        return Ok(Action::await_change());
+    }
     let existing = match existing {
         Some(p) => p,
         None => {
@@ -237,26 +265,14 @@ async fn apply(
                     name: pod_name.clone(),
                     source,
                 })?;
-            if was_provisioned {
-                publish(
-                    ctx,
-                    km,
-                    EventType::Warning,
-                    "MachinePodMissing",
-                    format!("machine Pod {pod_name} was gone; created it again"),
-                )
-                .await;
-                write_status(api, km, &MachineState::PodMissing, fd).await?;
-            } else {
-                publish(
-                    ctx,
-                    km,
-                    EventType::Normal,
-                    "MachinePodCreated",
-                    format!("created machine Pod {pod_name}"),
-                )
-                .await;
-            }
+            publish(
+                ctx,
+                km,
+                EventType::Normal,
+                "MachinePodCreated",
+                format!("created machine Pod {pod_name}"),
+            )
+            .await;
             created
         }
     };
