@@ -111,6 +111,16 @@ pub enum Role {
     Worker,
 }
 
+impl Role {
+    /// The name used in flags, logs and status.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::ControlPlane => "control-plane",
+            Role::Worker => "worker",
+        }
+    }
+}
+
 /// `run` arguments.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
@@ -167,6 +177,9 @@ pub struct RunArgs {
     /// Guest hostname (default: this Pod's hostname).
     #[arg(long, env = "CAPK_HOSTNAME")]
     pub hostname: Option<String>,
+    /// iSCSI initiator name written into the guest (stable per machine; chosen by the controller).
+    #[arg(long, env = "CAPK_ISCSI_INITIATOR_NAME")]
+    pub iscsi_initiator_name: Option<String>,
     /// Machine role.
     #[arg(long, env = "CAPK_ROLE", value_enum, default_value_t = Role::Worker)]
     pub role: Role,

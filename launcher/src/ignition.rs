@@ -23,6 +23,8 @@ pub struct BootFacts {
     pub dns_search: Vec<String>,
     /// NTP servers.
     pub ntp_servers: Vec<String>,
+    /// iSCSI initiator name.
+    pub iscsi_initiator_name: Option<String>,
     /// Data disks as (virtio serial, mount point).
     pub mounts: Vec<(String, String)>,
     /// virtio-serial port name of the heartbeat.

@@ -130,6 +130,26 @@ pub fn validate(a: &RunArgs) -> Result<Validated, RunError> {
             "must be a DNS name of labels [a-z0-9-], at most 253 characters",
         ));
     }
+    if let Some(n) = &a.iscsi_initiator_name
+        && (!(n.starts_with("iqn.") || n.starts_with("eui."))
+            || n.len() > 223
+            || n.chars().any(char::is_whitespace))
+    {
+        return Err(invalid(
+            "iscsi-initiator-name",
+            "must be an iqn. or eui. name without spaces, at most 223 bytes",
+        ));
+    }
+    if let Some(n) = &a.iscsi_initiator_name
+        && (!(n.starts_with("iqn.") || n.starts_with("eui."))
+            || n.len() > 223
+            || n.chars().any(char::is_whitespace))
+    {
+        return Err(invalid(
+            "iscsi-initiator-name",
+            "must be an iqn. or eui. name without spaces, at most 223 bytes",
+        ));
+    }
     let mut host_volumes = Vec::new();
     for v in &a.host_volumes {
         let Some((tag, path)) = v.split_once('=') else {
@@ -238,6 +258,7 @@ pub fn guest_naming(a: &RunArgs, resolv_text: &str, hostname: String) -> GuestNa
 /// Runs the machine until QEMU ends. Ok means a requested, clean stop.
 pub async fn run(a: RunArgs) -> Result<(), RunError> {
     let t0 = Instant::now();
+    let mut signals = StopSignals::install()?;
     let v = validate(&a)?;
     preflight(&a)?;
     let hostname = match &a.hostname {
@@ -262,7 +283,7 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
     std::fs::create_dir_all(&a.socket.runtime_dir)
         .map_err(|e| RunError::Runtime(format!("create {}", a.socket.runtime_dir.display()), e))?;
     let state: SharedState = Arc::new(Mutex::new(LauncherState::new(
-        &format!("{:?}", a.role).to_lowercase(),
+        a.role.as_str(),
         Duration::from_secs(a.heartbeat_timeout_seconds),
     )));
     state.lock().await.accel = Some(decision.accel);
@@ -353,7 +374,7 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
         })
     };
 
-    let result = supervise(&a, pid, &mut reaper, &state, &qmp_slot).await;
+    let result = supervise(&mut signals, &a, pid, &mut reaper, &state, &qmp_slot).await;
     for t in [dhcp_task, hb_task, qmp_task, control_task] {
         t.abort();
     }
@@ -389,7 +410,7 @@ async fn start_vm(
         Some(src) => {
             let facts = BootFacts {
                 hostname: hostname.into(),
-                role: format!("{:?}", a.role).to_lowercase(),
+                role: a.role.as_str().into(),
                 dns_servers: net_plan
                     .lease
                     .naming
@@ -405,6 +426,7 @@ async fn start_vm(
                     .iter()
                     .map(Ipv4Addr::to_string)
                     .collect(),
+                iscsi_initiator_name: a.iscsi_initiator_name.clone(),
                 mounts: ignition::boot_mounts(&disk_plan.attachments, &v.host_volumes),
                 heartbeat_port: argv::HEARTBEAT_PORT.into(),
             };
@@ -466,16 +488,32 @@ async fn start_vm(
     Ok((pid, dhcp_task, reaper))
 }
 
+/// SIGTERM and SIGINT listeners, installed first thing so that a stop request during setup is
+/// kept (PID 1 would otherwise ignore it) and acted on once QEMU runs.
+struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn install() -> Result<Self, RunError> {
+        let sig = |k| signal(k).map_err(|e| RunError::Runtime("install signal handler".into(), e));
+        Ok(Self {
+            term: sig(SignalKind::terminate())?,
+            int: sig(SignalKind::interrupt())?,
+        })
+    }
+}
+
 async fn supervise(
+    signals: &mut StopSignals,
     a: &RunArgs,
     pid: u32,
     reaper: &mut Reaper,
     state: &SharedState,
     qmp: &SharedQmp,
 ) -> Result<(), RunError> {
-    let sig = |k| signal(k).map_err(|e| RunError::Runtime("install signal handler".into(), e));
-    let mut term = sig(SignalKind::terminate())?;
-    let mut int = sig(SignalKind::interrupt())?;
+    let StopSignals { term, int } = signals;
     let grace = Duration::from_secs(a.grace_period_seconds);
     let mut deadline: Option<tokio::time::Instant> = None;
     let mut killed = false;
@@ -567,6 +605,10 @@ mod tests {
             (
                 &["--host-volume", "d=rel/path"],
                 "invalid --host-volume: path \"rel/path\" must be absolute",
+            ),
+            (
+                &["--iscsi-initiator-name", "node 1"],
+                "invalid --iscsi-initiator-name: must be an iqn. or eui. name without spaces, at most 223 bytes",
             ),
             (
                 &["--hostname", "Bad_Name"],

@@ -236,6 +236,16 @@ struct Launcher {
 
 impl Launcher {
     fn start(t: &Topology, work: &Path, boot_id: &str, extra_append: &str) -> Launcher {
+        Self::start_with_accel(t, work, boot_id, extra_append, "auto")
+    }
+
+    fn start_with_accel(
+        t: &Topology,
+        work: &Path,
+        boot_id: &str,
+        extra_append: &str,
+        accel: &str,
+    ) -> Launcher {
         let g = guest_dir();
         let resolv = work.join("resolv.conf");
         std::fs::write(
@@ -262,7 +272,7 @@ impl Launcher {
             .args(["--kernel", &g.join("vmlinuz").display().to_string()])
             .args(["--initrd", &g.join("initrd.img").display().to_string()])
             .args(["--append", &append])
-            .args(["--accel", "auto", "--vcpus", "1", "--memory", "256Mi"])
+            .args(["--accel", accel, "--vcpus", "1", "--memory", "256Mi"])
             .args([
                 "--disk-size",
                 "512Mi",
@@ -395,9 +405,33 @@ impl Launcher {
     }
 }
 
+/// Pids whose parent is `ppid` (QEMU under the launcher).
+fn children_of(ppid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.to_string()))
+                .and_then(|rest| {
+                    rest.split_whitespace()
+                        .nth(1)
+                        .and_then(|p| p.parse::<u32>().ok())
+                })
+                == Some(ppid)
+        })
+        .collect()
+}
+
 impl Drop for Launcher {
     fn drop(&mut self) {
+        // A failed assertion must not leave QEMU running: kill the launcher's children first.
         if self.child.try_wait().ok().flatten().is_none() {
+            for pid in children_of(self.child.id()) {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
@@ -665,4 +699,173 @@ fn bad_input_exits_nonzero_with_one_line_cause() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(text.lines().count(), 1, "{text}");
     assert!(text.contains("is `capk-launcher run` running"), "{text}");
+}
+
+#[test]
+fn accel_kvm_fails_clearly_where_kvm_hangs() {
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    if !Path::new("/dev/kvm").exists() {
+        eprintln!("skipping: no /dev/kvm on this machine");
+        return;
+    }
+    // An empty namespace: should KVM work here, the run stops at "no eth0" instead of touching
+    // any real interface.
+    let ns = format!("capk-kvm-{}", std::process::id());
+    sh(&format!("ip netns add {ns}"));
+    let t = Topology {
+        node: ns.clone(),
+        pod: format!("{ns}-unused-pod"),
+        peer: format!("{ns}-unused-peer"),
+        pod_ip: "",
+        peer_ip: "",
+        mtu: 0,
+        pod_mac: String::new(),
+    };
+    let work = work_dir();
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &t.node,
+            env!("CARGO_BIN_EXE_capk-launcher"),
+            "run",
+            "--accel",
+            "kvm",
+        ])
+        .args([
+            "--image",
+            &guest_dir().join("base.qcow2").display().to_string(),
+        ])
+        .args([
+            "--runtime-dir",
+            &work.path().join("run").display().to_string(),
+        ])
+        .args([
+            "--state-dir",
+            &work.path().join("state").display().to_string(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last = err.trim().lines().last().unwrap_or_default().to_string();
+    assert!(!out.status.success(), "{err}");
+    let kvm_usable = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
+        .arg("probe-accel")
+        .status()
+        .unwrap()
+        .success();
+    if kvm_usable {
+        assert!(last.contains("interface eth0 not found"), "{last}");
+    } else {
+        assert!(
+            last.starts_with("capk-launcher: --accel kvm: probe vCPU"),
+            "{last}"
+        );
+        assert!(last.contains("use --accel tcg"), "{last}");
+    }
+}
+
+/// Numbers for the benchmark (printed, not asserted):
+/// `cargo test -p capk-launcher --release --test vm_netns -- --ignored --nocapture bench`.
+#[test]
+#[ignore = "benchmark: run explicitly"]
+fn bench_launcher_vs_bare_qemu() {
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    let t = calico();
+    let work = work_dir();
+    let g = guest_dir();
+    let mut startup = Vec::new();
+    let mut launcher_boot = Vec::new();
+    let mut lease = Vec::new();
+    let mut rss = Vec::new();
+    for i in 0..3 {
+        let mut l = Launcher::start_with_accel(&t, work.path(), &format!("b{i}"), "", "tcg");
+        let started = l.wait_for("qemu started", Duration::from_secs(60));
+        let ms: f64 = started
+            .split("startup_ms=")
+            .nth(1)
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN);
+        startup.push(ms);
+        l.wait_for("CAPK-TESTGUEST booted", Duration::from_secs(120));
+        launcher_boot.push(l.started.elapsed().as_secs_f64());
+        l.wait_for("CAPK-TESTGUEST lease ", Duration::from_secs(120));
+        lease.push(l.started.elapsed().as_secs_f64());
+        l.wait_for("CAPK-TESTGUEST peer-", Duration::from_secs(60));
+        let kib: f64 = sh_out(&format!("grep VmRSS /proc/{}/status", l.child.id()))
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN);
+        rss.push(kib / 1024.0);
+        l.signal("TERM");
+        l.wait_exit(Duration::from_secs(30));
+    }
+    let mut bare = Vec::new();
+    for _ in 0..3 {
+        let start = Instant::now();
+        let mut child = Command::new("qemu-system-x86_64")
+            .args([
+                "-machine",
+                "q35,accel=tcg",
+                "-cpu",
+                "max",
+                "-smp",
+                "1",
+                "-m",
+                "256M",
+                "-nodefaults",
+            ])
+            .args([
+                "-display",
+                "none",
+                "-chardev",
+                "stdio,id=c,signal=off",
+                "-serial",
+                "chardev:c",
+            ])
+            .args(["-kernel", &g.join("vmlinuz").display().to_string()])
+            .args(["-initrd", &g.join("initrd.img").display().to_string()])
+            .args(["-append", "console=ttyS0 quiet panic=-1"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        for line in out.lines().map_while(Result::ok) {
+            if line.contains("CAPK-TESTGUEST booted") {
+                bare.push(start.elapsed().as_secs_f64());
+                break;
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let (s, b, lb, le, r) = (
+        median(&mut startup),
+        median(&mut bare),
+        median(&mut launcher_boot),
+        median(&mut lease),
+        median(&mut rss),
+    );
+    println!(
+        "BENCH launcher start -> qemu exec (--accel tcg, disks kept after first run): {s:.0} ms (runs {startup:?})"
+    );
+    println!(
+        "BENCH guest up (console 'booted'): launcher {lb:.2} s, bare qemu {b:.2} s, ratio {:.3}",
+        lb / b
+    );
+    println!("BENCH guest DHCP lease through the launcher: {le:.2} s");
+    println!("BENCH launcher RSS while the VM runs: {r:.1} MiB");
 }
