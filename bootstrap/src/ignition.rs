@@ -647,16 +647,17 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
             let mut number = p.number.filter(|n| *n != 0);
             if number.is_none() && p.label.is_none() {
                 // Spec 2 takes "the next available number"; spec 3 needs a number or a label to
-                // identify the partition. On a wiped disk without other numbered partitions the
-                // next available number is known (CABPK's `partitions: [{}]` is this case).
-                if d.wipe_table == Some(true) && !any_numbered {
-                    number = Some(j as i64 + 1);
-                } else {
+                // identify the partition. Ignition runs on first boot, when the disk is blank (or
+                // wiped), so the next available number is the partition's position — unless
+                // other partitions of the disk carry explicit numbers. CABPK's
+                // `partitions: [{}]` is this case.
+                if any_numbered {
                     return Err(ConvertError::invalid(
                         at,
-                        "a partition without number or label can only be translated on a disk with wipeTable: true; give it a number or a label",
+                        "a partition without number or label next to numbered ones has no Ignition 3 equivalent; give it a number or a label",
                     ));
                 }
+                number = Some(j as i64 + 1);
             }
             parts.push(v3t::Partition {
                 guid: p.guid.filter(|s| !s.is_empty()),
@@ -701,20 +702,37 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
         file.mode = f.mode;
         file.user = node_user(f.user);
         file.group = node_group(f.group);
-        if append {
-            if f.overwrite == Some(true) {
-                return Err(ConvertError::invalid(
-                    at.field("overwrite"),
-                    "`overwrite: true` contradicts `append: true`",
-                ));
+        if append && f.overwrite == Some(true) {
+            return Err(ConvertError::invalid(
+                at.field("overwrite"),
+                "`overwrite: true` contradicts `append: true`",
+            ));
+        }
+        // Spec 2 writes files in order, so a later entry for a path replaces an earlier one
+        // (or appends to it); spec 3 wants one entry per path. Fold them the same way. (CABPK's
+        // CLC template emits both entries of a `write_files` pair with `append`.)
+        let files = v3::files(&mut out);
+        if let Some(earlier) = files.iter_mut().find(|e| e.path == file.path) {
+            if append {
+                earlier.append.get_or_insert_with(Vec::new).push(contents);
+            } else {
+                earlier.contents = Some(contents);
+                earlier.append = None;
+                earlier.overwrite = Some(f.overwrite.unwrap_or(true));
             }
+            earlier.mode = file.mode.or(earlier.mode);
+            earlier.user = file.user.or(earlier.user.take());
+            earlier.group = file.group.or(earlier.group.take());
+            continue;
+        }
+        if append {
             file.append = Some(vec![contents]);
         } else {
             // Spec 2 replaces existing files unless told otherwise; spec 3 defaults to false.
             file.overwrite = Some(f.overwrite.unwrap_or(true));
             file.contents = Some(contents);
         }
-        v3::files(&mut out).push(file);
+        files.push(file);
     }
     for (i, d) in storage.directories.into_iter().flatten().enumerate() {
         let at = KeyPath::from("storage.directories").index(i);

@@ -314,10 +314,10 @@ fn conversion_cases() -> Vec<(&'static str, BootstrapFormat, Vec<u8>, &'static s
             "`storage.disks[0].partitions[0].start`",
         ),
         (
-            "ignition 2.3 anonymous partition on a kept table",
+            "ignition 2.3 anonymous partition next to a numbered one",
             IGN,
-            ign23(r#""storage":{"disks":[{"device":"/dev/vdb","partitions":[{}]}]}"#),
-            "`storage.disks[0].partitions[0]`",
+            ign23(r#""storage":{"disks":[{"device":"/dev/vdb","partitions":[{"number":2},{}]}]}"#),
+            "`storage.disks[0].partitions[1]`",
         ),
         (
             "ignition 2.3 append and overwrite",

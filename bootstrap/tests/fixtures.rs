@@ -10,6 +10,18 @@ use support::{facts, fixtures, full_overlay, ignition_validate, readable, valida
 fn handmade_fixtures_convert_validate_and_match_snapshots() {
     let all = fixtures("handmade");
     assert!(all.len() >= 7, "handmade fixtures missing: {}", all.len());
+    check_and_snapshot(all);
+}
+
+/// Output of CABPK's own template functions (see tests/fixtures/cabpk-templates/README.md).
+#[test]
+fn cabpk_template_fixtures_convert_validate_and_match_snapshots() {
+    let all = fixtures("cabpk-templates");
+    assert_eq!(all.len(), 6, "cabpk-templates fixtures missing");
+    check_and_snapshot(all);
+}
+
+fn check_and_snapshot(all: Vec<support::Fixture>) {
     let validator = ignition_validate();
     for f in all {
         let plain = render_ignition(f.format, &f.data, &facts(), None)

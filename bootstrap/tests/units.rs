@@ -6,7 +6,7 @@ mod support;
 use std::path::PathBuf;
 use std::process::Command;
 
-use capk_bootstrap::render_ignition;
+use capk_bootstrap::{BootstrapFormat, render_ignition};
 use support::{facts, fixtures, full_overlay};
 
 fn systemd_analyze() -> Option<PathBuf> {
@@ -80,7 +80,11 @@ fn generated_units_pass_systemd_analyze_verify() {
         return;
     };
     let mut checked = 0;
-    for f in fixtures("handmade").into_iter().chain(fixtures("cabpk")) {
+    for f in fixtures("handmade")
+        .into_iter()
+        .chain(fixtures("cabpk-templates"))
+        .chain(fixtures("cabpk"))
+    {
         let rendered = render_ignition(f.format, &f.data, &facts(), Some(&full_overlay()))
             .unwrap_or_else(|e| panic!("{}: {e}", f.name));
         let dir = std::env::temp_dir().join(format!(
@@ -102,7 +106,22 @@ fn generated_units_pass_systemd_analyze_verify() {
             std::fs::write(&path, text).unwrap();
             paths.push(path);
         }
-        let ours = findings(&bin, &paths);
+        let mut ours = findings(&bin, &paths);
+        if f.format == BootstrapFormat::Ignition
+            && f.name == "cabpk-templates__control-plane-init.ignition-2.3.json"
+        {
+            // Inherited from CABPK: its CLC template looks `mounts` sources up as fs_setup labels,
+            // so `LABEL=etcd_disk` yields a mount unit with an empty What= (a CABPK bug that the
+            // guest's systemd refuses the same way). Translated faithfully; see the report.
+            let before = ours.len();
+            ours.retain(|l| !l.contains("var-lib-etcddisk.mount"));
+            assert_eq!(
+                before - ours.len(),
+                2,
+                "{}: expected CABPK's empty What= finding",
+                f.name
+            );
+        }
         assert!(
             ours.is_empty(),
             "{}: systemd-analyze verify found problems:\n{}",

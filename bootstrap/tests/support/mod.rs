@@ -27,7 +27,10 @@ pub fn fixtures(dir: &str) -> Vec<Fixture> {
     let Ok(entries) = std::fs::read_dir(&root) else {
         return out;
     };
-    let mut paths: Vec<PathBuf> = entries.map(|e| e.unwrap().path()).collect();
+    let mut paths: Vec<PathBuf> = entries
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .collect();
     paths.sort();
     for p in paths {
         let file = p.file_name().unwrap().to_string_lossy().into_owned();
