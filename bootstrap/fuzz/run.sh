@@ -21,8 +21,8 @@ seed() { # target, files...
   mkdir -p "$dir"
   for f in "$@"; do [[ -f $f ]] && cp "$f" "$dir/$(basename "$f")"; done
 }
-seed cloud_config "$FIXTURES"/handmade/*.cloud-config
-seed ignition "$FIXTURES"/handmade/*.json
+seed cloud_config "$FIXTURES"/handmade/*.cloud-config "$FIXTURES"/cabpk-templates/*.cloud-config
+seed ignition "$FIXTURES"/handmade/*.json "$FIXTURES"/cabpk-templates/*.json
 mkdir -p "$HERE/corpus/heartbeat"
 printf 'capk-heartbeat/1 bootstrap=done uptime=12.5\n' >"$HERE/corpus/heartbeat/seed-done"
 # Generated CABPK Secrets hold the data in a JSON string; seed their raw dumps as they are.
