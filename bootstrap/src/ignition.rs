@@ -816,7 +816,30 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
                 name: d.name,
             })
             .collect();
-        v3::units(&mut out).push(v3t::Unit {
+        let units = v3::units(&mut out);
+        // Spec 2 applies unit entries in order (CABPK's additionalConfig is appended this way:
+        // Flatcar templates add a drop-in to kubeadm.service); spec 3 wants one entry per unit.
+        if let Some(earlier) = units.iter_mut().find(|e| e.name == u.name) {
+            if u.contents.is_some() {
+                earlier.contents = u.contents;
+            }
+            if enabled.is_some() {
+                earlier.enabled = enabled;
+            }
+            if u.mask == Some(true) {
+                earlier.mask = Some(true);
+            }
+            let list = earlier.dropins.get_or_insert_with(Vec::new);
+            for d in dropins {
+                list.retain(|e| e.name != d.name);
+                list.push(d);
+            }
+            if list.is_empty() {
+                earlier.dropins = None;
+            }
+            continue;
+        }
+        units.push(v3t::Unit {
             contents: u.contents,
             dropins: (!dropins.is_empty()).then_some(dropins),
             enabled,

@@ -148,9 +148,9 @@ fn conversion_cases() -> Vec<(&'static str, BootstrapFormat, Vec<u8>, &'static s
             "`/etc/sudoers.d/90-cloud-init-users` is also defined at `storage.files[0].path`",
         ),
         (
-            "ignition 2.3 unit twice",
+            "ignition 3 unit twice",
             IGN,
-            ign23(r#""systemd":{"units":[{"name":"a.service"},{"name":"a.service","mask":true}]}"#),
+            br#"{"ignition":{"version":"3.4.0"},"systemd":{"units":[{"name":"a.service"},{"name":"a.service","mask":true}]}}"#.to_vec(),
             "`systemd.units[1].name`",
         ),
         (
