@@ -173,6 +173,16 @@ async fn write_status(api: &Api<KVMCluster>, kc: &KVMCluster, state: &ClusterSta
     if kc.status.as_ref() == Some(&desired) {
         return Ok(());
     }
+    // The watch cache can lag behind our own last write; decide on the stored object so a stale
+    // copy never causes a second, redundant status write.
+    let fresh = api
+        .get_status(&kc.name_any())
+        .await
+        .map_err(Error::UpdateStatus)?;
+    let desired = build::status(&fresh, state, Timestamp::now());
+    if fresh.status.as_ref() == Some(&desired) {
+        return Ok(());
+    }
     let patch = json!({
         "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
         "kind": "KVMCluster",

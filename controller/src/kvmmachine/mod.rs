@@ -297,8 +297,31 @@ async fn apply(
 
     let state = pod_state(&existing);
     write_status(api, km, &state, fd).await?;
-    Ok(Action::await_change())
+
+    // The readiness gate follows the workload cluster's Node. Until it is Ready, look again
+    // periodically: Nodes live in another cluster, whose changes do not reach our watches.
+    let gate = match crate::workload::client(&ctx.client, &ns, &facts.cluster).await {
+        Ok(wc) => {
+            crate::workload::sync_node(&wc, &build::hostname(km), &provider_id(&ns, &km.name_any()))
+                .await
+        }
+        Err(gate) => gate,
+    };
+    if let Err(e) = crate::workload::set_gate(&pods, &existing, &gate).await {
+        warn!(error = %e, "cannot set the machine Pod's readiness gate");
+    }
+    Ok(Action::requeue(if gate.ready {
+        NODE_POLL_READY
+    } else {
+        NODE_POLL
+    }))
 }
+
+/// How often a machine whose Node is not Ready (yet) looks at the workload cluster again.
+const NODE_POLL: Duration = Duration::from_secs(5);
+/// How often a machine with a Ready Node checks that it still is (reads only; no writes when
+/// nothing changed).
+const NODE_POLL_READY: Duration = Duration::from_secs(30);
 
 /// Reads the machine Pod's state: running with an IP, or starting (with why).
 fn pod_state(pod: &Pod) -> MachineState {
@@ -387,6 +410,16 @@ async fn write_status(
 ) -> Result<()> {
     let desired = build::status(km, state, failure_domain, Timestamp::now());
     if km.status.as_ref() == Some(&desired) {
+        return Ok(());
+    }
+    // The watch cache can lag behind our own last write; decide on the stored object so a stale
+    // copy never causes a second, redundant status write.
+    let fresh = api
+        .get_status(&km.name_any())
+        .await
+        .map_err(Error::UpdateStatus)?;
+    let desired = build::status(&fresh, state, failure_domain, Timestamp::now());
+    if fresh.status.as_ref() == Some(&desired) {
         return Ok(());
     }
     let patch = json!({
