@@ -35,6 +35,11 @@ pub const NTP_DROPIN: &str = "/etc/systemd/timesyncd.conf.d/60-capk-machine.conf
 pub const DNS_DROPIN: &str = "/etc/systemd/resolved.conf.d/60-capk-machine.conf";
 /// The open-iscsi initiator name file.
 pub const ISCSI_INITIATOR_FILE: &str = "/etc/iscsi/initiatorname.iscsi";
+/// Environment file with the machine's facts, for Ignition-format templates: the Flatcar CAPI
+/// templates read `/run/metadata/flatcar` (coreos-metadata) through `EnvironmentFile=` and
+/// `envsubst`, which has no qemu provider; this file is the KVM equivalent
+/// (`CAPK_HOSTNAME=…`).
+pub const METADATA_ENV_FILE: &str = "/etc/capk/metadata.env";
 /// The heartbeat unit.
 pub const HEARTBEAT_UNIT: &str = "capk-heartbeat.service";
 /// The heartbeat script.
@@ -197,6 +202,12 @@ impl MachineOverlay {
         v3::files(&mut out).push(v3::file(
             "/etc/hostname",
             content::text_resource(&format!("{}\n", self.hostname)),
+            0o644,
+        ));
+
+        v3::files(&mut out).push(v3::file(
+            METADATA_ENV_FILE,
+            content::text_resource(&format!("CAPK_HOSTNAME={}\n", self.hostname)),
             0o644,
         ));
 

@@ -150,3 +150,17 @@ fn overlay_ntp_resets_the_bootstrap_servers() {
         "{machine_dropin}"
     );
 }
+
+#[test]
+fn ignition_templates_can_read_the_hostname_from_an_environment_file() {
+    let fragment = MachineOverlay {
+        hostname: "md-0-abc".into(),
+        ..Default::default()
+    }
+    .fragment()
+    .unwrap();
+    assert_eq!(
+        file_text(&fragment, capk_bootstrap::overlay::METADATA_ENV_FILE).unwrap(),
+        "CAPK_HOSTNAME=md-0-abc\n"
+    );
+}
