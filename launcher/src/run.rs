@@ -79,8 +79,11 @@ pub enum RunError {
     /// QEMU could not be started.
     #[error("start {0} (install qemu-system-x86)")]
     SpawnQemu(PathBuf, #[source] std::io::Error),
+    /// The guest powered itself off without a stop request.
+    #[error("guest powered off without a stop request; the container restarts to boot it again")]
+    GuestPoweredOff,
     /// QEMU or the guest ended without a stop request.
-    #[error("qemu ended without a stop request ({0}): guest shut down, panicked or qemu died")]
+    #[error("qemu ended without a stop request ({0}): guest panicked or qemu died")]
     QemuEnded(QemuExit),
     /// QEMU ended badly during a requested stop.
     #[error("qemu ended with {0} during shutdown")]
@@ -259,6 +262,11 @@ pub fn guest_naming(a: &RunArgs, resolv_text: &str, hostname: String) -> GuestNa
 pub async fn run(a: RunArgs) -> Result<(), RunError> {
     let t0 = Instant::now();
     let mut signals = StopSignals::install()?;
+    tracing::info!(
+        pid = std::process::id(),
+        version = env!("CARGO_PKG_VERSION"),
+        "capk-launcher starting"
+    );
     let v = validate(&a)?;
     preflight(&a)?;
     let hostname = match &a.hostname {
@@ -540,6 +548,7 @@ async fn supervise(
     match (stop_requested, exit) {
         (true, QemuExit::Exited(0)) => Ok(()),
         (true, e) => Err(RunError::ShutdownFailed(e)),
+        (false, QemuExit::Exited(0)) => Err(RunError::GuestPoweredOff),
         (false, e) => Err(RunError::QemuEnded(e)),
     }
 }

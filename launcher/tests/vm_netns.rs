@@ -227,6 +227,8 @@ fn bridge_cni() -> Topology {
 
 /// A running `capk-launcher run` and the guest's console lines.
 struct Launcher {
+    /// Runs as PID 1 of its own PID namespace (the child is `unshare`).
+    pid1: bool,
     child: Child,
     lines: Receiver<String>,
     seen: Vec<String>,
@@ -236,7 +238,7 @@ struct Launcher {
 
 impl Launcher {
     fn start(t: &Topology, work: &Path, boot_id: &str, extra_append: &str) -> Launcher {
-        Self::start_with_accel(t, work, boot_id, extra_append, "auto")
+        Self::start_with_accel(t, work, boot_id, extra_append, "auto", false)
     }
 
     fn start_with_accel(
@@ -245,6 +247,7 @@ impl Launcher {
         boot_id: &str,
         extra_append: &str,
         accel: &str,
+        pid1: bool,
     ) -> Launcher {
         let g = guest_dir();
         let resolv = work.join("resolv.conf");
@@ -260,14 +263,16 @@ impl Launcher {
             "console=ttyS0 quiet panic=-1 capk.peer={} capk.marker-disk=etcdfs capk.boot-id={boot_id} {extra_append}",
             t.peer_ip
         );
+        // As PID 1 of a fresh PID namespace, like in a container, when asked.
+        let pid1_wrap: &[&str] = if pid1 {
+            &["unshare", "--pid", "--kill-child", "--mount-proc"]
+        } else {
+            &[]
+        };
         let mut child = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &t.pod,
-                env!("CARGO_BIN_EXE_capk-launcher"),
-                "run",
-            ])
+            .args(["netns", "exec", &t.pod])
+            .args(pid1_wrap)
+            .args([env!("CARGO_BIN_EXE_capk-launcher"), "run"])
             .args(["--image", &g.join("base.qcow2").display().to_string()])
             .args(["--kernel", &g.join("vmlinuz").display().to_string()])
             .args(["--initrd", &g.join("initrd.img").display().to_string()])
@@ -321,6 +326,7 @@ impl Launcher {
             }
         });
         Launcher {
+            pid1,
             child,
             lines: rx,
             seen: Vec::new(),
@@ -400,8 +406,23 @@ impl Launcher {
         }
     }
 
+    /// The launcher's pid as seen from the test (unshare's child in PID-1 mode).
+    fn launcher_pid(&self) -> u32 {
+        if !self.pid1 {
+            return self.child.id();
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(p) = children_of(self.child.id()).first() {
+                return *p;
+            }
+            assert!(Instant::now() < deadline, "unshare has no child");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     fn signal(&self, sig: &str) {
-        sh(&format!("kill -{sig} {}", self.child.id()));
+        sh(&format!("kill -{sig} {}", self.launcher_pid()));
     }
 }
 
@@ -444,8 +465,18 @@ fn boot_and_check(
     boot_id: &str,
     extra_append: &str,
 ) -> (Launcher, String) {
+    boot_and_check_as(t, work, boot_id, extra_append, false)
+}
+
+fn boot_and_check_as(
+    t: &Topology,
+    work: &Path,
+    boot_id: &str,
+    extra_append: &str,
+    pid1: bool,
+) -> (Launcher, String) {
     let pod_mac = &t.pod_mac;
-    let mut l = Launcher::start(t, work, boot_id, extra_append);
+    let mut l = Launcher::start_with_accel(t, work, boot_id, extra_append, "auto", pid1);
     let lease = l.wait_for("CAPK-TESTGUEST lease ", Duration::from_secs(120));
     let lease_secs = l.started.elapsed().as_secs_f64();
     println!("MEASURE guest DHCP lease {lease_secs:.2}s after launcher start");
@@ -631,7 +662,13 @@ fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
     }
     let t = bridge_cni();
     let work = work_dir();
-    let (mut l, _) = boot_and_check(&t, work.path(), "bridge", "");
+    let (mut l, _) = boot_and_check_as(&t, work.path(), "bridge", "", true);
+    assert!(
+        l.seen
+            .iter()
+            .any(|x| x.contains("capk-launcher starting pid=1 ")),
+        "the launcher must run as PID 1 of its PID namespace here"
+    );
     let route = l.wait_for("CAPK-TESTGUEST route default", Duration::from_secs(5));
     assert!(route.contains("default via 10.22.0.1"), "{route}");
     let addr = l.wait_for("CAPK-TESTGUEST addr ", Duration::from_secs(5));
@@ -648,6 +685,27 @@ fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
     );
     l.signal("TERM");
     assert!(l.wait_exit(Duration::from_secs(30)).success());
+    drop(l);
+
+    // The guest powering itself off is not a clean stop: exit 1 so the kubelet restarts it.
+    let mut l = Launcher::start(&t, work.path(), "poweroff", "capk.poweroff=1");
+    l.wait_for("CAPK-TESTGUEST powering-off", Duration::from_secs(120));
+    let exit = l.wait_exit(Duration::from_secs(30));
+    assert!(
+        !exit.success(),
+        "guest poweroff → launcher must exit non-zero"
+    );
+    let cause = l
+        .seen
+        .iter()
+        .rev()
+        .find(|x| x.contains("capk-launcher: "))
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        cause.contains("guest powered off without a stop request"),
+        "{cause}"
+    );
     drop(l);
 
     // A guest kernel panic ends QEMU (pvpanic + -action panic=exit-failure) and the launcher
@@ -785,7 +843,7 @@ fn bench_launcher_vs_bare_qemu() {
     let mut lease = Vec::new();
     let mut rss = Vec::new();
     for i in 0..3 {
-        let mut l = Launcher::start_with_accel(&t, work.path(), &format!("b{i}"), "", "tcg");
+        let mut l = Launcher::start_with_accel(&t, work.path(), &format!("b{i}"), "", "tcg", false);
         let started = l.wait_for("qemu started", Duration::from_secs(60));
         let ms: f64 = started
             .split("startup_ms=")
