@@ -14,4 +14,6 @@ mkdir -p "$dest"
 "$kubectl" kustomize manifests/default >"$dest/infrastructure-components.yaml"
 cp manifests/metadata.yaml "$dest/metadata.yaml"
 cp manifests/templates/cluster-template*.yaml "$dest/"
+# Optional, for clusters with the VerticalPodAutoscaler CRDs (not part of the clusterctl install).
+cp manifests/components/vpa/vpa.yaml "$dest/vpa.yaml"
 echo "$dest"

@@ -38,11 +38,17 @@ pub struct Context {
     pub settings: Settings,
     /// Publishes Events on our objects.
     pub recorder: Recorder,
+    /// Prometheus metrics.
+    pub metrics: std::sync::Arc<crate::metrics::Metrics>,
 }
 
 impl Context {
     /// Builds the context; Events are reported as `capk-controller`.
-    pub fn new(client: Client, settings: Settings) -> Self {
+    pub fn new(
+        client: Client,
+        settings: Settings,
+        metrics: std::sync::Arc<crate::metrics::Metrics>,
+    ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),
             instance: std::env::var("POD_NAME").ok(),
@@ -51,6 +57,7 @@ impl Context {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             settings,
+            metrics,
         }
     }
 }

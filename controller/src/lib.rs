@@ -7,6 +7,7 @@ pub mod context;
 pub mod error;
 pub mod kvmcluster;
 pub mod kvmmachine;
+pub mod metrics;
 pub mod workload;
 
 use std::sync::Arc;
@@ -42,8 +43,19 @@ pub async fn run(
     settings: Settings,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
+    run_with_metrics(client, settings, Default::default(), shutdown).await
+}
+
+/// [`run`], recording into `metrics` (served by [`metrics::serve`]).
+pub async fn run_with_metrics(
+    client: Client,
+    settings: Settings,
+    metrics: Arc<metrics::Metrics>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) {
     let ns = settings.namespace.clone();
-    let ctx = Arc::new(Context::new(client.clone(), settings));
+    metrics.set_ready();
+    let ctx = Arc::new(Context::new(client.clone(), settings, metrics));
     let owned =
         watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
 

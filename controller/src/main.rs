@@ -35,6 +35,12 @@ struct Cli {
     /// Flatcar version for KVMMachines that name no image.
     #[arg(long, default_value = "current")]
     default_flatcar_version: String,
+    /// Address of the Prometheus metrics endpoint (`/metrics`).
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    metrics_addr: std::net::SocketAddr,
+    /// Address of the health endpoints (`/healthz`, `/readyz`, `/version`).
+    #[arg(long, default_value = "0.0.0.0:8081")]
+    health_addr: std::net::SocketAddr,
     /// Require control-plane machine Pods of one cluster on different MC nodes (default: prefer).
     #[arg(long)]
     require_control_plane_anti_affinity: bool,
@@ -125,6 +131,16 @@ async fn main() -> anyhow::Result<()> {
             _ = sigterm.recv() => {}
         }
     };
-    capk_controller::run(client, settings, shutdown).await;
+    let metrics = std::sync::Arc::new(capk_controller::metrics::Metrics::default());
+    for addr in [cli.metrics_addr, cli.health_addr] {
+        let m = metrics.clone();
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("listen on {addr}"))?;
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, capk_controller::metrics::router(m)).await;
+        });
+    }
+    capk_controller::run_with_metrics(client, settings, metrics, shutdown).await;
     Ok(())
 }

@@ -124,6 +124,17 @@ async fn infrastructure_components_follow_the_clusterctl_contract() -> Result<()
         "manager supports --namespace: {args}"
     );
 
+    assert!(
+        !objs.iter().any(|o| o["kind"] == "VerticalPodAutoscaler"),
+        "the VPA must stay optional: installs on clusters without its CRDs would fail"
+    );
+    let vpa: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(dir.join("vpa.yaml"))?)?;
+    assert_eq!(vpa["spec"]["targetRef"]["name"], deploy["metadata"]["name"]);
+    assert_eq!(
+        manager["readinessProbe"]["httpGet"]["path"], "/readyz",
+        "the manager is probed on its health endpoint"
+    );
+
     let meta: Value =
         serde_yaml_ng::from_str(&std::fs::read_to_string(dir.join("metadata.yaml"))?)?;
     assert_eq!(meta["releaseSeries"][0]["contract"], "v1beta2");

@@ -39,8 +39,10 @@ pub fn owner_cluster_name(kc: &KVMCluster) -> Option<String> {
 /// Reconciles one KVMCluster; publishes a Warning Event when a step fails.
 #[instrument(skip_all, fields(kvmcluster = %kc.name_any(), namespace = kc.namespace().unwrap_or_default()))]
 pub async fn reconcile(kc: Arc<KVMCluster>, ctx: Arc<Context>) -> Result<Action> {
+    let _timer = ctx.metrics.start("KVMCluster");
     let result = reconcile_inner(kc.clone(), &ctx).await;
     if let Err(e) = &result {
+        ctx.metrics.failed("KVMCluster", e.category());
         warn!(error = %e, "reconcile failed");
         let ev = Event {
             type_: EventType::Warning,

@@ -44,8 +44,10 @@ pub fn owner_machine_name(km: &KVMMachine) -> Option<String> {
 /// Reconciles one KVMMachine; publishes a Warning Event when a step fails.
 #[instrument(skip_all, fields(kvmmachine = %km.name_any(), namespace = km.namespace().unwrap_or_default()))]
 pub async fn reconcile(km: Arc<KVMMachine>, ctx: Arc<Context>) -> Result<Action> {
+    let _timer = ctx.metrics.start("KVMMachine");
     let result = reconcile_inner(km.clone(), &ctx).await;
     if let Err(e) = &result {
+        ctx.metrics.failed("KVMMachine", e.category());
         warn!(error = %e, "reconcile failed");
         publish(&ctx, &km, EventType::Warning, e.category(), e.to_string()).await;
     }

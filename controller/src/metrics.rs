@@ -1,0 +1,144 @@
+//! Prometheus metrics and the health endpoints (`/metrics`, `/healthz`, `/readyz`, `/version`).
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Instant,
+};
+
+use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
+use prometheus_client::{
+    encoding::{EncodeLabelSet, text::encode},
+    metrics::{counter::Counter, family::Family, histogram::Histogram},
+    registry::Registry,
+};
+
+/// Labels of the reconcile metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// `KVMCluster` or `KVMMachine`.
+    pub kind: &'static str,
+}
+
+/// Labels of the error counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// `KVMCluster` or `KVMMachine`.
+    pub kind: &'static str,
+    /// The error's category ([`crate::error::Error::category`]).
+    pub category: &'static str,
+}
+
+/// The controller's metrics.
+pub struct Metrics {
+    registry: Registry,
+    reconciles: Family<KindLabel, Counter>,
+    errors: Family<ErrorLabels, Counter>,
+    duration: Family<KindLabel, Histogram>,
+    ready: AtomicBool,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("capk");
+        let reconciles = Family::<KindLabel, Counter>::default();
+        let errors = Family::<ErrorLabels, Counter>::default();
+        let duration = Family::<KindLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new([0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0])
+        });
+        registry.register("reconciles", "Reconciles by kind", reconciles.clone());
+        registry.register(
+            "reconcile_errors",
+            "Failed reconciles by kind and category",
+            errors.clone(),
+        );
+        registry.register(
+            "reconcile_duration_seconds",
+            "Reconcile duration by kind",
+            duration.clone(),
+        );
+        Self {
+            registry,
+            reconciles,
+            errors,
+            duration,
+            ready: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Metrics {
+    /// Starts timing a reconcile of `kind`.
+    pub fn start(&self, kind: &'static str) -> ReconcileTimer<'_> {
+        self.reconciles.get_or_create(&KindLabel { kind }).inc();
+        ReconcileTimer {
+            metrics: self,
+            kind,
+            start: Instant::now(),
+        }
+    }
+
+    /// Counts a failed reconcile.
+    pub fn failed(&self, kind: &'static str, category: &'static str) {
+        self.errors
+            .get_or_create(&ErrorLabels { kind, category })
+            .inc();
+    }
+
+    /// Marks the controller ready (watches started).
+    pub fn set_ready(&self) {
+        self.ready.store(true, Ordering::SeqCst);
+    }
+
+    fn render(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
+
+/// Records a reconcile's duration when dropped.
+pub struct ReconcileTimer<'a> {
+    metrics: &'a Metrics,
+    kind: &'static str,
+    start: Instant,
+}
+
+impl Drop for ReconcileTimer<'_> {
+    fn drop(&mut self) {
+        self.metrics
+            .duration
+            .get_or_create(&KindLabel { kind: self.kind })
+            .observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
+async fn metrics(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
+    (
+        [(
+            "content-type",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        m.render(),
+    )
+}
+
+async fn readyz(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
+    if m.ready.load(Ordering::SeqCst) {
+        (StatusCode::OK, "ok")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "starting")
+    }
+}
+
+/// The HTTP routes: `/metrics`, `/healthz`, `/readyz`, `/version`.
+pub fn router(m: Arc<Metrics>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/version", get(|| async { env!("CARGO_PKG_VERSION") }))
+        .with_state(m)
+}

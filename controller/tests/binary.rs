@@ -1,0 +1,114 @@
+//! The `capk-controller` binary as a user runs it: kubeconfig from $KUBECONFIG, health and metrics
+//! endpoints, a clean exit on SIGTERM.
+
+mod support;
+
+use std::{
+    io::{Read, Write},
+    net::{TcpListener, TcpStream},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+use capk_api::v1alpha1::KVMCluster;
+use capk_tests::env::TestEnv;
+use kube::{Api, api::PostParams};
+use serde_json::json;
+use support::{create_namespace, eventually};
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A plain HTTP/1.0 GET; returns (status code, body).
+fn get(port: u16, path: &str) -> Result<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let code = resp
+        .split_whitespace()
+        .nth(1)
+        .context("status line")?
+        .parse()?;
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
+#[tokio::test]
+async fn serves_health_and_metrics_and_stops_on_sigterm() -> Result<()> {
+    let env = TestEnv::shared();
+    let client = env.client().await?;
+    let ns = "binary";
+    create_namespace(&client, ns).await?;
+    let (metrics_port, health_port) = (free_port(), free_port());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_capk-controller"))
+        .args([
+            &format!("--namespace={ns}"),
+            &format!("--metrics-addr=127.0.0.1:{metrics_port}"),
+            &format!("--health-addr=127.0.0.1:{health_port}"),
+            "--log-format=json",
+        ])
+        .env("KUBECONFIG", env.kubeconfig())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+
+    let result = async {
+        eventually(30, "/readyz", || async {
+            Ok(get(health_port, "/readyz").ok().filter(|r| r.0 == 200))
+        })
+        .await?;
+        assert_eq!(get(health_port, "/healthz")?, (200, "ok".into()));
+        assert_eq!(get(health_port, "/version")?.1, env!("CARGO_PKG_VERSION"));
+
+        let kc: KVMCluster = serde_json::from_value(json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
+            "metadata": {"name": "metrics"}, "spec": {},
+        }))?;
+        Api::<KVMCluster>::namespaced(client.clone(), ns)
+            .create(&PostParams::default(), &kc)
+            .await?;
+        eventually(30, "a KVMCluster reconcile in /metrics", || async {
+            let (code, body) = get(metrics_port, "/metrics")?;
+            Ok(
+                (code == 200 && body.contains("capk_reconciles_total{kind=\"KVMCluster\"}"))
+                    .then_some(()),
+            )
+        })
+        .await?;
+        let (_, body) = get(metrics_port, "/metrics")?;
+        assert!(body.contains("capk_reconcile_duration_seconds"), "{body}");
+        anyhow::Ok(())
+    }
+    .await;
+
+    // SIGTERM (what the kubelet sends) ends it promptly and cleanly.
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()?;
+    let mut waited = 0;
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        if waited > 100 {
+            child.kill()?;
+            anyhow::bail!("capk-controller did not exit within 10 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        waited += 1;
+    };
+    result?;
+    assert!(status.success(), "exit status after SIGTERM: {status}");
+    Ok(())
+}
