@@ -257,6 +257,8 @@ impl Launcher {
         )
         .unwrap();
         let runtime_dir = work.join("run");
+        let shared = work.join("shared");
+        std::fs::create_dir_all(&shared).unwrap();
         let ignition = work.join("ignition.json");
         std::fs::write(&ignition, IGNITION).unwrap();
         let append = format!(
@@ -296,6 +298,7 @@ impl Launcher {
             .args(["--runtime-dir", &runtime_dir.display().to_string()])
             .args(["--resolv-conf", &resolv.display().to_string()])
             .args(["--ignition", &ignition.display().to_string()])
+            .args(["--host-volume", &format!("shared={}", shared.display())])
             .args([
                 "--hostname",
                 "capk-test-vm",
@@ -519,6 +522,11 @@ fn boot_and_check_as(
     );
     let root = l.wait_for("serial=rootfs", Duration::from_secs(5));
     assert!(root.ends_with(&format!("bytes={}", 512u64 << 20)), "{root}");
+    let nine_p = l.wait_for("CAPK-TESTGUEST virtio-9p-devices=", Duration::from_secs(5));
+    assert!(
+        nine_p.ends_with("=1"),
+        "the host volume is one virtio-9p device: {nine_p}"
+    );
     let ign = l.wait_for("CAPK-TESTGUEST fw-cfg-ignition", Duration::from_secs(5));
     let want = sh_out(&format!(
         "printf '%s' '{IGNITION}' | sha256sum | cut -d' ' -f1"
