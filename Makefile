@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build test test-deps lint fmt generate release-manifests testenv testenv-down clean help
+.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher testenv testenv-down clean help
 
 all: build
 
@@ -28,6 +28,14 @@ fmt: ## Format the code
 
 generate: ## Regenerate manifests/crd from the Rust types
 	$(CARGO) run -q -p capk-api --example crdgen -- manifests/crd
+
+bench: bench-controller bench-launcher ## Every benchmark
+
+bench-launcher: test-deps ## Launcher start-up, guest boot and RSS under QEMU (root, netns)
+	$(CARGO) test -p capk-launcher --release --test vm_netns -- --ignored --nocapture bench
+
+bench-controller: test-deps ## N KVMMachines (CAPK_BENCH_MACHINES, default 1000) against a real apiserver
+	$(CARGO) bench -p capk-controller --bench controller
 
 release-manifests: test-deps ## clusterctl repository files under _output/release/infrastructure-kvm/<version>
 	@bash hack/release-manifests.sh

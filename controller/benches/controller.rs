@@ -1,0 +1,219 @@
+//! `make bench-controller`: N KVMMachines (with Machines and bootstrap Secrets) against a real
+//! kube-apiserver, no kubelet (Pods stay Pending). Prints: time until every Pod and status
+//! exists, the controller's peak RSS, API requests per machine, and object changes at rest.
+//!
+//!   CAPK_BENCH_MACHINES=1000 cargo bench -p capk-controller --bench controller
+
+use std::{
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use capk_api::v1alpha1::KVMMachine;
+use capk_tests::env::{EnvOptions, TestEnv};
+use futures::{StreamExt, TryStreamExt, stream};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{ListParams, Patch, PatchParams, PostParams},
+    runtime::{WatchStreamExt, watcher},
+};
+use serde_json::{Value, json};
+
+const NS: &str = "bench";
+
+fn rss_peak_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Total requests the apiserver served (from its own /metrics).
+async fn apiserver_requests(client: &Client) -> Result<f64> {
+    let req = http::Request::get("/metrics").body(Vec::new())?;
+    let text = client.request_text(req).await?;
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum())
+}
+
+async fn create_machine(client: &Client, i: usize) -> Result<()> {
+    let name = format!("m-{i:05}");
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": format!("{name}-bootstrap")},
+        "stringData": {"value": "#cloud-config\nruncmd:\n- kubeadm join --config /run/kubeadm/kubeadm-join-config.yaml\n", "format": "cloud-config"},
+    }))?;
+    Api::<Secret>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &secret)
+        .await?;
+    let machine: Value = json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+        "metadata": {"name": name, "labels": {"cluster.x-k8s.io/cluster-name": "demo"}},
+        "spec": {"clusterName": "demo",
+                 "bootstrap": {"dataSecretName": format!("{name}-bootstrap")},
+                 "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMMachine", "name": name}},
+    });
+    let machine: capk_api::capi::Machine = serde_json::from_value(machine)?;
+    let machine = Api::<capk_api::capi::Machine>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &machine)
+        .await?;
+    let km: KVMMachine = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
+        "metadata": {"name": name, "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
+            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+                "name": name, "uid": machine.uid().context("uid")?, "controller": true}]},
+        "spec": {"resources": {"cpu": 1, "memory": "1Gi", "disk": "10Gi"}},
+    }))?;
+    Api::<KVMMachine>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &km)
+        .await?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let n: usize = std::env::var("CAPK_BENCH_MACHINES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let dir = tempfile::Builder::new()
+        .prefix("capk-bench-")
+        .tempdir()?
+        .keep();
+    let env = TestEnv::start(EnvOptions {
+        dir,
+        stop_with_current_process: true,
+    })
+    .await?;
+    let client = env.client().await?;
+    let nsobj: Namespace = serde_json::from_value(json!({"metadata": {"name": NS}}))?;
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &nsobj)
+        .await?;
+    let cluster: capk_api::capi::Cluster = serde_json::from_value(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "metadata": {"name": "demo"},
+        "spec": {"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMCluster", "name": "demo"}},
+    }))?;
+    let clusters = Api::<capk_api::capi::Cluster>::namespaced(client.clone(), NS);
+    clusters.create(&PostParams::default(), &cluster).await?;
+    clusters
+        .patch_status(
+            "demo",
+            &PatchParams::default(),
+            &Patch::Merge(
+                &json!({"status": {"initialization": {"infrastructureProvisioned": true}}}),
+            ),
+        )
+        .await?;
+
+    // The objects exist first (as after a `clusterctl move` or a controller restart), then the
+    // controller starts: this measures how fast it converges on N machines.
+    stream::iter(0..n)
+        .map(|i| create_machine(&client, i))
+        .buffer_unordered(16)
+        .try_collect::<Vec<_>>()
+        .await?;
+    println!("bench-controller: {n} machines created");
+
+    let before = apiserver_requests(&client).await?;
+    let start = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_capk-controller"))
+        .args([
+            &format!("--namespace={NS}"),
+            "--metrics-addr=127.0.0.1:0",
+            "--health-addr=127.0.0.1:0",
+        ])
+        .env("KUBECONFIG", env.kubeconfig())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let pid = child.id();
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), NS);
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let np = pods
+            .list_metadata(&ListParams::default())
+            .await?
+            .items
+            .len();
+        let done = kms
+            .list(&ListParams::default())
+            .await?
+            .items
+            .iter()
+            .filter(|k| {
+                k.spec.provider_id.is_some()
+                    && k.status
+                        .as_ref()
+                        .and_then(|s| s.pod_name.as_ref())
+                        .is_some()
+            })
+            .count();
+        if np == n && done == n {
+            break;
+        }
+        if Instant::now() > deadline {
+            child.kill()?;
+            bail!("not converged after 600 s: {np} Pods, {done} statuses of {n}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let converge = start.elapsed();
+    let after = apiserver_requests(&client).await?;
+
+    // At rest: count changes to our kinds and their children for a while.
+    let rest = Duration::from_secs(
+        std::env::var("CAPK_BENCH_REST_SECONDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(60),
+    );
+    let changes = {
+        let kms_changes = watcher(kms.clone(), watcher::Config::default().any_semantic())
+            .applied_objects()
+            .take_until(tokio::time::sleep(rest))
+            .count();
+        let pod_changes = watcher(pods.clone(), watcher::Config::default().any_semantic())
+            .applied_objects()
+            .take_until(tokio::time::sleep(rest))
+            .count();
+        let (a, b) = futures::join!(kms_changes, pod_changes);
+        // Each watch first replays the n existing objects.
+        (a + b).saturating_sub(2 * n)
+    };
+    let rss = rss_peak_kib(pid);
+    Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()?;
+    let _ = child.wait();
+
+    println!("bench-controller: machines                    {n}");
+    println!(
+        "bench-controller: time to all Pods + statuses {:.1} s",
+        converge.as_secs_f64()
+    );
+    println!(
+        "bench-controller: controller peak RSS         {:.1} MiB",
+        rss as f64 / 1024.0
+    );
+    println!(
+        "bench-controller: apiserver requests/machine  {:.1} (all clients during convergence)",
+        (after - before) / n as f64
+    );
+    println!(
+        "bench-controller: object changes at rest      {changes} in {} s (KVMMachines + Pods)",
+        rest.as_secs()
+    );
+    Ok(())
+}
