@@ -8,6 +8,7 @@ pub mod error;
 pub mod kvmcluster;
 pub mod kvmmachine;
 pub mod metrics;
+pub mod report;
 pub mod workload;
 
 use std::sync::Arc;

@@ -15,25 +15,22 @@ use kube::{
     api::{Patch, PatchParams},
     runtime::{
         controller::Action,
-        events::{Event, EventType},
         finalizer::{Event as Finalizer, finalizer},
     },
 };
 use serde_json::json;
-use tracing::{info, instrument, warn};
+use tracing::{info, instrument};
 
 use self::build::ClusterState;
 use crate::{
     context::{Context, FIELD_MANAGER},
     error::{Error, Result},
+    report,
 };
 
 /// The owning Cluster's name, from the owner reference Cluster API sets.
 pub fn owner_cluster_name(kc: &KVMCluster) -> Option<String> {
-    kc.owner_references()
-        .iter()
-        .find(|o| o.kind == "Cluster" && o.api_version.starts_with("cluster.x-k8s.io/"))
-        .map(|o| o.name.clone())
+    report::capi_owner(kc, "Cluster")
 }
 
 /// Reconciles one KVMCluster; publishes a Warning Event when a step fails.
@@ -41,19 +38,7 @@ pub fn owner_cluster_name(kc: &KVMCluster) -> Option<String> {
 pub async fn reconcile(kc: Arc<KVMCluster>, ctx: Arc<Context>) -> Result<Action> {
     let _timer = ctx.metrics.start("KVMCluster");
     let result = reconcile_inner(kc.clone(), &ctx).await;
-    if let Err(e) = &result {
-        ctx.metrics.failed("KVMCluster", e.category());
-        warn!(error = %e, "reconcile failed");
-        let ev = Event {
-            type_: EventType::Warning,
-            reason: e.category().into(),
-            note: Some(e.to_string()),
-            action: "Reconcile".into(),
-            secondary: None,
-        };
-        let _ = ctx.recorder.publish(&ev, &kc.object_ref(&())).await;
-    }
-    result
+    report::outcome(&ctx, "KVMCluster", &*kc, result).await
 }
 
 async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
@@ -171,33 +156,13 @@ async fn cleanup(kc: &KVMCluster, cluster: Option<&Cluster>, ctx: &Context) -> R
 }
 
 async fn write_status(api: &Api<KVMCluster>, kc: &KVMCluster, state: &ClusterState) -> Result<()> {
-    let desired = build::status(kc, state, Timestamp::now());
-    if kc.status.as_ref() == Some(&desired) {
-        return Ok(());
-    }
-    // The watch cache can lag behind our own last write; decide on the stored object so a stale
-    // copy never causes a second, redundant status write.
-    let fresh = api
-        .get_status(&kc.name_any())
-        .await
-        .map_err(Error::UpdateStatus)?;
-    let desired = build::status(&fresh, state, Timestamp::now());
-    if fresh.status.as_ref() == Some(&desired) {
-        return Ok(());
-    }
-    let patch = json!({
-        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
-        "kind": "KVMCluster",
-        "status": desired,
-    });
-    api.patch_status(
-        &kc.name_any(),
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&patch),
+    report::write_status(
+        api,
+        kc,
+        |k| k.status.as_ref(),
+        |k| build::status(k, state, Timestamp::now()),
     )
     .await
-    .map_err(Error::UpdateStatus)?;
-    Ok(())
 }
 
 /// Requeue after a failure; the next watch event may come sooner.

@@ -20,7 +20,7 @@ use kube::{
     api::{DeleteParams, Patch, PatchParams, PostParams},
     runtime::{
         controller::Action,
-        events::{Event, EventType},
+        events::EventType,
         finalizer::{Event as Finalizer, finalizer},
     },
 };
@@ -31,14 +31,12 @@ use self::build::{MachineFacts, MachineState};
 use crate::{
     context::{Context, FIELD_MANAGER},
     error::{Error, Result},
+    report,
 };
 
 /// The owning Machine's name, from the owner reference Cluster API sets.
 pub fn owner_machine_name(km: &KVMMachine) -> Option<String> {
-    km.owner_references()
-        .iter()
-        .find(|o| o.kind == "Machine" && o.api_version.starts_with("cluster.x-k8s.io/"))
-        .map(|o| o.name.clone())
+    report::capi_owner(km, "Machine")
 }
 
 /// Reconciles one KVMMachine; publishes a Warning Event when a step fails.
@@ -46,23 +44,11 @@ pub fn owner_machine_name(km: &KVMMachine) -> Option<String> {
 pub async fn reconcile(km: Arc<KVMMachine>, ctx: Arc<Context>) -> Result<Action> {
     let _timer = ctx.metrics.start("KVMMachine");
     let result = reconcile_inner(km.clone(), &ctx).await;
-    if let Err(e) = &result {
-        ctx.metrics.failed("KVMMachine", e.category());
-        warn!(error = %e, "reconcile failed");
-        publish(&ctx, &km, EventType::Warning, e.category(), e.to_string()).await;
-    }
-    result
+    report::outcome(&ctx, "KVMMachine", &*km, result).await
 }
 
 async fn publish(ctx: &Context, km: &KVMMachine, type_: EventType, reason: &str, note: String) {
-    let ev = Event {
-        type_,
-        reason: reason.into(),
-        note: Some(note),
-        action: "Reconcile".into(),
-        secondary: None,
-    };
-    let _ = ctx.recorder.publish(&ev, &km.object_ref(&())).await;
+    report::publish(ctx, km, type_, reason, note).await
 }
 
 fn read_err(kind: &'static str, name: &str) -> impl FnOnce(kube::Error) -> Error {
@@ -410,33 +396,13 @@ async fn write_status(
     state: &MachineState,
     failure_domain: Option<&str>,
 ) -> Result<()> {
-    let desired = build::status(km, state, failure_domain, Timestamp::now());
-    if km.status.as_ref() == Some(&desired) {
-        return Ok(());
-    }
-    // The watch cache can lag behind our own last write; decide on the stored object so a stale
-    // copy never causes a second, redundant status write.
-    let fresh = api
-        .get_status(&km.name_any())
-        .await
-        .map_err(Error::UpdateStatus)?;
-    let desired = build::status(&fresh, state, failure_domain, Timestamp::now());
-    if fresh.status.as_ref() == Some(&desired) {
-        return Ok(());
-    }
-    let patch = json!({
-        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
-        "kind": "KVMMachine",
-        "status": desired,
-    });
-    api.patch_status(
-        &km.name_any(),
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&patch),
+    report::write_status(
+        api,
+        km,
+        |k| k.status.as_ref(),
+        |k| build::status(k, state, failure_domain, Timestamp::now()),
     )
     .await
-    .map_err(Error::UpdateStatus)?;
-    Ok(())
 }
 
 /// Requeue after a failure; a Pod still terminating is checked again soon.

@@ -1,0 +1,97 @@
+//! What both reconcilers do the same way: find their CAPI owner, write status only when it
+//! changes, and turn a failed step into a metric, a log line and a Warning Event.
+
+use std::fmt::Debug;
+
+use kube::{
+    Api, Resource, ResourceExt,
+    api::{Patch, PatchParams},
+    runtime::events::{Event, EventType},
+};
+use serde::{Serialize, de::DeserializeOwned};
+use serde_json::json;
+use tracing::warn;
+
+use crate::{
+    context::{Context, FIELD_MANAGER},
+    error::{Error, Result},
+};
+
+/// The name of the Cluster API object of `kind` (`Cluster`, `Machine`) that owns `obj`.
+pub fn capi_owner<K: Resource>(obj: &K, kind: &str) -> Option<String> {
+    obj.owner_references()
+        .iter()
+        .find(|o| o.kind == kind && o.api_version.starts_with("cluster.x-k8s.io/"))
+        .map(|o| o.name.clone())
+}
+
+/// Publishes an Event about `obj` (best effort: Events never fail a reconcile).
+pub async fn publish<K>(ctx: &Context, obj: &K, type_: EventType, reason: &str, note: String)
+where
+    K: Resource<DynamicType = ()>,
+{
+    let ev = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    let _ = ctx.recorder.publish(&ev, &obj.object_ref(&())).await;
+}
+
+/// Records a reconcile's outcome: a failure is counted, logged and published as an Event whose
+/// reason is the error's category.
+pub async fn outcome<K, T>(
+    ctx: &Context,
+    kind: &'static str,
+    obj: &K,
+    result: Result<T>,
+) -> Result<T>
+where
+    K: Resource<DynamicType = ()>,
+{
+    if let Err(e) = &result {
+        ctx.metrics.failed(kind, e.category());
+        warn!(error = %e, "reconcile failed");
+        publish(ctx, obj, EventType::Warning, e.category(), e.to_string()).await;
+    }
+    result
+}
+
+/// Writes `desired_for(obj)` as the status, only when it differs from the stored status. The
+/// watch cache can lag behind our own last write, so the decision is made again on the stored
+/// object: a stale copy never causes a redundant write.
+pub async fn write_status<K, S>(
+    api: &Api<K>,
+    obj: &K,
+    status_of: impl Fn(&K) -> Option<&S>,
+    desired_for: impl Fn(&K) -> S,
+) -> Result<()>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug,
+    S: PartialEq + Serialize,
+{
+    if status_of(obj) == Some(&desired_for(obj)) {
+        return Ok(());
+    }
+    let name = obj.name_any();
+    let fresh = api.get_status(&name).await.map_err(Error::UpdateStatus)?;
+    let desired = desired_for(&fresh);
+    if status_of(&fresh) == Some(&desired) {
+        return Ok(());
+    }
+    let patch = json!({
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
+        "status": desired,
+    });
+    api.patch_status(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(Error::UpdateStatus)?;
+    Ok(())
+}
