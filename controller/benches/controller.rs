@@ -142,24 +142,28 @@ async fn main() -> Result<()> {
     let kms: Api<KVMMachine> = Api::namespaced(client.clone(), NS);
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
+        // A list can fail transiently while the apiserver is busy; only the deadline ends this.
         let np = pods
             .list_metadata(&ListParams::default())
-            .await?
-            .items
-            .len();
+            .await
+            .map(|l| l.items.len())
+            .unwrap_or(0);
         let done = kms
             .list(&ListParams::default())
-            .await?
-            .items
-            .iter()
-            .filter(|k| {
-                k.spec.provider_id.is_some()
-                    && k.status
-                        .as_ref()
-                        .and_then(|s| s.pod_name.as_ref())
-                        .is_some()
+            .await
+            .map(|l| {
+                l.items
+                    .iter()
+                    .filter(|k| {
+                        k.spec.provider_id.is_some()
+                            && k.status
+                                .as_ref()
+                                .and_then(|s| s.pod_name.as_ref())
+                                .is_some()
+                    })
+                    .count()
             })
-            .count();
+            .unwrap_or(0);
         if np == n && done == n {
             break;
         }
@@ -167,7 +171,7 @@ async fn main() -> Result<()> {
             child.kill()?;
             bail!("not converged after 600 s: {np} Pods, {done} statuses of {n}");
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
     let converge = start.elapsed();
     let after = apiserver_requests(&client).await?;
