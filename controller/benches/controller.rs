@@ -34,10 +34,20 @@ fn rss_peak_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-/// Total requests the apiserver served (from its own /metrics).
+/// Total requests the apiserver served (from its own /metrics), retried while it is busy.
 async fn apiserver_requests(client: &Client) -> Result<f64> {
-    let req = http::Request::get("/metrics").body(Vec::new())?;
-    let text = client.request_text(req).await?;
+    let mut attempt = 0;
+    let text = loop {
+        let req = http::Request::get("/metrics").body(Vec::new())?;
+        match client.request_text(req).await {
+            Ok(t) => break t,
+            Err(e) if attempt >= 5 => return Err(e.into()),
+            Err(_) => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    };
     Ok(text
         .lines()
         .filter(|l| l.starts_with("apiserver_request_total{"))
