@@ -143,16 +143,6 @@ pub fn validate(a: &RunArgs) -> Result<Validated, RunError> {
             "must be an iqn. or eui. name without spaces, at most 223 bytes",
         ));
     }
-    if let Some(n) = &a.iscsi_initiator_name
-        && (!(n.starts_with("iqn.") || n.starts_with("eui."))
-            || n.len() > 223
-            || n.chars().any(char::is_whitespace))
-    {
-        return Err(invalid(
-            "iscsi-initiator-name",
-            "must be an iqn. or eui. name without spaces, at most 223 bytes",
-        ));
-    }
     let mut host_volumes = Vec::new();
     for v in &a.host_volumes {
         let Some((tag, path)) = v.split_once('=') else {
