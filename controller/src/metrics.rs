@@ -48,7 +48,11 @@ impl Default for Metrics {
         let duration = Family::<KindLabel, Histogram>::new_with_constructor(|| {
             Histogram::new([0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0])
         });
-        registry.register("reconciles", "Reconciles by kind", reconciles.clone());
+        registry.register(
+            "reconciles",
+            "Finished reconciles by kind",
+            reconciles.clone(),
+        );
         registry.register(
             "reconcile_errors",
             "Failed reconciles by kind and category",
@@ -70,9 +74,9 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Starts timing a reconcile of `kind`.
+    /// Starts timing a reconcile of `kind`; the reconcile is counted, and its duration
+    /// observed, together when it finishes, so a scrape never sees one without the other.
     pub fn start(&self, kind: &'static str) -> ReconcileTimer<'_> {
-        self.reconciles.get_or_create(&KindLabel { kind }).inc();
         ReconcileTimer {
             metrics: self,
             kind,
@@ -108,9 +112,11 @@ pub struct ReconcileTimer<'a> {
 
 impl Drop for ReconcileTimer<'_> {
     fn drop(&mut self) {
+        let kind = KindLabel { kind: self.kind };
+        self.metrics.reconciles.get_or_create(&kind).inc();
         self.metrics
             .duration
-            .get_or_create(&KindLabel { kind: self.kind })
+            .get_or_create(&kind)
             .observe(self.start.elapsed().as_secs_f64());
     }
 }
