@@ -1,57 +1,104 @@
-//! Ignition handed to the guest. Per-boot facts are merged by an overlay function; the seam
-//! below is where capk-bootstrap's overlay plugs in (until then the config passes unchanged).
+//! Ignition handed to the guest: the machine's config (from the controller's Ignition Secret)
+//! with this boot's facts merged in by capk-bootstrap's [`MachineOverlay`], the one place that
+//! turns machine facts into Ignition (the controller uses the same code).
+//!
+//! Plan, then apply: [`overlay`] is pure (attached disks, host volumes and the DHCP naming in, a
+//! [`MachineOverlay`] out) and [`prepare`] reads, merges and writes the file QEMU passes by fw_cfg.
 
 use std::io::Write;
+use std::net::IpAddr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
+use capk_bootstrap::overlay::{DataDisk, Dns, EtcdDisk, FsFormat, Heartbeat, HostVolume};
+use capk_bootstrap::{BootstrapFormat, MachineFacts, MachineOverlay, MergeReport};
 
 use crate::disk;
-use crate::qemu::argv::{DiskAttachment, HostVolume};
+use crate::qemu::argv::{self, DiskAttachment};
 
-/// Per-boot facts the overlay merges into the machine's Ignition.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct BootFacts {
-    /// Hostname.
+/// Seconds between two heartbeat lines from the guest (the readiness timeout is a flag, 90 s by
+/// default, so a few lost lines do not flap readiness).
+pub const HEARTBEAT_INTERVAL_SECONDS: u32 = 5;
+
+/// Filesystem of the containerd, kubelet and etcd disks. ext4 rather than the legacy xfs:
+/// mkfs.xfs refuses filesystems smaller than 300 MiB, and small disks are valid specs.
+pub const DATA_DISK_FORMAT: FsFormat = FsFormat::Ext4;
+
+/// What the launcher knows about this boot, as the overlay needs it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BootInputs {
+    /// The node name.
     pub hostname: String,
-    /// Role.
-    pub role: String,
-    /// DNS servers.
-    pub dns_servers: Vec<String>,
+    /// DNS servers the guest is given (also served by DHCP).
+    pub dns_servers: Vec<IpAddr>,
     /// DNS search domains.
     pub dns_search: Vec<String>,
     /// NTP servers.
     pub ntp_servers: Vec<String>,
-    /// iSCSI initiator name.
+    /// iSCSI initiator name (stable per machine).
     pub iscsi_initiator_name: Option<String>,
-    /// Data disks as (virtio serial, mount point).
-    pub mounts: Vec<(String, String)>,
-    /// virtio-serial port name of the heartbeat.
-    pub heartbeat_port: String,
+    /// Disks attached to the VM.
+    pub disks: Vec<DiskAttachment>,
+    /// Host volumes shared over virtio-9p.
+    pub host_volumes: Vec<argv::HostVolume>,
 }
 
-/// Where the guest mounts each data disk (by virtio serial) and each host volume (9p tag,
-/// written as `9p:<tag>`): the facts the overlay turns into filesystems and mount units.
-pub fn boot_mounts(disks: &[DiskAttachment], host_volumes: &[HostVolume]) -> Vec<(String, String)> {
-    let mut out: Vec<(String, String)> = disks
-        .iter()
-        .filter_map(|d| {
-            let at = match d.serial.as_str() {
-                disk::DOCKER_SERIAL => "/var/lib/containerd",
-                disk::KUBELET_SERIAL => "/var/lib/kubelet",
-                disk::ETCD_SERIAL => "/var/lib/etcd",
-                _ => return None,
-            };
-            Some((d.serial.clone(), at.to_string()))
-        })
-        .collect();
-    out.extend(
-        host_volumes
+/// The per-boot facts as a capk-bootstrap overlay: hostname, DNS, NTP, iSCSI name, a
+/// filesystem and mount unit per data disk (containerd, kubelet: scratch, formatted at first
+/// boot; etcd at `/var/lib/etcd`: formatted only when blank), a 9p mount per host volume
+/// (`/data/<tag>`), and the heartbeat unit on the launcher's virtio-serial port.
+pub fn overlay(inputs: &BootInputs) -> MachineOverlay {
+    let scratch = |serial: &str, mount_path: &str, label: &str| DataDisk {
+        serial: serial.to_string(),
+        format: DATA_DISK_FORMAT,
+        mount_path: mount_path.to_string(),
+        label: Some(label.to_string()),
+        wipe: true,
+    };
+    let mut data_disks = Vec::new();
+    let mut etcd_disk = None;
+    for d in &inputs.disks {
+        match d.serial.as_str() {
+            disk::DOCKER_SERIAL => {
+                data_disks.push(scratch(&d.serial, "/var/lib/containerd", "containerd"))
+            }
+            disk::KUBELET_SERIAL => {
+                data_disks.push(scratch(&d.serial, "/var/lib/kubelet", "kubelet"))
+            }
+            disk::ETCD_SERIAL => {
+                etcd_disk = Some(EtcdDisk {
+                    serial: d.serial.clone(),
+                    format: DATA_DISK_FORMAT,
+                })
+            }
+            _ => {}
+        }
+    }
+    let dns = (!inputs.dns_servers.is_empty() || !inputs.dns_search.is_empty()).then(|| Dns {
+        servers: inputs.dns_servers.clone(),
+        search: inputs.dns_search.clone(),
+    });
+    MachineOverlay {
+        hostname: inputs.hostname.clone(),
+        dns,
+        ntp_servers: inputs.ntp_servers.clone(),
+        iscsi_initiator_name: inputs.iscsi_initiator_name.clone(),
+        data_disks,
+        etcd_disk,
+        host_volumes: inputs
+            .host_volumes
             .iter()
-            .map(|v| (format!("9p:{}", v.tag), format!("/data/{}", v.tag))),
-    );
-    out
+            .map(|v| HostVolume {
+                tag: v.tag.clone(),
+                mount_path: None,
+                read_only: false,
+            })
+            .collect(),
+        heartbeat: Some(Heartbeat {
+            port_name: argv::HEARTBEAT_PORT.to_string(),
+            interval_seconds: HEARTBEAT_INTERVAL_SECONDS,
+        }),
+    }
 }
 
 /// Ignition preparation failures.
@@ -60,43 +107,31 @@ pub enum IgnitionError {
     /// The file is missing or unreadable.
     #[error("read Ignition config {0}: {1}")]
     Read(PathBuf, String),
-    /// Not an Ignition config.
+    /// Not an Ignition config capk-bootstrap reads (spec 2.3.0 or 3.0.0–3.5.0).
     #[error("{0} is not an Ignition config: {1}")]
     Invalid(PathBuf, String),
-    /// The overlay failed.
-    #[error("merge per-boot facts into Ignition: {0}")]
-    Overlay(String),
     /// Writing the result failed.
     #[error("write {0}: {1}")]
     Write(PathBuf, String),
 }
 
-/// The overlay seam: machine Ignition + per-boot facts → Ignition QEMU hands to the guest.
-pub type OverlayFn = fn(&[u8], &BootFacts) -> Result<Vec<u8>, String>;
-
-/// Overlay used until the launcher is pointed at capk-bootstrap's: returns the config as is.
-pub fn unchanged(config: &[u8], _facts: &BootFacts) -> Result<Vec<u8>, String> {
-    Ok(config.to_vec())
-}
-
-/// Reads and checks the machine's config, applies `overlay`, writes the result to `dest`
-/// (mode 0600: it holds bootstrap secrets) and returns `dest`.
+/// Reads the machine's config, merges `overlay` into it, writes the result to `dest` (mode 0600:
+/// it holds bootstrap secrets) and returns what the overlay replaced in the machine's config.
 pub fn prepare(
     src: &Path,
     dest: &Path,
-    facts: &BootFacts,
-    overlay: OverlayFn,
-) -> Result<PathBuf, IgnitionError> {
+    overlay: &MachineOverlay,
+) -> Result<MergeReport, IgnitionError> {
     let bytes = std::fs::read(src).map_err(|e| IgnitionError::Read(src.into(), e.to_string()))?;
-    let v: serde_json::Value = serde_json::from_slice(&bytes)
-        .map_err(|e| IgnitionError::Invalid(src.into(), e.to_string()))?;
-    if v["ignition"]["version"].as_str().is_none() {
-        return Err(IgnitionError::Invalid(
-            src.into(),
-            "no ignition.version".into(),
-        ));
-    }
-    let merged = overlay(&bytes, facts).map_err(IgnitionError::Overlay)?;
+    // The controller stores spec 3.4.0; 2.3.0 and other 3.x are read the same way as by the
+    // controller. The facts only feed Jinja placeholders, which Ignition input never has.
+    let rendered = capk_bootstrap::render_ignition(
+        BootstrapFormat::Ignition,
+        &bytes,
+        &MachineFacts::new(overlay.hostname.clone()),
+        Some(overlay),
+    )
+    .map_err(|e| IgnitionError::Invalid(src.into(), e.to_string()))?;
     let _ = std::fs::remove_file(dest);
     let mut f = std::fs::OpenOptions::new()
         .write(true)
@@ -104,9 +139,9 @@ pub fn prepare(
         .mode(0o600)
         .open(dest)
         .map_err(|e| IgnitionError::Write(dest.into(), e.to_string()))?;
-    f.write_all(&merged)
+    f.write_all(&rendered.json)
         .map_err(|e| IgnitionError::Write(dest.into(), e.to_string()))?;
-    Ok(dest.to_path_buf())
+    Ok(rendered.merge)
 }
 
 #[cfg(test)]
@@ -114,63 +149,128 @@ mod tests {
     use super::*;
     use crate::qemu::argv::DiskFormat;
 
-    #[test]
-    fn data_disks_and_host_volumes_get_their_mount_points() {
+    fn inputs() -> BootInputs {
         let d = |serial: &str| DiskAttachment {
             serial: serial.into(),
             path: "/x".into(),
             format: DiskFormat::Raw,
         };
-        let m = boot_mounts(
-            &[d("rootfs"), d("dockerfs"), d("kubeletfs"), d("etcdfs")],
-            &[HostVolume {
+        BootInputs {
+            hostname: "capk-md-0-abcde".into(),
+            dns_servers: vec!["10.96.0.10".parse().unwrap()],
+            dns_search: vec!["cluster.local".into()],
+            ntp_servers: vec!["10.0.0.123".into()],
+            iscsi_initiator_name: Some("iqn.2016-04.com.coreos.iscsi:capk-1".into()),
+            disks: vec![d("rootfs"), d("dockerfs"), d("kubeletfs"), d("etcdfs")],
+            host_volumes: vec![argv::HostVolume {
                 tag: "shared".into(),
                 path: "/srv".into(),
             }],
-        );
-        assert_eq!(
-            m,
-            [
-                ("dockerfs", "/var/lib/containerd"),
-                ("kubeletfs", "/var/lib/kubelet"),
-                ("etcdfs", "/var/lib/etcd"),
-                ("9p:shared", "/data/shared"),
-            ]
-            .map(|(a, b)| (a.to_string(), b.to_string()))
-        );
+        }
     }
 
     #[test]
-    fn rejects_non_ignition_and_writes_private_copy() {
+    fn boot_facts_become_the_machine_overlay() {
+        let o = overlay(&inputs());
+        assert_eq!(o.hostname, "capk-md-0-abcde");
+        assert_eq!(
+            o.data_disks
+                .iter()
+                .map(|d| (d.serial.as_str(), d.mount_path.as_str(), d.wipe))
+                .collect::<Vec<_>>(),
+            [
+                ("dockerfs", "/var/lib/containerd", true),
+                ("kubeletfs", "/var/lib/kubelet", true)
+            ]
+        );
+        assert_eq!(
+            o.etcd_disk,
+            Some(EtcdDisk {
+                serial: "etcdfs".into(),
+                format: FsFormat::Ext4
+            })
+        );
+        assert_eq!(o.host_volumes[0].tag, "shared");
+        assert_eq!(
+            o.heartbeat.as_ref().map(|h| h.port_name.as_str()),
+            Some(argv::HEARTBEAT_PORT)
+        );
+        // capk-bootstrap accepts the facts (it validates them when building the fragment).
+        o.fragment().expect("valid overlay");
+    }
+
+    #[test]
+    fn no_dns_facts_no_dns_dropin() {
+        let o = overlay(&BootInputs {
+            dns_servers: vec![],
+            dns_search: vec![],
+            ..inputs()
+        });
+        assert_eq!(o.dns, None);
+    }
+
+    #[test]
+    fn merges_facts_and_writes_private_copy() {
         let dir = tempfile::tempdir().unwrap();
         let bad = dir.path().join("bad.json");
         std::fs::write(&bad, "#cloud-config\n").unwrap();
-        let e = prepare(
-            &bad,
-            &dir.path().join("out"),
-            &BootFacts::default(),
-            unchanged,
-        )
-        .unwrap_err();
+        let e = prepare(&bad, &dir.path().join("out"), &overlay(&inputs())).unwrap_err();
         assert!(
             e.to_string()
-                .starts_with(&format!("{} is not an Ignition config", bad.display()))
+                .starts_with(&format!("{} is not an Ignition config", bad.display())),
+            "{e}"
         );
 
         let good = dir.path().join("good.json");
-        std::fs::write(&good, r#"{"ignition":{"version":"3.4.0"}}"#).unwrap();
-        let out = prepare(
+        std::fs::write(
             &good,
-            &dir.path().join("out"),
-            &BootFacts::default(),
-            unchanged,
+            r#"{"ignition":{"version":"3.4.0"},"storage":{"files":[{"path":"/etc/hostname","contents":{"source":"data:,other"}},{"path":"/etc/capk-test","contents":{"source":"data:,hello"}}]}}"#,
         )
         .unwrap();
+        let out = dir.path().join("out");
+        let report = prepare(&good, &out, &overlay(&inputs())).unwrap();
+        assert_eq!(report.replaced.len(), 1, "{report:?}");
+        assert_eq!(report.replaced[0].name, "/etc/hostname");
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(
             std::fs::metadata(&out).unwrap().permissions().mode() & 0o777,
             0o600
         );
-        assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&good).unwrap());
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+        let paths: Vec<&str> = v["storage"]["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["path"].as_str().unwrap())
+            .collect();
+        for p in [
+            "/etc/capk-test",
+            "/etc/hostname",
+            "/etc/iscsi/initiatorname.iscsi",
+            "/etc/capk/heartbeat.sh",
+        ] {
+            assert!(paths.contains(&p), "{p} missing from {paths:?}");
+        }
+        let units: Vec<&str> = v["systemd"]["units"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|u| u["name"].as_str().unwrap())
+            .collect();
+        for u in [
+            "var-lib-containerd.mount",
+            "var-lib-etcd.mount",
+            "data-shared.mount",
+            "capk-heartbeat.service",
+        ] {
+            assert!(units.contains(&u), "{u} missing from {units:?}");
+        }
+        let etcd = v["storage"]["filesystems"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["device"] == "/dev/disk/by-id/virtio-etcdfs")
+            .expect("etcd filesystem");
+        assert_eq!(etcd["wipeFilesystem"], false);
     }
 }

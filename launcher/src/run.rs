@@ -1,6 +1,6 @@
 //! `capk-launcher run`: validate → accel → network → disks → Ignition → QEMU → supervise.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use crate::cli::RunArgs;
 use crate::control::{self, SharedQmp, SharedState};
 use crate::disk::{self, DiskError, DiskRequest};
 use crate::health::{self, LauncherState, Phase};
-use crate::ignition::{self, BootFacts, IgnitionError};
+use crate::ignition::{self, IgnitionError};
 use crate::net::observe::NetlinkError;
 use crate::net::plan::{GuestNaming, PlanError};
 use crate::net::{MacAddr, apply, dhcp, observe, plan, resolv, tap};
@@ -406,15 +406,14 @@ async fn start_vm(
 
     let ignition = match &a.ignition {
         Some(src) => {
-            let facts = BootFacts {
+            let inputs = ignition::BootInputs {
                 hostname: hostname.into(),
-                role: a.role.as_str().into(),
                 dns_servers: net_plan
                     .lease
                     .naming
                     .dns_servers
                     .iter()
-                    .map(Ipv4Addr::to_string)
+                    .map(|ip| IpAddr::V4(*ip))
                     .collect(),
                 dns_search: net_plan.lease.naming.dns_search.clone(),
                 ntp_servers: net_plan
@@ -425,15 +424,19 @@ async fn start_vm(
                     .map(Ipv4Addr::to_string)
                     .collect(),
                 iscsi_initiator_name: a.iscsi_initiator_name.clone(),
-                mounts: ignition::boot_mounts(&disk_plan.attachments, &v.host_volumes),
-                heartbeat_port: argv::HEARTBEAT_PORT.into(),
+                disks: disk_plan.attachments.clone(),
+                host_volumes: v.host_volumes.clone(),
             };
-            Some(ignition::prepare(
-                src,
-                &a.socket.runtime_dir.join("ignition.json"),
-                &facts,
-                ignition::unchanged,
-            )?)
+            let dest = a.socket.runtime_dir.join("ignition.json");
+            let report = ignition::prepare(src, &dest, &ignition::overlay(&inputs))?;
+            for r in &report.replaced {
+                tracing::info!(
+                    ignition.kind = r.kind,
+                    ignition.name = %r.name,
+                    "machine fact replaces the bootstrap config's entry"
+                );
+            }
+            Some(dest)
         }
         None => None,
     };
