@@ -24,6 +24,12 @@ pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
 
 /// Finalizer on KVMClusters.
 pub const KVMCLUSTER_FINALIZER: &str = "kvmcluster.infrastructure.cluster.x-k8s.io";
+/// Annotation on a machine's Ignition Secret: the bootstrap data Secret and resourceVersion it
+/// was rendered from, and the controller version that rendered it. While they match, the
+/// bootstrap data is neither read nor converted again.
+pub const RENDERED_FROM_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/rendered-from";
+/// clusterctl's annotation that holds `clusterctl move` back while an object is mid-creation.
+pub const BLOCK_MOVE_ANNOTATION: &str = "clusterctl.cluster.x-k8s.io/block-move";
 /// Finalizer on KVMMachines.
 pub const KVMMACHINE_FINALIZER: &str = "kvmmachine.infrastructure.cluster.x-k8s.io";
 
@@ -34,6 +40,10 @@ pub const NODE_READY_GATE: &str = "infrastructure.cluster.x-k8s.io/node-ready";
 pub const CONDITION_READY: &str = "Ready";
 /// Condition: reconciliation is paused.
 pub const CONDITION_PAUSED: &str = "Paused";
+/// Condition: the machine Pod is scheduled to a node of the management cluster.
+pub const CONDITION_POD_SCHEDULED: &str = "PodScheduled";
+/// Condition: the launcher runs the VM (the machine Pod's container is running).
+pub const CONDITION_VM_RUNNING: &str = "VMRunning";
 /// Condition: the guest wrote the bootstrap success file.
 pub const CONDITION_BOOTSTRAP_COMPLETED: &str = "BootstrapCompleted";
 

@@ -1,6 +1,8 @@
 //! `metav1.Condition` bookkeeping: set a condition, keeping its transition time when the status
 //! does not change, so that an unchanged world produces an unchanged status (and no write).
 
+use std::borrow::Cow;
+
 use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
     jiff::Timestamp,
@@ -14,28 +16,36 @@ pub struct DesiredCondition {
     /// `True`, `False` or `Unknown`.
     pub status: bool,
     /// CamelCase reason.
-    pub reason: &'static str,
+    pub reason: Cow<'static, str>,
     /// Human-readable message.
     pub message: String,
 }
 
 impl DesiredCondition {
     /// A condition that holds.
-    pub fn truthy(type_: &'static str, reason: &'static str, message: impl Into<String>) -> Self {
+    pub fn truthy(
+        type_: &'static str,
+        reason: impl Into<Cow<'static, str>>,
+        message: impl Into<String>,
+    ) -> Self {
         Self {
             type_,
             status: true,
-            reason,
+            reason: reason.into(),
             message: message.into(),
         }
     }
 
     /// A condition that does not hold.
-    pub fn falsy(type_: &'static str, reason: &'static str, message: impl Into<String>) -> Self {
+    pub fn falsy(
+        type_: &'static str,
+        reason: impl Into<Cow<'static, str>>,
+        message: impl Into<String>,
+    ) -> Self {
         Self {
             type_,
             status: false,
-            reason,
+            reason: reason.into(),
             message: message.into(),
         }
     }
@@ -58,14 +68,14 @@ pub fn merge(
                     c.last_transition_time = Time(now);
                 }
                 c.status = status;
-                c.reason = d.reason.to_owned();
+                c.reason = d.reason.to_string();
                 c.message = d.message.clone();
                 c.observed_generation = generation;
             }
             None => out.push(Condition {
                 type_: d.type_.to_owned(),
                 status,
-                reason: d.reason.to_owned(),
+                reason: d.reason.to_string(),
                 message: d.message.clone(),
                 observed_generation: generation,
                 last_transition_time: Time(now),

@@ -1,8 +1,18 @@
-//! What every reconcile gets: the client, settings and the Event recorder.
+//! What every reconcile gets: the client, settings, the Event recorder, metrics, and the
+//! watch caches the reconcilers read instead of asking the apiserver.
 
+use capk_api::{
+    capi::{Cluster, Machine},
+    v1alpha1::KVMMachine,
+};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Secret};
 use kube::{
     Client,
-    runtime::events::{Recorder, Reporter},
+    core::PartialObjectMeta,
+    runtime::{
+        events::{Recorder, Reporter},
+        reflector::{ObjectRef, Store},
+    },
 };
 
 /// Field manager of every server-side apply this controller makes.
@@ -17,6 +27,8 @@ pub struct Settings {
     pub cluster_domain: String,
     /// Defaults for machine Pods (launcher image, volume sizes, ...).
     pub machine_defaults: crate::kvmmachine::build::MachineDefaults,
+    /// Reconciles that run at once per kind.
+    pub concurrency: u16,
 }
 
 impl Default for Settings {
@@ -25,7 +37,50 @@ impl Default for Settings {
             namespace: None,
             cluster_domain: "cluster.local".into(),
             machine_defaults: Default::default(),
+            concurrency: 16,
         }
+    }
+}
+
+/// Read-only views of the watches that also trigger reconciles. Each is filled by exactly one
+/// watch; Secrets and PVCs are watched as metadata only (their data is read when needed).
+#[derive(Clone)]
+pub struct Caches {
+    /// KVMMachines (the KVMMachine controller's own store).
+    pub kvm_machines: Store<KVMMachine>,
+    /// Cluster API Machines.
+    pub machines: Store<Machine>,
+    /// Cluster API Clusters.
+    pub clusters: Store<Cluster>,
+    /// Machine Pods (ours only, by label), without managed fields.
+    pub pods: Store<Pod>,
+    /// Every Secret's metadata: our Ignition Secrets, bootstrap data, `<cluster>-kubeconfig`.
+    pub secrets: Store<PartialObjectMeta<Secret>>,
+    /// Our etcd PVCs' metadata.
+    pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
+}
+
+impl Caches {
+    /// Waits until every watch has listed once, so that "not in the cache" means "does not
+    /// exist" (up to watch lag, which the reconcilers tolerate).
+    pub async fn ready(&self) {
+        let _ = futures::join!(
+            self.kvm_machines.wait_until_ready(),
+            self.machines.wait_until_ready(),
+            self.clusters.wait_until_ready(),
+            self.pods.wait_until_ready(),
+            self.secrets.wait_until_ready(),
+            self.claims.wait_until_ready(),
+        );
+    }
+
+    /// The metadata of Secret `name` in `ns`, if it exists.
+    pub fn secret(
+        &self,
+        ns: &str,
+        name: &str,
+    ) -> Option<std::sync::Arc<PartialObjectMeta<Secret>>> {
+        self.secrets.get(&ObjectRef::new(name).within(ns))
     }
 }
 
@@ -40,6 +95,10 @@ pub struct Context {
     pub recorder: Recorder,
     /// Prometheus metrics.
     pub metrics: std::sync::Arc<crate::metrics::Metrics>,
+    /// Watch caches.
+    pub caches: Caches,
+    /// Node watches in workload clusters.
+    pub workloads: std::sync::Arc<crate::workload::Links>,
 }
 
 impl Context {
@@ -48,6 +107,8 @@ impl Context {
         client: Client,
         settings: Settings,
         metrics: std::sync::Arc<crate::metrics::Metrics>,
+        caches: Caches,
+        workloads: std::sync::Arc<crate::workload::Links>,
     ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),
@@ -58,6 +119,8 @@ impl Context {
             client,
             settings,
             metrics,
+            caches,
+            workloads,
         }
     }
 }

@@ -18,15 +18,22 @@ use capk_api::{
     constants::{CLUSTER_NAME_LABEL, MANAGED_BY},
     v1alpha1::{KVMCluster, KVMMachine},
 };
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Secret, Service};
 use kube::{
-    Api, Client, ResourceExt,
-    runtime::{Controller, reflector::ObjectRef, watcher},
+    Api, Client, Resource, ResourceExt,
+    core::PartialObjectMeta,
+    runtime::{
+        Controller, WatchStreamExt,
+        controller::Config as ControllerConfig,
+        reflector::{self, ObjectRef, Store},
+        watcher,
+    },
 };
+use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
-pub use context::{Context, Settings};
+pub use context::{Caches, Context, Settings};
 
 fn api<K>(client: &Client, ns: Option<&str>) -> Api<K>
 where
@@ -36,6 +43,50 @@ where
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     }
+}
+
+/// One watch of `K` that fills a cache and yields the changed objects (to trigger reconciles).
+fn cached<K>(
+    api: Api<K>,
+    config: watcher::Config,
+) -> (
+    Store<K>,
+    impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+)
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
+    let stream = reflector::reflector(
+        writer,
+        watcher(api, config).modify(|o: &mut K| o.managed_fields_mut().clear()),
+    )
+    .default_backoff()
+    .touched_objects();
+    (store, stream)
+}
+
+/// The KVMMachines that belong to Cluster `name` in `ns`.
+fn machines_of(
+    store: &Store<KVMMachine>,
+    ns: Option<&str>,
+    name: &str,
+) -> Vec<ObjectRef<KVMMachine>> {
+    store
+        .state()
+        .into_iter()
+        .filter(|km| {
+            km.namespace().as_deref() == ns
+                && km.labels().get(CLUSTER_NAME_LABEL).map(String::as_str) == Some(name)
+        })
+        .map(|km| ObjectRef::from(&*km))
+        .collect()
 }
 
 /// Runs the reconcilers until `shutdown` resolves.
@@ -55,10 +106,10 @@ pub async fn run_with_metrics(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
     let ns = settings.namespace.clone();
-    metrics.set_ready();
-    let ctx = Arc::new(Context::new(client.clone(), settings, metrics));
+    let ns = ns.as_deref();
     let owned =
         watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
+    let controller_config = ControllerConfig::default().concurrency(settings.concurrency);
 
     // One shutdown signal, fanned out to both controllers.
     let (tx, rx) = tokio::sync::watch::channel(false);
@@ -70,63 +121,113 @@ pub async fn run_with_metrics(
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    let clusters = Controller::new(
-        api::<KVMCluster>(&client, ns.as_deref()),
-        watcher::Config::default(),
-    )
-    .owns(api::<Service>(&client, ns.as_deref()), owned.clone())
-    .watches(
-        api::<Cluster>(&client, ns.as_deref()),
-        watcher::Config::default(),
-        |cluster: Cluster| {
-            let ns = cluster.namespace()?;
-            let r = cluster.spec.infrastructure_ref.as_ref()?;
-            (r.kind == "KVMCluster").then(|| ObjectRef::new(&r.name).within(&ns))
-        },
-    )
-    .graceful_shutdown_on(stopped(rx.clone()))
-    .run(kvmcluster::reconcile, kvmcluster::error_policy, ctx.clone())
-    .for_each(|res| async move {
-        match res {
-            Ok((obj, _)) => debug!(kvmcluster = %obj.name, "reconciled"),
-            Err(e) => warn!(error = %e, "KVMCluster reconcile error"),
-        }
-    });
-
-    let machines = Controller::new(
-        api::<KVMMachine>(&client, ns.as_deref()),
-        watcher::Config::default(),
+    // The KVMMachine controller's watches, each feeding a cache its reconciles read.
+    let machine_controller =
+        Controller::new(api::<KVMMachine>(&client, ns), watcher::Config::default());
+    let kvm_machines = machine_controller.store();
+    let (machines, machine_events) = cached(api::<Machine>(&client, ns), Default::default());
+    let (clusters, cluster_events) = cached(api::<Cluster>(&client, ns), Default::default());
+    let (pods, pod_events) = cached(api::<Pod>(&client, ns), owned.clone());
+    // Secrets and PVCs as metadata only: their data is read when needed.
+    let (secrets, secret_events) = cached(
+        api::<PartialObjectMeta<Secret>>(&client, ns),
+        Default::default(),
     );
-    let store = machines.store();
-    let machines = machines
-        .owns(api::<Pod>(&client, ns.as_deref()), owned.clone())
-        .owns(api::<Secret>(&client, ns.as_deref()), owned.clone())
-        .owns(api::<PersistentVolumeClaim>(&client, ns.as_deref()), owned)
+    let (claims, claim_events) = cached(
+        api::<PartialObjectMeta<PersistentVolumeClaim>>(&client, ns),
+        owned.clone(),
+    );
+    let caches = Caches {
+        kvm_machines: kvm_machines.clone(),
+        machines: machines.clone(),
+        clusters,
+        pods,
+        secrets,
+        claims,
+    };
+    let (node_trigger, node_events) = futures::channel::mpsc::unbounded();
+    let workloads = Arc::new(workload::Links::new(node_trigger));
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        settings,
+        metrics.clone(),
+        caches.clone(),
+        workloads,
+    ));
+    {
+        let (caches, metrics) = (caches.clone(), metrics.clone());
+        tokio::spawn(async move {
+            caches.ready().await;
+            metrics.set_ready();
+        });
+    }
+
+    let clusters = Controller::new(api::<KVMCluster>(&client, ns), watcher::Config::default())
+        .with_config(controller_config.clone())
+        .owns(api::<Service>(&client, ns), owned.clone())
         .watches(
-            api::<Machine>(&client, ns.as_deref()),
+            api::<Cluster>(&client, ns),
             watcher::Config::default(),
-            |m: Machine| {
-                let ns = m.namespace()?;
-                let r = &m.spec.infrastructure_ref;
-                (r.kind == "KVMMachine").then(|| ObjectRef::new(&r.name).within(&ns))
+            |cluster: Cluster| {
+                let ns = cluster.namespace()?;
+                let r = cluster.spec.infrastructure_ref.as_ref()?;
+                (r.kind == "KVMCluster").then(|| ObjectRef::new(&r.name).within(&ns))
             },
         )
+        .graceful_shutdown_on(stopped(rx.clone()))
+        .run(kvmcluster::reconcile, kvmcluster::error_policy, ctx.clone())
+        .for_each(|res| async move {
+            match res {
+                Ok((obj, _)) => debug!(kvmcluster = %obj.name, "reconciled"),
+                Err(e) => warn!(error = %e, "KVMCluster reconcile error"),
+            }
+        });
+
+    let (by_cluster, by_secret) = (kvm_machines.clone(), kvm_machines.clone());
+    let machines = machine_controller
+        .with_config(controller_config)
+        .owns_stream(pod_events)
+        .owns_stream(claim_events)
+        .watches_stream(machine_events, |m: Machine| {
+            let ns = m.namespace()?;
+            let r = &m.spec.infrastructure_ref;
+            (r.kind == "KVMMachine").then(|| ObjectRef::new(&r.name).within(&ns))
+        })
         // A Cluster's infrastructure becoming provisioned (or pausing) concerns its machines.
-        .watches(
-            api::<Cluster>(&client, ns.as_deref()),
-            watcher::Config::default(),
-            move |c: Cluster| {
-                let (name, ns) = (c.name_any(), c.namespace());
-                store
+        .watches_stream(cluster_events, move |c: Cluster| {
+            machines_of(&by_cluster, c.namespace().as_deref(), &c.name_any())
+        })
+        // Secrets: our Ignition Secrets (owner), a Machine's bootstrap data (it may appear after
+        // the Machine names it), and `<cluster>-kubeconfig` (the workload cluster link).
+        .watches_stream(secret_events, move |s: PartialObjectMeta<Secret>| {
+            let ns = s.namespace();
+            let name = s.name_any();
+            let mut refs: Vec<ObjectRef<KVMMachine>> = s
+                .owner_references()
+                .iter()
+                .filter(|o| o.kind == "KVMMachine")
+                .filter_map(|o| Some(ObjectRef::new(&o.name).within(ns.as_deref()?)))
+                .collect();
+            refs.extend(
+                machines
                     .state()
                     .into_iter()
-                    .filter(|km| {
-                        km.namespace() == ns && km.labels().get(CLUSTER_NAME_LABEL) == Some(&name)
+                    .filter(|m| {
+                        m.namespace() == ns
+                            && m.spec.bootstrap.data_secret_name.as_deref() == Some(name.as_str())
+                            && m.spec.infrastructure_ref.kind == "KVMMachine"
                     })
-                    .map(|km| ObjectRef::from(&*km))
-                    .collect::<Vec<_>>()
-            },
-        )
+                    .filter_map(|m| {
+                        Some(ObjectRef::new(&m.spec.infrastructure_ref.name).within(ns.as_deref()?))
+                    }),
+            );
+            if let Some(cluster) = name.strip_suffix("-kubeconfig") {
+                refs.extend(machines_of(&by_secret, ns.as_deref(), cluster));
+            }
+            refs
+        })
+        // Node changes in workload clusters.
+        .reconcile_on(node_events)
         .graceful_shutdown_on(stopped(rx))
         .run(kvmmachine::reconcile, kvmmachine::error_policy, ctx)
         .for_each(|res| async move {

@@ -44,6 +44,15 @@ struct Cli {
     /// Require control-plane machine Pods of one cluster on different MC nodes (default: prefer).
     #[arg(long)]
     require_control_plane_anti_affinity: bool,
+    /// Reconciles that run at once, per kind.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    concurrency: u16,
+    /// Run only while holding the Lease `capk-controller-leader` (for more than one replica).
+    #[arg(long)]
+    leader_elect: bool,
+    /// Namespace of the leader-election Lease (default: $POD_NAMESPACE, else the kubeconfig's).
+    #[arg(long, env = "POD_NAMESPACE")]
+    leader_election_namespace: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -122,14 +131,20 @@ async fn main() -> anyhow::Result<()> {
             require_control_plane_anti_affinity: cli.require_control_plane_anti_affinity,
             ..Default::default()
         },
+        concurrency: cli.concurrency,
     };
     // Kubernetes stops Pods with SIGTERM; a terminal sends SIGINT.
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let shutdown = async move {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = sigterm.recv() => {}
         }
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
     };
     let metrics = std::sync::Arc::new(capk_controller::metrics::Metrics::default());
     for addr in [cli.metrics_addr, cli.health_addr] {
@@ -141,6 +156,75 @@ async fn main() -> anyhow::Result<()> {
             let _ = axum::serve(listener, capk_controller::metrics::router(m)).await;
         });
     }
-    capk_controller::run_with_metrics(client, settings, metrics, shutdown).await;
+    if !cli.leader_elect {
+        capk_controller::run_with_metrics(client, settings, metrics, stopped(stop_rx)).await;
+        return Ok(());
+    }
+
+    // Leader election: wait for the Lease, run while holding it, release it on the way out so
+    // the next replica takes over at once. Losing it mid-run ends the process (like
+    // controller-runtime): the kubelet restarts it as a follower.
+    let namespace = cli
+        .leader_election_namespace
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| client.default_namespace().to_owned());
+    let identity = std::env::var("POD_NAME").unwrap_or_else(|_| {
+        format!(
+            "{}-{}",
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .unwrap_or_default()
+                .trim(),
+            std::process::id()
+        )
+    });
+    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), LEASE_NAME)
+        .with_namespace(&namespace)
+        .with_identity(&identity)
+        .with_duration(15)
+        .with_grace(5)
+        .with_field_manager("capk-controller")
+        .build()
+        .await
+        .with_context(|| format!("leader election Lease {namespace}/{LEASE_NAME}"))?;
+    let (mut leader, lease_task) = manager.watch().await;
+    tracing::info!(lease = %format!("{namespace}/{LEASE_NAME}"), %identity, "waiting for leadership");
+    tokio::select! {
+        r = leader.wait_for(|l| *l) => { r.context("leader election stopped")?; }
+        _ = stopped(stop_rx.clone()) => return Ok(()),
+    }
+    tracing::info!(%identity, "became the leader");
+    let mut lost = leader.clone();
+    let lost_leadership = async move {
+        let _ = lost.wait_for(|l| !*l).await;
+    };
+    let stop = stopped(stop_rx.clone());
+    let (end_tx, end_rx) = tokio::sync::watch::channel(false);
+    let outcome = tokio::spawn(async move {
+        tokio::select! {
+            _ = stop => false,
+            _ = lost_leadership => true,
+        }
+    });
+    let run = capk_controller::run_with_metrics(client, settings, metrics, stopped(end_rx));
+    tokio::pin!(run);
+    let lost = tokio::select! {
+        _ = &mut run => false,
+        lost = outcome => {
+            let lost = lost.unwrap_or(true);
+            let _ = end_tx.send(true);
+            run.await;
+            lost
+        }
+    };
+    drop(leader);
+    if let Ok(Ok(manager)) = lease_task.await {
+        let _ = manager.release().await;
+    }
+    if lost {
+        anyhow::bail!("lost the leader election Lease {namespace}/{LEASE_NAME}");
+    }
     Ok(())
 }
+
+/// Name of the leader-election Lease.
+const LEASE_NAME: &str = "capk-controller-leader";

@@ -1,9 +1,17 @@
 //! The link to a workload cluster: its API through the `<cluster>-kubeconfig` Secret that Cluster
-//! API writes. The machine Pod's readiness gate follows the Node's `Ready` condition, and the
-//! Node gets our providerID when it has none. An unreachable workload cluster is a reason on the
-//! gate, never a crash.
+//! API writes. One Node watch per workload cluster (started when a machine of that cluster first
+//! needs it, restarted when the kubeconfig changes) feeds a cache and wakes the machines whose
+//! Node changed; nothing polls. The machine Pod's readiness gate follows the Node's `Ready`
+//! condition, and the Node gets our providerID when it has none. An unreachable workload cluster
+//! is a reason on the gate, never a crash.
 
-use capk_api::constants::NODE_READY_GATE;
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
+
+use capk_api::{constants::NODE_READY_GATE, v1alpha1::KVMMachine};
+use futures::{StreamExt, channel::mpsc::UnboundedSender};
 use k8s_openapi::{
     api::core::v1::{Node, Pod, Secret},
     jiff::Timestamp,
@@ -12,10 +20,16 @@ use kube::{
     Api, Client, Config, ResourceExt,
     api::{Patch, PatchParams},
     config::{KubeConfigOptions, Kubeconfig},
+    runtime::{
+        WatchStreamExt,
+        reflector::{self, ObjectRef, Store},
+        watcher,
+    },
 };
 use serde_json::json;
+use tracing::{debug, info};
 
-use crate::context::FIELD_MANAGER;
+use crate::context::{Caches, FIELD_MANAGER};
 
 /// What the readiness gate should say.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,6 +50,238 @@ impl Gate {
             message: message.into(),
         }
     }
+}
+
+/// The Node watches of all workload clusters this controller links to.
+pub struct Links {
+    links: Mutex<HashMap<(String, String), Link>>,
+    trigger: UnboundedSender<ObjectRef<KVMMachine>>,
+}
+
+struct Link {
+    /// The kubeconfig Secret's resourceVersion the watch was started from.
+    source: String,
+    client: Client,
+    nodes: Store<Node>,
+    state: Arc<LinkState>,
+    task: tokio::task::AbortHandle,
+}
+
+/// What the Node watch task tells the reconcilers.
+#[derive(Default)]
+struct LinkState {
+    /// The watch's last error, while it fails.
+    error: Mutex<Option<String>>,
+    /// The first list of Nodes is in the cache.
+    synced: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Links {
+    /// Links that wake machines through `trigger`.
+    pub fn new(trigger: UnboundedSender<ObjectRef<KVMMachine>>) -> Self {
+        Self {
+            links: Mutex::default(),
+            trigger,
+        }
+    }
+
+    /// Stops the Node watch of `cluster` (its kubeconfig is gone, or the cluster is deleted).
+    pub fn forget(&self, ns: &str, cluster: &str) {
+        let key = (ns.to_owned(), cluster.to_owned());
+        if self
+            .links
+            .lock()
+            .expect("links lock")
+            .remove(&key)
+            .is_some()
+        {
+            info!(
+                namespace = ns,
+                cluster, "stopped watching the workload cluster's Nodes"
+            );
+        }
+    }
+
+    /// How many workload clusters are linked (for tests and metrics).
+    pub fn len(&self) -> usize {
+        self.links.lock().expect("links lock").len()
+    }
+
+    /// Whether no workload cluster is linked.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// What the readiness gate of machine `km` (Node `node_name`) in `cluster` should say; sets
+    /// the Node's providerID when it has none. Reads the kubeconfig Secret only when it is new
+    /// or changed.
+    pub async fn node_gate(
+        &self,
+        mc: &Client,
+        caches: &Caches,
+        ns: &str,
+        cluster: &str,
+        node_name: &str,
+        provider_id: &str,
+    ) -> Gate {
+        let secret_name = format!("{cluster}-kubeconfig");
+        let Some(meta) = caches.secret(ns, &secret_name) else {
+            self.forget(ns, cluster);
+            return Gate::not_ready(
+                "WaitingForWorkloadClusterKubeconfig",
+                format!(
+                    "Secret {secret_name} does not exist yet (Cluster API writes it once the control plane is initialized)"
+                ),
+            );
+        };
+        let source = meta.resource_version().unwrap_or_default();
+        let key = (ns.to_owned(), cluster.to_owned());
+        let current = {
+            let links = self.links.lock().expect("links lock");
+            links
+                .get(&key)
+                .filter(|l| l.source == source)
+                .map(|l| (l.client.clone(), l.nodes.clone(), l.state.clone()))
+        };
+        let (wc, nodes, state) = match current {
+            Some(c) => c,
+            None => {
+                let wc = match client(mc, ns, cluster).await {
+                    Ok(wc) => wc,
+                    Err(gate) => return gate,
+                };
+                let link = self.start(wc, ns, cluster, caches, source);
+                let out = (link.client.clone(), link.nodes.clone(), link.state.clone());
+                self.links.lock().expect("links lock").insert(key, link);
+                out
+            }
+        };
+        if let Some(e) = state.error.lock().expect("error lock").clone() {
+            return Gate::not_ready(
+                "WorkloadClusterUnreachable",
+                format!("watch nodes of workload cluster {cluster}: {e}"),
+            );
+        }
+        if !state.synced.load(std::sync::atomic::Ordering::SeqCst) {
+            return Gate::not_ready(
+                "WaitingForWorkloadCluster",
+                format!("connecting to workload cluster {cluster}"),
+            );
+        }
+        match nodes.get(&ObjectRef::new(node_name)) {
+            Some(node) => sync_node(&wc, &node, provider_id).await,
+            None => Gate::not_ready(
+                "WaitingForNode",
+                format!("node {node_name} has not joined the workload cluster yet"),
+            ),
+        }
+    }
+
+    fn start(&self, wc: Client, ns: &str, cluster: &str, caches: &Caches, source: String) -> Link {
+        info!(
+            namespace = ns,
+            cluster, "watching the workload cluster's Nodes"
+        );
+        let (nodes, writer) = reflector::store::<Node>();
+        let state = Arc::new(LinkState::default());
+        let stream = reflector::reflector(
+            writer,
+            watcher(Api::<Node>::all(wc.clone()), watcher::Config::default()).modify(
+                |n: &mut Node| {
+                    // Only identity, providerID and conditions matter here; images and
+                    // managed fields are most of a Node's size.
+                    n.managed_fields_mut().clear();
+                    if let Some(s) = n.status.as_mut() {
+                        s.images = None;
+                    }
+                },
+            ),
+        )
+        .default_backoff();
+        let trigger = self.trigger.clone();
+        let kvm_machines = caches.kvm_machines.clone();
+        let (ns, cluster, st) = (ns.to_owned(), cluster.to_owned(), state.clone());
+        let task = tokio::spawn(async move {
+            // What each Node last looked like to us: (Ready, has providerID).
+            let mut seen: HashMap<String, (bool, bool)> = HashMap::new();
+            let wake = |node: Option<&str>| {
+                for km in kvm_machines.state() {
+                    if km.namespace().as_deref() == Some(ns.as_str())
+                        && km.labels().get(capk_api::constants::CLUSTER_NAME_LABEL)
+                            == Some(&cluster)
+                        && node.is_none_or(|n| crate::kvmmachine::build::hostname(&km) == n)
+                    {
+                        let _ = trigger.unbounded_send(ObjectRef::from(&*km));
+                    }
+                }
+            };
+            futures::pin_mut!(stream);
+            while let Some(event) = stream.next().await {
+                match event {
+                    Err(e) => {
+                        debug!(error = %e, cluster = %cluster, "workload cluster Node watch failed");
+                        let msg = e.to_string();
+                        let changed =
+                            st.error.lock().expect("error lock").replace(msg.clone()) != Some(msg);
+                        if changed {
+                            wake(None);
+                        }
+                    }
+                    Ok(ev) => {
+                        let recovered = st.error.lock().expect("error lock").take().is_some();
+                        match ev {
+                            watcher::Event::InitDone => {
+                                st.synced.store(true, std::sync::atomic::Ordering::SeqCst);
+                                wake(None)
+                            }
+                            watcher::Event::Apply(n) | watcher::Event::InitApply(n) => {
+                                let facts = (node_ready(&n), has_provider_id(&n));
+                                if seen.insert(n.name_any(), facts) != Some(facts) || recovered {
+                                    wake(Some(&n.name_any()));
+                                }
+                            }
+                            watcher::Event::Delete(n) => {
+                                seen.remove(&n.name_any());
+                                wake(Some(&n.name_any()));
+                            }
+                            watcher::Event::Init => {}
+                        }
+                        if recovered {
+                            wake(None);
+                        }
+                    }
+                }
+            }
+        });
+        Link {
+            source,
+            client: wc,
+            nodes,
+            state,
+            task: task.abort_handle(),
+        }
+    }
+}
+
+fn node_ready(n: &Node) -> bool {
+    n.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+        .is_some_and(|c| c.status == "True")
+}
+
+fn has_provider_id(n: &Node) -> bool {
+    n.spec
+        .as_ref()
+        .and_then(|s| s.provider_id.as_deref())
+        .is_some_and(|p| !p.is_empty())
 }
 
 /// A client for the workload cluster of `cluster`, or why there is none.
@@ -79,34 +325,14 @@ pub async fn client(mc: &Client, ns: &str, cluster: &str) -> Result<Client, Gate
     })
 }
 
-/// Reads the Node, sets its providerID when empty, and says what the gate should be.
-pub async fn sync_node(wc: &Client, node_name: &str, provider_id: &str) -> Gate {
-    let nodes: Api<Node> = Api::all(wc.clone());
-    let node = match nodes.get_opt(node_name).await {
-        Ok(Some(n)) => n,
-        Ok(None) => {
-            return Gate::not_ready(
-                "WaitingForNode",
-                format!("node {node_name} has not joined the workload cluster yet"),
-            );
-        }
-        Err(e) => {
-            return Gate::not_ready(
-                "WorkloadClusterUnreachable",
-                format!("read node {node_name}: {e}"),
-            );
-        }
-    };
-    let has_id = node
-        .spec
-        .as_ref()
-        .and_then(|s| s.provider_id.as_deref())
-        .is_some_and(|p| !p.is_empty());
-    if !has_id {
+/// Sets the Node's providerID when it has none, and says what the gate should be.
+pub async fn sync_node(wc: &Client, node: &Node, provider_id: &str) -> Gate {
+    let node_name = node.name_any();
+    if !has_provider_id(node) {
         let patch = json!({"spec": {"providerID": provider_id}});
-        if let Err(e) = nodes
+        if let Err(e) = Api::<Node>::all(wc.clone())
             .patch(
-                &node.name_any(),
+                &node_name,
                 &PatchParams {
                     field_manager: Some(FIELD_MANAGER.into()),
                     ..Default::default()

@@ -164,13 +164,32 @@ fn labels(km: &KVMMachine, facts: &MachineFacts) -> BTreeMap<String, String> {
     labels
 }
 
-/// The Secret holding the machine's Ignition config.
-pub fn ignition_secret(km: &KVMMachine, facts: &MachineFacts, ignition: Vec<u8>) -> Secret {
+/// What an Ignition Secret is rendered from: the bootstrap data Secret's name and
+/// resourceVersion, and this controller's version (a new converter renders again).
+pub fn rendered_from(bootstrap_secret: &str, resource_version: &str) -> String {
+    format!(
+        "{bootstrap_secret}@{resource_version}/capk-controller-{}",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// The Secret holding the machine's Ignition config, annotated with what it was rendered from
+/// ([`rendered_from`]).
+pub fn ignition_secret(
+    km: &KVMMachine,
+    facts: &MachineFacts,
+    ignition: Vec<u8>,
+    rendered_from: &str,
+) -> Secret {
     Secret {
         metadata: ObjectMeta {
             name: Some(ignition_secret_name(km)),
             namespace: km.meta().namespace.clone(),
             labels: Some(labels(km, facts)),
+            annotations: Some(BTreeMap::from([(
+                capk_api::constants::RENDERED_FROM_ANNOTATION.to_owned(),
+                rendered_from.to_owned(),
+            )])),
             owner_references: km.controller_owner_ref(&()).map(|o| vec![o]),
             ..Default::default()
         },
@@ -612,8 +631,10 @@ pub enum MachineState {
     Paused,
     /// The Cluster's infrastructure is not provisioned yet.
     WaitingForClusterInfrastructure,
-    /// The Machine has no bootstrap data Secret yet.
+    /// The Machine names no bootstrap data Secret yet.
     WaitingForBootstrapData,
+    /// The Machine names a bootstrap data Secret that does not exist (yet).
+    WaitingForBootstrapSecret(String),
     /// The bootstrap data cannot be turned into Ignition; the message says why.
     BootstrapDataInvalid(String),
     /// The Pod exists but the VM is not running yet.
@@ -634,10 +655,142 @@ pub enum MachineState {
     PodMissing,
 }
 
+/// A Kubernetes reason as a condition reason (CamelCase, no spaces), or `fallback`.
+fn reason_or(reason: Option<&str>, fallback: &'static str) -> std::borrow::Cow<'static, str> {
+    match reason {
+        Some(r)
+            if r.starts_with(|c: char| c.is_ascii_alphabetic())
+                && r.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') =>
+        {
+            r.to_owned().into()
+        }
+        _ => fallback.into(),
+    }
+}
+
+/// The conditions that follow the machine Pod: `PodScheduled` (the management cluster found it
+/// a node), `VMRunning` (the launcher container runs; it exits when QEMU dies) and
+/// `BootstrapCompleted` (the launcher's readiness probe: the guest reported bootstrap success).
+pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::conditions::DesiredCondition> {
+    use crate::conditions::DesiredCondition as C;
+    use capk_api::constants::{
+        CONDITION_BOOTSTRAP_COMPLETED, CONDITION_POD_SCHEDULED, CONDITION_VM_RUNNING,
+    };
+    let Some(pod) = pod else {
+        return [
+            CONDITION_POD_SCHEDULED,
+            CONDITION_VM_RUNNING,
+            CONDITION_BOOTSTRAP_COMPLETED,
+        ]
+        .into_iter()
+        .map(|t| C::falsy(t, "NoMachinePod", "there is no machine Pod"))
+        .collect();
+    };
+    let status = pod.status.clone().unwrap_or_default();
+    let scheduled = status
+        .conditions
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|c| c.type_ == "PodScheduled");
+    let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+    let scheduled = match (scheduled, node) {
+        (Some(c), Some(node)) if c.status == "True" => C::truthy(
+            CONDITION_POD_SCHEDULED,
+            "Scheduled",
+            format!("machine Pod is scheduled to node {node}"),
+        ),
+        (Some(c), _) if c.status != "True" => C::falsy(
+            CONDITION_POD_SCHEDULED,
+            reason_or(c.reason.as_deref(), "Unschedulable"),
+            c.message.clone().unwrap_or_default(),
+        ),
+        _ => C::falsy(
+            CONDITION_POD_SCHEDULED,
+            "WaitingForScheduler",
+            "the machine Pod waits for the scheduler",
+        ),
+    };
+    let launcher = status
+        .container_statuses
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|c| c.name == "launcher");
+    let state = launcher.and_then(|c| c.state.as_ref());
+    let restarts = launcher.map(|c| c.restart_count).unwrap_or(0);
+    let last_exit = launcher
+        .and_then(|c| c.last_state.as_ref())
+        .and_then(|s| s.terminated.as_ref())
+        .map(|t| {
+            format!(
+                "; last exit: code {}{}",
+                t.exit_code,
+                t.message
+                    .as_deref()
+                    .map(|m| format!(", {}", m.trim()))
+                    .unwrap_or_default()
+            )
+        })
+        .unwrap_or_default();
+    let running = match state {
+        Some(s) if s.running.is_some() => C::truthy(
+            CONDITION_VM_RUNNING,
+            "LauncherRunning",
+            format!("the launcher runs the VM (restarts: {restarts}{last_exit})"),
+        ),
+        Some(s) if s.waiting.is_some() => {
+            let w = s.waiting.as_ref().expect("checked");
+            C::falsy(
+                CONDITION_VM_RUNNING,
+                reason_or(w.reason.as_deref(), "LauncherWaiting"),
+                format!(
+                    "{} (restarts: {restarts}{last_exit})",
+                    w.message
+                        .as_deref()
+                        .unwrap_or("the launcher container waits to start")
+                ),
+            )
+        }
+        Some(s) if s.terminated.is_some() => {
+            let t = s.terminated.as_ref().expect("checked");
+            C::falsy(
+                CONDITION_VM_RUNNING,
+                "LauncherExited",
+                format!(
+                    "the launcher exited with code {}: {}",
+                    t.exit_code,
+                    t.message.as_deref().unwrap_or("no message").trim()
+                ),
+            )
+        }
+        _ => C::falsy(
+            CONDITION_VM_RUNNING,
+            "LauncherPending",
+            "the launcher container has not started",
+        ),
+    };
+    let bootstrapped = if launcher.is_some_and(|c| c.ready) {
+        C::truthy(
+            CONDITION_BOOTSTRAP_COMPLETED,
+            "BootstrapSucceeded",
+            "the guest reported bootstrap success and sends heartbeats",
+        )
+    } else {
+        C::falsy(
+            CONDITION_BOOTSTRAP_COMPLETED,
+            "WaitingForBootstrap",
+            "waiting for the guest to report bootstrap success (capk-launcher probe readiness)",
+        )
+    };
+    vec![scheduled, running, bootstrapped]
+}
+
 /// The status the KVMMachine should have.
 pub fn status(
     km: &KVMMachine,
     state: &MachineState,
+    pod: &[crate::conditions::DesiredCondition],
     failure_domain: Option<&str>,
     now: k8s_openapi::jiff::Timestamp,
 ) -> capk_api::v1alpha1::KVMMachineStatus {
@@ -671,7 +824,12 @@ pub fn status(
         MachineState::WaitingForBootstrapData => Some(C::falsy(
             CONDITION_READY,
             "WaitingForBootstrapData",
-            "waiting for the Machine's bootstrap data Secret (spec.bootstrap.dataSecretName)",
+            "waiting for the bootstrap provider to set the Machine's spec.bootstrap.dataSecretName",
+        )),
+        MachineState::WaitingForBootstrapSecret(name) => Some(C::falsy(
+            CONDITION_READY,
+            "WaitingForBootstrapData",
+            format!("waiting for the Machine's bootstrap data Secret {name} to exist"),
         )),
         MachineState::BootstrapDataInvalid(msg) => Some(C::falsy(
             CONDITION_READY,
@@ -696,6 +854,9 @@ pub fn status(
         )),
     };
     desired.extend(ready);
+    if !matches!(state, MachineState::Paused) {
+        desired.extend_from_slice(pod);
+    }
     match state {
         MachineState::PodStarting { pod, .. } => {
             out.pod_name = Some(pod.clone());
@@ -826,6 +987,13 @@ mod tests {
             &km,
             &facts,
             b"{\"token\":\"abcdef.0123456789abcdef\"}".to_vec(),
+            &rendered_from("m-bootstrap", "42"),
+        );
+        assert!(
+            !serde_json::to_string(&secret.metadata)
+                .unwrap()
+                .contains("abcdef"),
+            "bootstrap data leaked into the Secret's metadata"
         );
         let pod = machine_pod(&km, &facts, &MachineDefaults::default()).unwrap();
         let text = serde_json::to_string(&pod).unwrap();
@@ -889,8 +1057,14 @@ mod tests {
             pod: "m".into(),
             ip: "10.0.0.5".into(),
         };
-        km.status = Some(status(&km, &running, Some("zone-a"), t0));
-        let lost = status(&km, &MachineState::PodMissing, Some("zone-a"), t0);
+        km.status = Some(status(&km, &running, &[], Some("zone-a"), t0));
+        let lost = status(
+            &km,
+            &MachineState::PodMissing,
+            &pod_conditions(None),
+            Some("zone-a"),
+            t0,
+        );
         let ready = lost
             .conditions
             .as_ref()
@@ -905,6 +1079,78 @@ mod tests {
         // The contract: provisioned never goes back to false.
         assert_eq!(lost.initialization.unwrap().provisioned, Some(true));
         assert_eq!(lost.failure_domain.as_deref(), Some("zone-a"));
+    }
+
+    fn pod(status: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "m"},
+            "spec": {"nodeName": "mc-node-1", "containers": [{"name": "launcher"}]},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    fn summary(cs: &[crate::conditions::DesiredCondition]) -> Vec<(&str, bool, String)> {
+        cs.iter()
+            .map(|c| (c.type_, c.status, c.reason.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn pod_conditions_tell_the_story_of_the_machine_pod() {
+        let none = pod_conditions(None);
+        assert!(none.iter().all(|c| !c.status && c.reason == "NoMachinePod"));
+
+        let unschedulable = pod(json!({"phase": "Pending", "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": "0/3 nodes are available: 3 Insufficient memory."}]}));
+        let cs = pod_conditions(Some(&unschedulable));
+        assert_eq!(
+            summary(&cs)[0],
+            ("PodScheduled", false, "Unschedulable".into())
+        );
+        assert!(cs[0].message.contains("Insufficient memory"));
+
+        let crashing = pod(json!({"phase": "Running",
+            "conditions": [{"type": "PodScheduled", "status": "True"}],
+            "containerStatuses": [{"name": "launcher", "ready": false, "restartCount": 3,
+                "image": "i", "imageID": "", "state": {"waiting": {"reason": "CrashLoopBackOff",
+                "message": "back-off 40s restarting failed container"}},
+                "lastState": {"terminated": {"exitCode": 1,
+                "message": "qemu exited: guest panicked"}}}]}));
+        let cs = pod_conditions(Some(&crashing));
+        assert_eq!(
+            summary(&cs),
+            vec![
+                ("PodScheduled", true, "Scheduled".into()),
+                ("VMRunning", false, "CrashLoopBackOff".into()),
+                ("BootstrapCompleted", false, "WaitingForBootstrap".into()),
+            ]
+        );
+        assert!(
+            cs[1].message.contains("guest panicked"),
+            "{}",
+            cs[1].message
+        );
+        assert!(cs[1].message.contains("restarts: 3"), "{}", cs[1].message);
+
+        let ready = pod(json!({"phase": "Running",
+            "conditions": [{"type": "PodScheduled", "status": "True"}],
+            "containerStatuses": [{"name": "launcher", "ready": true, "restartCount": 0,
+                "image": "i", "imageID": "", "state": {"running": {}}}]}));
+        assert_eq!(
+            summary(&pod_conditions(Some(&ready))),
+            vec![
+                ("PodScheduled", true, "Scheduled".into()),
+                ("VMRunning", true, "LauncherRunning".into()),
+                ("BootstrapCompleted", true, "BootstrapSucceeded".into()),
+            ]
+        );
+
+        // A reason that is not a condition reason is replaced, not copied.
+        let odd = pod(json!({"phase": "Pending", "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "no good"}]}));
+        assert_eq!(pod_conditions(Some(&odd))[0].reason, "Unschedulable");
     }
 
     #[test]

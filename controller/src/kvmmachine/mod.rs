@@ -7,7 +7,10 @@ use std::{sync::Arc, time::Duration};
 
 use capk_api::{
     capi::{Cluster, Machine},
-    constants::{KVMMACHINE_FINALIZER, PAUSED_ANNOTATION, provider_id},
+    constants::{
+        BLOCK_MOVE_ANNOTATION, KVMMACHINE_FINALIZER, PAUSED_ANNOTATION, RENDERED_FROM_ANNOTATION,
+        provider_id,
+    },
     v1alpha1::KVMMachine,
 };
 use capk_bootstrap::{BootstrapFormat, MachineFacts as BootFacts};
@@ -22,6 +25,7 @@ use kube::{
         controller::Action,
         events::EventType,
         finalizer::{Event as Finalizer, finalizer},
+        reflector::ObjectRef,
     },
 };
 use serde_json::json;
@@ -58,32 +62,28 @@ fn read_err(kind: &'static str, name: &str) -> impl FnOnce(kube::Error) -> Error
 
 async fn reconcile_inner(km: Arc<KVMMachine>, ctx: &Context) -> Result<Action> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
+    ctx.caches.ready().await;
     let api: Api<KVMMachine> = Api::namespaced(ctx.client.clone(), &ns);
-    let machine = match owner_machine_name(&km) {
-        Some(name) => Api::<Machine>::namespaced(ctx.client.clone(), &ns)
-            .get_opt(&name)
-            .await
-            .map_err(read_err("Machine", &name))?,
-        None => None,
-    };
+    let machine = owner_machine_name(&km)
+        .and_then(|name| ctx.caches.machines.get(&ObjectRef::new(&name).within(&ns)));
     let cluster = match &machine {
-        Some(m) if !m.spec.cluster_name.is_empty() => {
-            Api::<Cluster>::namespaced(ctx.client.clone(), &ns)
-                .get_opt(&m.spec.cluster_name)
-                .await
-                .map_err(read_err("Cluster", &m.spec.cluster_name))?
-        }
+        Some(m) if !m.spec.cluster_name.is_empty() => ctx
+            .caches
+            .clusters
+            .get(&ObjectRef::new(&m.spec.cluster_name).within(&ns)),
         _ => None,
     };
-    let paused = cluster.as_ref().is_some_and(Cluster::is_paused)
+    let paused = cluster.as_deref().is_some_and(Cluster::is_paused)
         || km.annotations().contains_key(PAUSED_ANNOTATION);
     if paused {
-        write_status(&api, &km, &MachineState::Paused, None).await?;
+        write_status(&api, &km, &MachineState::Paused, &[], None).await?;
         return Ok(Action::await_change());
     }
     finalizer(&api, KVMMACHINE_FINALIZER, km, |event| async {
         match event {
-            Finalizer::Apply(km) => apply(&api, &km, machine.as_ref(), cluster.as_ref(), ctx).await,
+            Finalizer::Apply(km) => {
+                apply(&api, &km, machine.as_deref(), cluster.as_deref(), ctx).await
+            }
             Finalizer::Cleanup(km) => cleanup(&km, ctx).await,
         }
     })
@@ -91,45 +91,66 @@ async fn reconcile_inner(km: Arc<KVMMachine>, ctx: &Context) -> Result<Action> {
     .map_err(|e| Error::Finalizer(Box::new(e)))
 }
 
-async fn apply(
-    api: &Api<KVMMachine>,
-    km: &KVMMachine,
-    machine: Option<&Machine>,
-    cluster: Option<&Cluster>,
-    ctx: &Context,
-) -> Result<Action> {
-    let ns = km.namespace().ok_or(Error::MissingNamespace)?;
-    let Some(machine) = machine else {
-        write_status(api, km, &MachineState::WaitingForMachineOwner, None).await?;
-        return Ok(Action::await_change());
-    };
-    let fd = machine.spec.failure_domain.as_deref();
-    if !cluster.is_some_and(Cluster::infrastructure_provisioned) {
-        write_status(api, km, &MachineState::WaitingForClusterInfrastructure, fd).await?;
-        return Ok(Action::await_change());
+/// Sets or removes clusterctl's block-move annotation (a Pod is being created, or not).
+async fn block_move(api: &Api<KVMMachine>, km: &KVMMachine, block: bool) -> Result<()> {
+    if km.annotations().contains_key(BLOCK_MOVE_ANNOTATION) == block {
+        return Ok(());
     }
-    let Some(secret_name) = machine.spec.bootstrap.data_secret_name.clone() else {
-        write_status(api, km, &MachineState::WaitingForBootstrapData, fd).await?;
-        return Ok(Action::await_change());
-    };
-    let facts = MachineFacts {
-        cluster: machine.spec.cluster_name.clone(),
-        control_plane: machine.is_control_plane(),
-        failure_domain: machine.spec.failure_domain.clone(),
-    };
+    let value = block.then_some("true");
+    let patch = json!({"metadata": {"annotations": {BLOCK_MOVE_ANNOTATION: value}}});
+    api.patch(
+        &km.name_any(),
+        &PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..Default::default()
+        },
+        &Patch::Merge(&patch),
+    )
+    .await
+    .map_err(|source| Error::Apply {
+        kind: "KVMMachine",
+        name: km.name_any(),
+        source,
+    })?;
+    Ok(())
+}
 
-    // Bootstrap data → Ignition Secret. A conversion error is the user's to fix: a condition
-    // and an Event say what is wrong, and no Pod is created.
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-    let bootstrap = secrets
-        .get_opt(&secret_name)
-        .await
-        .map_err(read_err("Secret", &secret_name))?;
-    let Some(bootstrap) = bootstrap else {
-        write_status(api, km, &MachineState::WaitingForBootstrapData, fd).await?;
-        return Ok(Action::await_change());
+/// The machine's Ignition Secret, rendered from the bootstrap data when it is missing or was
+/// rendered from another version of it. `Err(state)` when the machine must wait or the data is
+/// bad (reported by the caller).
+async fn ensure_ignition(
+    km: &KVMMachine,
+    facts: &MachineFacts,
+    secret_name: &str,
+    ctx: &Context,
+) -> Result<std::result::Result<(), MachineState>> {
+    let ns = km.namespace().ok_or(Error::MissingNamespace)?;
+    let Some(meta) = ctx.caches.secret(&ns, secret_name) else {
+        return Ok(Err(MachineState::WaitingForBootstrapSecret(
+            secret_name.to_owned(),
+        )));
     };
-    let data = bootstrap.data.clone().unwrap_or_default();
+    let source = build::rendered_from(secret_name, &meta.resource_version().unwrap_or_default());
+    let current = ctx.caches.secret(&ns, &build::ignition_secret_name(km));
+    if current.is_some_and(|s| s.annotations().get(RENDERED_FROM_ANNOTATION) == Some(&source)) {
+        return Ok(Ok(()));
+    }
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let Some(bootstrap) = secrets
+        .get_opt(secret_name)
+        .await
+        .map_err(read_err("Secret", secret_name))?
+    else {
+        return Ok(Err(MachineState::WaitingForBootstrapSecret(
+            secret_name.to_owned(),
+        )));
+    };
+    // Render from what was read, recorded with the version that was read.
+    let source = build::rendered_from(
+        secret_name,
+        &bootstrap.resource_version().unwrap_or_default(),
+    );
+    let data = bootstrap.data.unwrap_or_default();
     let value = data.get("value").map(|b| b.0.clone()).unwrap_or_default();
     let format = data
         .get("format")
@@ -140,19 +161,23 @@ async fn apply(
     };
     let rendered = BootstrapFormat::from_secret(format.as_deref())
         .and_then(|f| capk_bootstrap::render_ignition(f, &value, &boot_facts, None));
-    let ignition = match rendered {
-        Ok(r) => r.json,
+    match rendered {
+        Ok(r) => {
+            let secret = build::ignition_secret(km, facts, r.json, &source);
+            apply_object(&secrets, &secret, "Secret").await?;
+            Ok(Ok(()))
+        }
         Err(e) => {
             let msg = e.to_string();
-            if km
+            let reported = km
                 .status
                 .as_ref()
                 .and_then(|s| s.conditions.as_ref())
-                .is_none_or(|cs| {
-                    !cs.iter()
+                .is_some_and(|cs| {
+                    cs.iter()
                         .any(|c| c.reason == "BootstrapDataInvalid" && c.message.contains(&msg))
-                })
-            {
+                });
+            if !reported {
                 publish(
                     ctx,
                     km,
@@ -162,66 +187,88 @@ async fn apply(
                 )
                 .await;
             }
-            write_status(api, km, &MachineState::BootstrapDataInvalid(msg), fd).await?;
-            return Ok(Action::await_change());
+            Ok(Err(MachineState::BootstrapDataInvalid(msg)))
         }
+    }
+}
+
+async fn apply(
+    api: &Api<KVMMachine>,
+    km: &KVMMachine,
+    machine: Option<&Machine>,
+    cluster: Option<&Cluster>,
+    ctx: &Context,
+) -> Result<Action> {
+    let ns = km.namespace().ok_or(Error::MissingNamespace)?;
+    let pod_name = build::pod_name(km);
+    let cached_pod = ctx.caches.pods.get(&ObjectRef::new(&pod_name).within(&ns));
+    let waiting = |state: MachineState| async move {
+        let fd = machine.and_then(|m| m.spec.failure_domain.as_deref());
+        write_status(api, km, &state, &build::pod_conditions(None), fd).await?;
+        Ok(Action::await_change())
     };
-    let secret = build::ignition_secret(km, &facts, ignition);
-    apply_object(&secrets, &secret, "Secret").await?;
+    let Some(machine) = machine else {
+        return waiting(MachineState::WaitingForMachineOwner).await;
+    };
+    let fd = machine.spec.failure_domain.as_deref();
+    if !cluster.is_some_and(Cluster::infrastructure_provisioned) {
+        return waiting(MachineState::WaitingForClusterInfrastructure).await;
+    }
+    let Some(secret_name) = machine.spec.bootstrap.data_secret_name.clone() else {
+        return waiting(MachineState::WaitingForBootstrapData).await;
+    };
+    let facts = MachineFacts {
+        cluster: machine.spec.cluster_name.clone(),
+        control_plane: machine.is_control_plane(),
+        failure_domain: machine.spec.failure_domain.clone(),
+    };
+
+    // Bootstrap data → Ignition Secret. A conversion error is the user's to fix: a condition
+    // and an Event say what is wrong, and no Pod is created.
+    if let Err(state) = ensure_ignition(km, &facts, &secret_name, ctx).await? {
+        return waiting(state).await;
+    }
 
     if let Some(pvc) = build::etcd_claim(km, &facts) {
-        let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-        if pvcs
-            .get_opt(&pvc.name_any())
-            .await
-            .map_err(read_err("PersistentVolumeClaim", &pvc.name_any()))?
-            .is_none()
-        {
-            pvcs.create(&PostParams::default(), &pvc)
-                .await
-                .map_err(|source| Error::Apply {
-                    kind: "PersistentVolumeClaim",
-                    name: pvc.name_any(),
-                    source,
-                })?;
+        let cached = ctx
+            .caches
+            .claims
+            .get(&ObjectRef::new(&pvc.name_any()).within(&ns));
+        if cached.is_none() {
+            let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
+            create_if_absent(&pvcs, &pvc, "PersistentVolumeClaim").await?;
         }
     }
 
     // The machine Pod: created once; a Pod's spec is immutable, so drift is not patched.
     let pod = match build::machine_pod(km, &facts, &ctx.settings.machine_defaults) {
         Ok(p) => p,
-        Err(e) => {
-            write_status(
-                api,
-                km,
-                &MachineState::BootstrapDataInvalid(e.to_string()),
-                fd,
-            )
-            .await?;
-            return Ok(Action::await_change());
-        }
+        Err(e) => return waiting(MachineState::BootstrapDataInvalid(e.to_string())).await,
     };
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let pod_name = pod.name_any();
-    let existing = pods
-        .get_opt(&pod_name)
-        .await
-        .map_err(read_err("Pod", &pod_name))?;
     let was_provisioned = km
         .status
         .as_ref()
         .and_then(|s| s.initialization.as_ref())
         .and_then(|i| i.provisioned)
         .unwrap_or(false);
+    // The cache can lag: a provisioned machine whose Pod the cache does not show is checked
+    // with the apiserver before it is declared lost.
+    let existing = match cached_pod {
+        Some(p) => Some((*p).clone()),
+        None if was_provisioned => pods
+            .get_opt(&pod_name)
+            .await
+            .map_err(read_err("Pod", &pod_name))?,
+        None => None,
+    };
     // A provisioned machine whose Pod is gone (or failed for good) lost its VM and ephemeral
     // disks: report it and let a MachineHealthCheck replace the Machine, rather than silently
     // booting a fresh VM under the same Machine.
-    let lost = match &existing {
-        None => was_provisioned,
-        Some(p) => {
-            was_provisioned && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")
-        }
-    };
+    let lost = was_provisioned
+        && existing
+            .as_ref()
+            .is_none_or(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed"));
     if lost {
         let already = km
             .status
@@ -238,29 +285,34 @@ async fn apply(
             )
             .await;
         }
-        write_status(api, km, &MachineState::PodMissing, fd).await?;
+        write_status(
+            api,
+            km,
+            &MachineState::PodMissing,
+            &build::pod_conditions(existing.as_ref()),
+            fd,
+        )
+        .await?;
         return Ok(Action::await_change());
     }
     let existing = match existing {
         Some(p) => p,
         None => {
+            // clusterctl move waits while a Pod is being created: a moved KVMMachine whose Pod
+            // creation was cut short would otherwise look unprovisioned forever.
+            block_move(api, km, true).await?;
             info!(pod = %pod_name, "creating machine Pod");
-            let created = pods
-                .create(&PostParams::default(), &pod)
-                .await
-                .map_err(|source| Error::Apply {
-                    kind: "Pod",
-                    name: pod_name.clone(),
-                    source,
-                })?;
-            publish(
-                ctx,
-                km,
-                EventType::Normal,
-                "MachinePodCreated",
-                format!("created machine Pod {pod_name}"),
-            )
-            .await;
+            let (created, new) = create_if_absent(&pods, &pod, "Pod").await?;
+            if new {
+                publish(
+                    ctx,
+                    km,
+                    EventType::Normal,
+                    "MachinePodCreated",
+                    format!("created machine Pod {pod_name}"),
+                )
+                .await;
+            }
             created
         }
     };
@@ -284,32 +336,43 @@ async fn apply(
     }
 
     let state = pod_state(&existing);
-    write_status(api, km, &state, fd).await?;
+    write_status(api, km, &state, &build::pod_conditions(Some(&existing)), fd).await?;
+    block_move(api, km, false).await?;
 
-    // The readiness gate follows the workload cluster's Node. Until it is Ready, look again
-    // periodically: Nodes live in another cluster, whose changes do not reach our watches.
-    let gate = match crate::workload::client(&ctx.client, &ns, &facts.cluster).await {
-        Ok(wc) => {
-            crate::workload::sync_node(&wc, &build::hostname(km), &provider_id(&ns, &km.name_any()))
-                .await
-        }
-        Err(gate) => gate,
-    };
+    // The readiness gate follows the workload cluster's Node; the Node watch wakes this
+    // machine when it changes.
+    let gate = ctx
+        .workloads
+        .node_gate(
+            &ctx.client,
+            &ctx.caches,
+            &ns,
+            &facts.cluster,
+            &build::hostname(km),
+            &provider_id(&ns, &km.name_any()),
+        )
+        .await;
     if let Err(e) = crate::workload::set_gate(&pods, &existing, &gate).await {
         warn!(error = %e, "cannot set the machine Pod's readiness gate");
     }
-    Ok(Action::requeue(if gate.ready {
-        NODE_POLL_READY
-    } else {
-        NODE_POLL
-    }))
+    Ok(Action::await_change())
 }
 
-/// How often a machine whose Node is not Ready (yet) looks at the workload cluster again.
-const NODE_POLL: Duration = Duration::from_secs(5);
-/// How often a machine with a Ready Node checks that it still is (reads only; no writes when
-/// nothing changed).
-const NODE_POLL_READY: Duration = Duration::from_secs(30);
+/// Creates `obj` unless it exists; returns the stored object and whether it was created.
+async fn create_if_absent<K>(api: &Api<K>, obj: &K, kind: &'static str) -> Result<(K, bool)>
+where
+    K: Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let name = obj.meta().name.clone().unwrap_or_default();
+    match api.create(&PostParams::default(), obj).await {
+        Ok(o) => Ok((o, true)),
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            let o = api.get(&name).await.map_err(read_err(kind, &name))?;
+            Ok((o, false))
+        }
+        Err(source) => Err(Error::Apply { kind, name, source }),
+    }
+}
 
 /// Reads the machine Pod's state: running with an IP, or starting (with why).
 fn pod_state(pod: &Pod) -> MachineState {
@@ -394,13 +457,14 @@ async fn write_status(
     api: &Api<KVMMachine>,
     km: &KVMMachine,
     state: &MachineState,
+    pod: &[crate::conditions::DesiredCondition],
     failure_domain: Option<&str>,
 ) -> Result<()> {
     report::write_status(
         api,
         km,
         |k| k.status.as_ref(),
-        |k| build::status(k, state, failure_domain, Timestamp::now()),
+        |k| build::status(k, state, pod, failure_domain, Timestamp::now()),
     )
     .await
 }
