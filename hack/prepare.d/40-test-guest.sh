@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The launcher's test guest (kernel + busybox initramfs) in _output/test-guest; rebuilt only when
-# its recipe or the installed kernel changed.
+# The launcher's test guest (kernel + busybox initramfs with upstream Ignition) in
+# _output/test-guest; Ignition is built once into _output/bin/ignition, the guest is rebuilt only
+# when its recipe, Ignition or the installed kernel changed.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+bash "$ROOT/images/test-guest/build-ignition.sh" "$ROOT/_output/bin/ignition"
 exec bash "$ROOT/images/test-guest/build.sh" "$ROOT/_output/test-guest"

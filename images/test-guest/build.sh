@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Builds the launcher's test guest from Debian packages only: Debian's cloud kernel
-# (linux-image-cloud-amd64) and an initramfs of busybox-static plus the virtio modules it needs.
-# The guest gets its address by DHCP from the launcher, reports what it learned on the serial
-# console (lines starting with CAPK-TESTGUEST), pings a peer, writes the heartbeat port and powers
-# off on the ACPI power button. It is a test fixture, not a node image: no Ignition runs in it.
+# Builds the launcher's test guest: Debian's cloud kernel (linux-image-cloud-amd64) and an
+# initramfs of busybox-static, the virtio modules it needs, upstream Ignition (built from the Go
+# module proxy by build-ignition.sh) with the shared libraries it loads, and Debian's
+# useradd/usermod (Ignition runs them for passwd.users). The guest gets its address by DHCP from
+# the launcher, reports what it learned on the serial console (lines starting with
+# CAPK-TESTGUEST), pings a peer, runs Ignition's fetch/mount/files/umount stages on the config
+# from fw_cfg against a tmpfs root, starts the enabled units with run-units.sh (no systemd), and
+# powers off on the ACPI power button. It is a test fixture, not a node image: see README.md.
 #
 # Usage: build.sh OUTDIR   (writes OUTDIR/vmlinuz, OUTDIR/initrd.img, OUTDIR/base.qcow2)
+# Env: CAPK_IGNITION_BIN (default OUTDIR/../bin/ignition, from build-ignition.sh).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 OUT=${1:?usage: build.sh OUTDIR}
@@ -19,8 +23,13 @@ busybox=/bin/busybox
 bb_version=$({ "$busybox" --help 2>&1 || true; } | sed -n 1p)
 command -v cpio >/dev/null || { echo "test-guest: apt-get install cpio" >&2; exit 1; }
 command -v qemu-img >/dev/null || { echo "test-guest: apt-get install qemu-utils" >&2; exit 1; }
+ignition=${CAPK_IGNITION_BIN:-$(dirname "$OUT")/bin/ignition}
+[[ -x $ignition ]] || { echo "test-guest: no $ignition; run images/test-guest/build-ignition.sh" >&2; exit 1; }
+for t in useradd usermod; do
+  [[ -x /usr/sbin/$t ]] || { echo "test-guest: no /usr/sbin/$t; apt-get install passwd" >&2; exit 1; }
+done
 
-stamp="$kver $(cat "$HERE/build.sh" "$HERE/init" "$HERE/udhcpc.sh" | sha256sum | cut -d' ' -f1) $bb_version"
+stamp="$kver $(cat "$HERE/build.sh" "$HERE/init" "$HERE/udhcpc.sh" "$HERE/run-units.sh" "$HERE/kubeadm" "$HERE/systemctl" "$ignition" | sha256sum | cut -d' ' -f1) $bb_version"
 if [[ -f $OUT/stamp && $(cat "$OUT/stamp") == "$stamp" && -f $OUT/initrd.img && -f $OUT/vmlinuz && -f $OUT/base.qcow2 ]]; then
   echo "test-guest: up to date in $OUT"
   exit 0
@@ -29,11 +38,38 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 root=$work/root
-mkdir -p "$root"/{bin,dev,proc,sys,run,tmp,etc,lib/modules}
+mkdir -p "$root"/{bin,dev,proc,sys,run,tmp,etc,sysroot,lib/modules,usr/bin,usr/sbin,usr/share/capk}
 cp "$busybox" "$root/bin/busybox"
 for applet in $("$busybox" --list); do [[ $applet == busybox ]] || ln -sf busybox "$root/bin/$applet"; done
 install -m 0755 "$HERE/init" "$root/init"
 install -m 0755 "$HERE/udhcpc.sh" "$root/bin/udhcpc.sh"
+install -m 0755 "$HERE/run-units.sh" "$root/bin/run-units.sh"
+install -m 0755 "$HERE/kubeadm" "$HERE/systemctl" "$root/usr/share/capk/"
+
+# A dynamically linked program and the shared libraries ldd says it loads, at the same paths.
+with_libs() {
+  install -m 0755 "$1" "$root$2"
+  ldd "$1" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}' | while read -r lib; do
+    mkdir -p "$root$(dirname "$lib")"
+    [[ -e $root$lib ]] || cp -L "$lib" "$root$lib"
+  done
+}
+with_libs "$ignition" /usr/bin/ignition
+with_libs /usr/sbin/useradd /usr/sbin/useradd
+with_libs /usr/sbin/usermod /usr/sbin/usermod
+
+# Programs the OS image would have and busybox lacks (capk-bootstrap's scripts use GNU install),
+# for the guest's /sysroot, usr-merged: /lib and /lib64 paths go under usr/.
+skel=$root/usr/share/capk/sysroot
+for prog in /usr/bin/install; do
+  mkdir -p "$skel/usr/bin"
+  cp "$prog" "$skel/usr/bin/"
+  ldd "$prog" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}' | while read -r lib; do
+    case $lib in /usr/*) dest=$skel$lib ;; *) dest=$skel/usr$lib ;; esac
+    mkdir -p "$(dirname "$dest")"
+    cp -L "$lib" "$dest"
+  done
+done
 
 # Modules in dependency order, flattened into /lib/modules; /etc/modules lists the load order.
 : >"$root/etc/modules"
@@ -49,7 +85,9 @@ done | awk '!seen[$0]++' | while read -r ko; do
   echo "$name" >>"$root/etc/modules"
 done
 
-(cd "$root" && find . | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) | gzip -9 >"$work/initrd.img"
+# Uncompressed: under TCG the kernel needs about 2 s more to gunzip the ~50 MB (mostly Ignition)
+# than to copy it.
+(cd "$root" && find . | LC_ALL=C sort | cpio -o -H newc --quiet -R 0:0) >"$work/initrd.img"
 cp "$kernel" "$work/vmlinuz"
 # An empty read-only base so the launcher's overlay path is exercised like a node image's.
 qemu-img create -q -f qcow2 "$work/base.qcow2" 256M

@@ -11,6 +11,8 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use capk_bootstrap::{BootstrapFormat, MachineFacts};
+
 /// Namespaces and the launcher's bridge/tap names are per-namespace, but tests still run one at
 /// a time: each boots a VM on a 2-core machine.
 static NETNS_LOCK: Mutex<()> = Mutex::new(());
@@ -109,6 +111,8 @@ struct Topology {
     mtu: u32,
     /// eth0's MAC as the CNI made it (the VM must own it).
     pod_mac: String,
+    /// The CABPK bootstrap data the machine boots with (a capk-bootstrap fixture).
+    bootstrap: Bootstrap,
 }
 
 impl Topology {
@@ -150,6 +154,7 @@ fn calico() -> Topology {
         peer_ip: "10.244.1.9",
         mtu: 1440,
         pod_mac: String::new(),
+        bootstrap: Bootstrap::CLOUD_CONFIG_WORKER,
     };
     for ns in [&t.node, &t.pod, &t.peer] {
         sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
@@ -199,6 +204,7 @@ fn bridge_cni() -> Topology {
         peer_ip: "10.22.0.6",
         mtu: 1500,
         pod_mac: String::new(),
+        bootstrap: Bootstrap::IGNITION_WORKER,
     };
     for ns in [&t.node, &t.pod, &t.peer] {
         sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
@@ -260,7 +266,7 @@ impl Launcher {
         let shared = work.join("shared");
         std::fs::create_dir_all(&shared).unwrap();
         let ignition = work.join("ignition.json");
-        std::fs::write(&ignition, IGNITION).unwrap();
+        std::fs::write(&ignition, t.bootstrap.machine_ignition()).unwrap();
         let append = format!(
             "console=ttyS0 quiet panic=-1 capk.peer={} capk.marker-disk=etcdfs capk.boot-id={boot_id} {extra_append}",
             t.peer_ip
@@ -301,7 +307,7 @@ impl Launcher {
             .args(["--host-volume", &format!("shared={}", shared.display())])
             .args([
                 "--hostname",
-                "capk-test-vm",
+                HOSTNAME,
                 "--ntp",
                 "10.0.0.123",
                 "--grace-period-seconds",
@@ -387,6 +393,23 @@ impl Launcher {
                 assert_eq!(ok, want, "probe {kind}: {out}");
                 return out;
             }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+
+    /// Waits until probe `kind` fails with a reason containing `needle`; returns the reason.
+    fn wait_probe_reason(&self, kind: &str, needle: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (ok, out) = self.cli(&["probe", kind]);
+            assert!(!ok, "probe {kind} passed, expected {needle:?}: {out}");
+            if out.contains(needle) {
+                return out;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "probe {kind} never said {needle:?}; last: {out}"
+            );
             std::thread::sleep(Duration::from_millis(300));
         }
     }
@@ -539,8 +562,101 @@ fn boot_and_check_as(
     (l, marker)
 }
 
-/// The machine's Ignition; the guest reports the digest of what fw_cfg delivered.
-const IGNITION: &str = r#"{"ignition":{"version":"3.4.0"},"storage":{"files":[{"path":"/etc/capk-test","contents":{"source":"data:,hello"}}]}}"#;
+/// The node name the launcher gives the VM (`--hostname`) and the bootstrap data is rendered for.
+const HOSTNAME: &str = "capk-test-vm";
+
+/// CABPK-shaped bootstrap data from capk-bootstrap's fixtures (rendered by CABPK's own template
+/// code, see bootstrap/tests/fixtures/cabpk-templates/README.md).
+#[derive(Debug, Clone, Copy)]
+struct Bootstrap {
+    format: BootstrapFormat,
+    fixture: &'static str,
+}
+
+impl Bootstrap {
+    /// CABPK's default format: `#cloud-config` with write_files and runcmd (kubeadm join).
+    const CLOUD_CONFIG_WORKER: Bootstrap = Bootstrap {
+        format: BootstrapFormat::CloudConfig,
+        fixture: "worker-join.cloud-config",
+    };
+    /// `format: ignition`: Ignition 2.3 with /etc/kubeadm.sh and kubeadm.service.
+    const IGNITION_WORKER: Bootstrap = Bootstrap {
+        format: BootstrapFormat::Ignition,
+        fixture: "worker-join.ignition-2.3.json",
+    };
+
+    /// The machine's Ignition as the controller stores it: the bootstrap data converted by
+    /// capk-bootstrap for this node name (the launcher then merges the boot facts).
+    fn machine_ignition(self) -> Vec<u8> {
+        let path = repo_root()
+            .join("bootstrap/tests/fixtures/cabpk-templates")
+            .join(self.fixture);
+        let data = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        capk_bootstrap::render_ignition(self.format, &data, &MachineFacts::new(HOSTNAME), None)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .json
+    }
+}
+
+/// sha256 of `bytes` as hex, by sha256sum (the guest reports file digests the same way).
+fn sha256_hex(bytes: &[u8]) -> String {
+    use std::io::Write;
+    let mut c = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run sha256sum");
+    c.stdin.take().unwrap().write_all(bytes).unwrap();
+    let out = c.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Checks what upstream Ignition wrote in the guest: `path` with this content, mode and owner.
+fn assert_guest_file(l: &mut Launcher, path: &str, content: &str, mode: &str, owner: &str) {
+    let line = l.wait_for(
+        &format!("CAPK-TESTGUEST file {path} "),
+        Duration::from_secs(5),
+    );
+    let want = format!(
+        "file {path} mode={mode} owner={owner} sha256={}",
+        sha256_hex(content.as_bytes())
+    );
+    assert!(line.ends_with(&want), "{line}\nwant {want}");
+}
+
+/// Waits until Ignition has run in the guest and checks what every boot must show: the stages
+/// passed, the node name from /etc/hostname, the overlay's mount units reported, the heartbeat
+/// unit started.
+fn assert_ignition_ran(l: &mut Launcher) {
+    for stage in ["fetch", "mount", "files", "umount"] {
+        let line = l.wait_for(
+            &format!("CAPK-TESTGUEST ignition stage={stage} "),
+            Duration::from_secs(120),
+        );
+        assert!(line.contains("result=ok"), "{line}");
+    }
+    let done = l.wait_for("CAPK-TESTGUEST ignition-done", Duration::from_secs(5));
+    println!("MEASURE guest {done}");
+    let host = l.wait_for("CAPK-TESTGUEST hostname=", Duration::from_secs(10));
+    assert!(host.ends_with(&format!("hostname={HOSTNAME}")), "{host}");
+    assert_guest_file(l, "/etc/hostname", &format!("{HOSTNAME}\n"), "644", "0:0");
+    let etcd = l.wait_for(
+        "CAPK-TESTGUEST unit=var-lib-etcd.mount not-started",
+        Duration::from_secs(10),
+    );
+    assert!(
+        etcd.contains("What=/dev/disk/by-id/virtio-etcdfs"),
+        "{etcd}"
+    );
+    l.wait_for(
+        "CAPK-TESTGUEST unit=capk-heartbeat.service starting",
+        Duration::from_secs(10),
+    );
+}
 
 fn work_dir() -> tempfile::TempDir {
     // Short path: unix socket paths are limited to 108 bytes.
@@ -566,6 +682,59 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
     let onlink = l.wait_for("CAPK-TESTGUEST route 169.254.1.1", Duration::from_secs(5));
     assert!(onlink.contains("dev eth0"), "{onlink}");
 
+    // Upstream Ignition wrote the converted cloud-config's write_files (Jinja rendered for this
+    // node, base64 and gzip decoded, owner from the image's passwd, append honoured).
+    assert_ignition_ran(&mut l);
+    assert_guest_file(
+        &mut l,
+        "/etc/capk/plain.txt",
+        &format!("plain text for {HOSTNAME}\n"),
+        "644",
+        "0:0",
+    );
+    assert_guest_file(
+        &mut l,
+        "/etc/capk/base64.txt",
+        "hello from base64\n",
+        "600",
+        "500:500",
+    );
+    assert_guest_file(
+        &mut l,
+        "/etc/capk/gzip-base64.txt",
+        &"gzip and base64\n".repeat(10),
+        "644",
+        "0:0",
+    );
+    assert_guest_file(
+        &mut l,
+        "/etc/sysctl.d/90-capk.conf",
+        "net.ipv4.ip_forward = 1\nvm.overcommit_memory = 1\n",
+        "644",
+        "0:0",
+    );
+    // The runcmd unit ran the bootstrap commands; kubeadm is the guest's recording stand-in.
+    let systemctl = l.wait_for("CAPK-TESTGUEST systemctl args=", Duration::from_secs(60));
+    assert!(
+        systemctl.ends_with("args=restart containerd"),
+        "{systemctl}"
+    );
+    let kubeadm = l.wait_for("CAPK-TESTGUEST kubeadm args=", Duration::from_secs(30));
+    assert!(
+        kubeadm.ends_with("kubeadm args=join --config /run/kubeadm/kubeadm-join-config.yaml"),
+        "{kubeadm}"
+    );
+    let config = l.wait_for("CAPK-TESTGUEST kubeadm config=", Duration::from_secs(5));
+    assert!(
+        config.ends_with(&format!("kind=JoinConfiguration name={HOSTNAME}")),
+        "{config}"
+    );
+    let unit = l.wait_for(
+        "CAPK-TESTGUEST unit=capk-runcmd.service finished",
+        Duration::from_secs(30),
+    );
+    assert!(unit.ends_with("result=success"), "{unit}");
+    l.wait_for("CAPK-TESTGUEST bootstrap-success", Duration::from_secs(30));
     let ready = l.wait_probe("readiness", true, Duration::from_secs(30));
     assert!(ready.contains("bootstrap succeeded"), "{ready}");
     let live = l.wait_probe("liveness", true, Duration::from_secs(10));
@@ -631,12 +800,39 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
     assert!(addrs.is_empty(), "eth0 stays bound after SIGKILL: {addrs}");
 
     // Third start in the same Pod recovers the binding from the state directory, and the VM
-    // gets the same IP and MAC again. QEMU killed → the launcher exits non-zero.
-    let (mut l, marker) = boot_and_check(&t, work.path(), "third", "");
+    // gets the same IP and MAC again. This time kubeadm fails: the guest keeps beating, but
+    // readiness stays false. QEMU killed → the launcher exits non-zero.
+    let (mut l, marker) = boot_and_check(&t, work.path(), "third", "capk.kubeadm-exit=1");
     assert!(marker.contains("marker-found first"), "{marker}");
     assert!(
         l.seen.iter().any(|x| x.contains("restoring it first")),
         "recovery must be logged"
+    );
+    assert_ignition_ran(&mut l);
+    l.wait_for("CAPK-TESTGUEST kubeadm args=join", Duration::from_secs(60));
+    // CABPK's runcmd goes on after a failed `kubeadm … && echo success > …`: the unit succeeds
+    // but the success file is never written.
+    l.wait_for(
+        "CAPK-TESTGUEST unit=capk-runcmd.service finished",
+        Duration::from_secs(30),
+    );
+    let not_ready = l.wait_probe_reason(
+        "readiness",
+        "guest has not reported bootstrap success",
+        Duration::from_secs(30),
+    );
+    println!("readiness with a failed kubeadm: {not_ready}");
+    std::thread::sleep(Duration::from_secs(6));
+    let (ok, out) = l.cli(&["probe", "readiness"]);
+    assert!(
+        !ok,
+        "a guest whose bootstrap failed must not be ready: {out}"
+    );
+    assert!(
+        !l.seen
+            .iter()
+            .any(|x| x.contains("CAPK-TESTGUEST bootstrap-success")),
+        "no success file may appear"
     );
     sh(&format!("kill -9 {}", qemu_pid(&l)));
     let exit = l.wait_exit(Duration::from_secs(20));
@@ -681,7 +877,31 @@ fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
     assert!(route.contains("default via 10.22.0.1"), "{route}");
     let addr = l.wait_for("CAPK-TESTGUEST addr ", Duration::from_secs(5));
     assert!(addr.ends_with("10.22.0.5/24"), "{addr}");
-    l.wait_probe("readiness", true, Duration::from_secs(30));
+    // `format: ignition` (Ignition 2.3 translated to 3.4): upstream Ignition wrote the files, and
+    // kubeadm.service ran /etc/kubeadm.sh, which wrote the success file.
+    assert_ignition_ran(&mut l);
+    assert_guest_file(
+        &mut l,
+        "/etc/capk/from-additional-config",
+        "added by additionalConfig",
+        "644",
+        "0:0",
+    );
+    let kubeadm = l.wait_for("CAPK-TESTGUEST kubeadm args=", Duration::from_secs(60));
+    assert!(
+        kubeadm.ends_with("kubeadm args=join --config /etc/kubeadm.yml"),
+        "{kubeadm}"
+    );
+    let config = l.wait_for("CAPK-TESTGUEST kubeadm config=", Duration::from_secs(5));
+    assert!(config.contains("kind=JoinConfiguration"), "{config}");
+    let unit = l.wait_for(
+        "CAPK-TESTGUEST unit=kubeadm.service finished",
+        Duration::from_secs(30),
+    );
+    assert!(unit.ends_with("result=success"), "{unit}");
+    l.wait_for("CAPK-TESTGUEST bootstrap-success", Duration::from_secs(30));
+    let ready = l.wait_probe("readiness", true, Duration::from_secs(30));
+    assert!(ready.contains("bootstrap succeeded"), "{ready}");
     let (ok, answer) = l.cli(&["qmp", "query-status"]);
     assert!(ok, "{answer}");
     let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
@@ -789,6 +1009,7 @@ fn accel_kvm_fails_clearly_where_kvm_hangs() {
         peer_ip: "",
         mtu: 0,
         pod_mac: String::new(),
+        bootstrap: Bootstrap::CLOUD_CONFIG_WORKER,
     };
     let work = work_dir();
     let out = Command::new("ip")
