@@ -58,20 +58,28 @@ pub struct Caches {
     pub secrets: Store<PartialObjectMeta<Secret>>,
     /// Our etcd PVCs' metadata.
     pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
+    /// Turns true once every store above has listed (see [`Caches::watch_readiness`]).
+    pub synced: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Caches {
     /// Waits until every watch has listed once, so that "not in the cache" means "does not
     /// exist" (up to watch lag, which the reconcilers tolerate).
     pub async fn ready(&self) {
-        let _ = futures::join!(
-            self.kvm_machines.wait_until_ready(),
-            self.machines.wait_until_ready(),
-            self.clusters.wait_until_ready(),
-            self.pods.wait_until_ready(),
-            self.secrets.wait_until_ready(),
-            self.claims.wait_until_ready(),
-        );
+        let _ = self.synced.clone().wait_for(|s| *s).await;
+    }
+
+    /// Sets `synced` once every store has listed. Each store is awaited by this one task only:
+    /// `Store::wait_until_ready` wakes only the last of several concurrent waiters (kube-runtime
+    /// 5.0 keeps one waker), which left all but one of the first reconciles waiting forever.
+    /// The KVMMachine store is the Controller's own, which it awaits before any reconcile.
+    pub async fn watch_readiness(self, synced: tokio::sync::watch::Sender<bool>) {
+        let _ = self.machines.wait_until_ready().await;
+        let _ = self.clusters.wait_until_ready().await;
+        let _ = self.pods.wait_until_ready().await;
+        let _ = self.secrets.wait_until_ready().await;
+        let _ = self.claims.wait_until_ready().await;
+        let _ = synced.send(true);
     }
 
     /// The metadata of Secret `name` in `ns`, if it exists.

@@ -137,6 +137,7 @@ pub async fn run_with_metrics(
         api::<PartialObjectMeta<PersistentVolumeClaim>>(&client, ns),
         owned.clone(),
     );
+    let (synced_tx, synced) = tokio::sync::watch::channel(false);
     let caches = Caches {
         kvm_machines: kvm_machines.clone(),
         machines: machines.clone(),
@@ -144,6 +145,7 @@ pub async fn run_with_metrics(
         pods,
         secrets,
         claims,
+        synced,
     };
     let (node_trigger, node_events) = futures::channel::mpsc::unbounded();
     let workloads = Arc::new(workload::Links::new(node_trigger));
@@ -156,6 +158,7 @@ pub async fn run_with_metrics(
     ));
     {
         let (caches, metrics) = (caches.clone(), metrics.clone());
+        tokio::spawn(caches.clone().watch_readiness(synced_tx));
         tokio::spawn(async move {
             caches.ready().await;
             metrics.set_ready();

@@ -11,7 +11,7 @@ use std::{
 use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
 use prometheus_client::{
     encoding::{EncodeLabelSet, text::encode},
-    metrics::{counter::Counter, family::Family, histogram::Histogram},
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
     registry::Registry,
 };
 
@@ -20,6 +20,17 @@ use prometheus_client::{
 pub struct KindLabel {
     /// `KVMCluster` or `KVMMachine`.
     pub kind: &'static str,
+}
+
+/// Labels of the per-object gauges.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ObjectLabels {
+    /// `KVMCluster` or `KVMMachine`.
+    pub kind: &'static str,
+    /// The object's namespace.
+    pub namespace: String,
+    /// The object's name.
+    pub name: String,
 }
 
 /// Labels of the error counter.
@@ -37,6 +48,9 @@ pub struct Metrics {
     reconciles: Family<KindLabel, Counter>,
     errors: Family<ErrorLabels, Counter>,
     duration: Family<KindLabel, Histogram>,
+    created: Family<ObjectLabels, Gauge>,
+    deleted: Family<ObjectLabels, Gauge>,
+    reconciled: Family<ObjectLabels, Gauge>,
     ready: AtomicBool,
 }
 
@@ -63,11 +77,32 @@ impl Default for Metrics {
             "Reconcile duration by kind",
             duration.clone(),
         );
+        let created = Family::<ObjectLabels, Gauge>::default();
+        let deleted = Family::<ObjectLabels, Gauge>::default();
+        let reconciled = Family::<ObjectLabels, Gauge>::default();
+        registry.register(
+            "object_creation_timestamp_seconds",
+            "Creation time of each reconciled object (Unix seconds)",
+            created.clone(),
+        );
+        registry.register(
+            "object_deletion_timestamp_seconds",
+            "Deletion time of each object being deleted (Unix seconds)",
+            deleted.clone(),
+        );
+        registry.register(
+            "object_last_reconciled_timestamp_seconds",
+            "When each object was last reconciled (Unix seconds)",
+            reconciled.clone(),
+        );
         Self {
             registry,
             reconciles,
             errors,
             duration,
+            created,
+            deleted,
+            reconciled,
             ready: AtomicBool::new(false),
         }
     }
@@ -89,6 +124,37 @@ impl Metrics {
         self.errors
             .get_or_create(&ErrorLabels { kind, category })
             .inc();
+    }
+
+    /// Records the per-object gauges after a reconcile of `obj`. `gone`: its deletion finished
+    /// (our finalizer is off), so its series are dropped rather than kept forever.
+    pub fn object(
+        &self,
+        kind: &'static str,
+        obj: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        gone: bool,
+    ) {
+        let labels = ObjectLabels {
+            kind,
+            namespace: obj.namespace.clone().unwrap_or_default(),
+            name: obj.name.clone().unwrap_or_default(),
+        };
+        if gone {
+            self.created.remove(&labels);
+            self.deleted.remove(&labels);
+            self.reconciled.remove(&labels);
+            return;
+        }
+        let secs = |t: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time| t.0.as_second();
+        if let Some(t) = &obj.creation_timestamp {
+            self.created.get_or_create(&labels).set(secs(t));
+        }
+        if let Some(t) = &obj.deletion_timestamp {
+            self.deleted.get_or_create(&labels).set(secs(t));
+        }
+        self.reconciled
+            .get_or_create(&labels)
+            .set(k8s_openapi::jiff::Timestamp::now().as_second());
     }
 
     /// Marks the controller ready (watches started).

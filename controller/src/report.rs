@@ -51,6 +51,9 @@ pub async fn outcome<K, T>(
 where
     K: Resource<DynamicType = ()>,
 {
+    // A deleting object whose reconcile succeeded has had its finalizer removed: it is gone.
+    let gone = obj.meta().deletion_timestamp.is_some() && result.is_ok();
+    ctx.metrics.object(kind, obj.meta(), gone);
     if let Err(e) = &result {
         ctx.metrics.failed(kind, e.category());
         warn!(error = %e, "reconcile failed");

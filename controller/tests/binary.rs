@@ -82,7 +82,10 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() -> Result<()> {
             let (code, body) = get(metrics_port, "/metrics")?;
             Ok((code == 200
                 && body.contains("capk_reconciles_total{kind=\"KVMCluster\"}")
-                && body.contains("capk_reconcile_duration_seconds_count{kind=\"KVMCluster\"}"))
+                && body.contains("capk_reconcile_duration_seconds_count{kind=\"KVMCluster\"}")
+                && body.contains(
+                    "capk_object_last_reconciled_timestamp_seconds{kind=\"KVMCluster\",namespace=\"binary\",name=\"metrics\"}",
+                ))
             .then_some(()))
         })
         .await?;

@@ -13,9 +13,9 @@ use k8s_openapi::api::{
 };
 use kube::{
     Api, Client, ResourceExt,
-    api::{DeleteParams, ListParams},
+    api::{DeleteParams, ListParams, Patch, PatchParams},
 };
-use serde_json::Value;
+use serde_json::{Value, json};
 use support::{control_plane_machine as world, create_namespace, eventually, start_controller};
 
 async fn setup(ns: &str) -> Result<(Client, tokio::sync::oneshot::Sender<()>)> {
@@ -152,5 +152,242 @@ async fn bad_bootstrap_data_is_reported_and_no_pod_is_made() -> Result<()> {
             .await?
             .is_none()
     );
+    Ok(())
+}
+
+fn condition(km: &KVMMachine, type_: &str) -> Option<(String, String, String)> {
+    let c = km
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == type_)?;
+    Some((c.status.clone(), c.reason.clone(), c.message.clone()))
+}
+
+const CLOUD_CONFIG: &str = "#cloud-config\nruncmd:\n- kubeadm init\n";
+
+#[tokio::test]
+async fn a_missing_bootstrap_secret_is_waited_for_then_used() -> Result<()> {
+    let ns = "kvmmachine-missing-secret";
+    let (client, _stop) = setup(ns).await?;
+    support::control_plane_machine_without_secret(&client, ns, "demo-cp-2").await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let (status, _, message) = eventually(30, "WaitingForBootstrapData", || async {
+        let km = kms.get("demo-cp-2").await?;
+        Ok(ready(&km).filter(|r| r.1 == "WaitingForBootstrapData"))
+    })
+    .await?;
+    assert_eq!(status, "False");
+    assert!(message.contains("demo-cp-2-bootstrap"), "{message}");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    assert!(pods.get_opt("demo-cp-2").await?.is_none());
+
+    // The Secret appearing is an event the controller acts on: no restart, no polling.
+    support::bootstrap_secret(&client, ns, "demo-cp-2", CLOUD_CONFIG).await?;
+    eventually(30, "the machine Pod", || async {
+        Ok(pods.get_opt("demo-cp-2").await?)
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_paused_cluster_leaves_its_machines_alone() -> Result<()> {
+    let ns = "kvmmachine-paused";
+    let client = TestEnv::shared().client().await?;
+    create_namespace(&client, ns).await?;
+    support::provisioned_cluster(&client, ns).await?;
+    let clusters: Api<capk_api::capi::Cluster> = Api::namespaced(client.clone(), ns);
+    let pause = |paused: bool| {
+        let clusters = clusters.clone();
+        async move {
+            clusters
+                .patch(
+                    "demo",
+                    &PatchParams::default(),
+                    &Patch::Merge(&json!({"spec": {"paused": paused}})),
+                )
+                .await
+        }
+    };
+    pause(true).await?;
+    world(&client, ns, "demo-cp-3", CLOUD_CONFIG).await?;
+    let _stop = start_controller(client.clone(), ns);
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    eventually(30, "Paused=True", || async {
+        let km = kms.get("demo-cp-3").await?;
+        Ok(condition(&km, "Paused").filter(|c| c.0 == "True"))
+    })
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    // Give a wrongly acting controller time to act before checking it did not.
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(
+        pods.get_opt("demo-cp-3").await?.is_none(),
+        "a Pod was made while paused"
+    );
+    assert!(secrets.get_opt("demo-cp-3-ignition").await?.is_none());
+    assert!(kms.get("demo-cp-3").await?.finalizers().is_empty());
+
+    pause(false).await?;
+    eventually(30, "the machine Pod after unpausing", || async {
+        Ok(pods.get_opt("demo-cp-3").await?)
+    })
+    .await?;
+    let km = kms.get("demo-cp-3").await?;
+    assert_eq!(condition(&km, "Paused").map(|c| c.0), Some("False".into()));
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_kvmmachine_follows_its_pod_from_pending_to_bootstrapped() -> Result<()> {
+    let ns = "kvmmachine-pod-story";
+    let (client, _stop) = setup(ns).await?;
+    world(&client, ns, "demo-cp-4", CLOUD_CONFIG).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    // No scheduler runs here: the Pod waits for one, and the conditions say so. clusterctl's
+    // block-move annotation, set while the Pod was being created, is gone once it exists.
+    let km = eventually(30, "PodScheduled=False and no block-move", || async {
+        let km = kms.get("demo-cp-4").await?;
+        let waiting = condition(&km, "PodScheduled").is_some_and(|c| c.1 == "WaitingForScheduler");
+        let blocked = km
+            .annotations()
+            .contains_key("clusterctl.cluster.x-k8s.io/block-move");
+        Ok((waiting && !blocked).then_some(km))
+    })
+    .await?;
+    assert_eq!(
+        condition(&km, "VMRunning").map(|c| (c.0, c.1)),
+        Some(("False".into(), "LauncherPending".into()))
+    );
+
+    // What the scheduler (a binding) and the kubelet would write: scheduled, running, ready.
+    let binding = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "demo-cp-4"},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "mc-node-1"}});
+    pods.create_subresource::<Value, Value>(
+        "binding",
+        "demo-cp-4",
+        &kube::api::PostParams::default(),
+        &binding,
+    )
+    .await?;
+    let status = |ready: bool| {
+        json!({"status": {"phase": "Running", "podIP": "10.244.1.7",
+            "conditions": [{"type": "PodScheduled", "status": "True"}],
+            "containerStatuses": [{"name": "launcher", "ready": ready, "restartCount": 0,
+                "image": "capk-launcher:dev", "imageID": "",
+                "state": {"running": {"startedAt": "2026-11-22T07:00:00Z"}}}]}})
+    };
+    pods.patch_status(
+        "demo-cp-4",
+        &PatchParams::default(),
+        &Patch::Merge(&status(false)),
+    )
+    .await?;
+    let km = eventually(30, "VMRunning=True and provisioned", || async {
+        let km = kms.get("demo-cp-4").await?;
+        let provisioned = km
+            .status
+            .as_ref()
+            .and_then(|s| s.initialization.as_ref())
+            .and_then(|i| i.provisioned)
+            == Some(true);
+        Ok(
+            (provisioned && condition(&km, "VMRunning").is_some_and(|c| c.0 == "True"))
+                .then_some(km),
+        )
+    })
+    .await?;
+    let addresses = serde_json::to_value(&km.status.as_ref().unwrap().addresses)?;
+    assert!(addresses.to_string().contains("10.244.1.7"), "{addresses}");
+    assert_eq!(
+        condition(&km, "BootstrapCompleted").map(|c| c.1),
+        Some("WaitingForBootstrap".into())
+    );
+    let (_, reason, message) = condition(&km, "PodScheduled").context("PodScheduled")?;
+    assert_eq!(reason, "Scheduled");
+    assert!(message.contains("mc-node-1"), "{message}");
+    pods.patch_status(
+        "demo-cp-4",
+        &PatchParams::default(),
+        &Patch::Merge(&status(true)),
+    )
+    .await?;
+    eventually(30, "BootstrapCompleted=True", || async {
+        let km = kms.get("demo-cp-4").await?;
+        Ok(condition(&km, "BootstrapCompleted").filter(|c| c.0 == "True"))
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_restarted_controller_makes_no_duplicate_pods() -> Result<()> {
+    let ns = "kvmmachine-restart";
+    let client = TestEnv::shared().client().await?;
+    create_namespace(&client, ns).await?;
+    const N: usize = 6;
+    for i in 0..N {
+        world(&client, ns, &format!("demo-cp-r{i}"), CLOUD_CONFIG).await?;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    // Stop the first controller as soon as it has made its first Pod: mid-flight.
+    let stop = start_controller(client.clone(), ns);
+    eventually(30, "a first Pod", || async {
+        Ok((!pods.list(&ListParams::default()).await?.items.is_empty()).then_some(()))
+    })
+    .await?;
+    drop(stop);
+    let _stop = start_controller(client.clone(), ns);
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let converged = eventually(60, "every machine with its Pod", || async {
+        let done = kms
+            .list(&ListParams::default())
+            .await?
+            .items
+            .iter()
+            .filter(|k| {
+                k.status
+                    .as_ref()
+                    .and_then(|s| s.pod_name.as_ref())
+                    .is_some()
+            })
+            .count();
+        Ok((done == N).then_some(()))
+    })
+    .await;
+    if let Err(e) = converged {
+        let states: Vec<_> = kms
+            .list(&ListParams::default())
+            .await?
+            .items
+            .iter()
+            .map(|k| (k.name_any(), ready(k)))
+            .collect();
+        anyhow::bail!("{e:#}: {states:?}");
+    }
+    let list = pods.list(&ListParams::default()).await?.items;
+    assert_eq!(
+        list.len(),
+        N,
+        "Pods: {:?}",
+        list.iter().map(|p| p.name_any()).collect::<Vec<_>>()
+    );
+    for p in &list {
+        let owners: Vec<_> = p
+            .owner_references()
+            .iter()
+            .map(|o| o.name.clone())
+            .collect();
+        assert_eq!(
+            owners,
+            vec![p.name_any()],
+            "each Pod is owned by its own KVMMachine"
+        );
+    }
     Ok(())
 }

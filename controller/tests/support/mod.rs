@@ -32,6 +32,13 @@ pub async fn create_namespace(client: &Client, ns: &str) -> Result<()> {
 
 /// Runs the controller, watching `ns` only, until the returned sender is dropped.
 pub fn start_controller(client: Client, ns: &str) -> tokio::sync::oneshot::Sender<()> {
+    // `CAPK_TEST_LOG=capk_controller=debug cargo test ...` shows the controller's logs.
+    if let Ok(filter) = std::env::var("CAPK_TEST_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_test_writer()
+            .try_init();
+    }
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let settings = capk_controller::Settings {
         namespace: Some(ns.to_owned()),
@@ -94,15 +101,36 @@ pub async fn control_plane_machine(
     name: &str,
     bootstrap: &str,
 ) -> Result<()> {
-    provisioned_cluster(client, ns).await?;
+    bootstrap_secret(client, ns, name, bootstrap).await?;
+    control_plane_machine_without_secret(client, ns, name).await
+}
+
+/// The bootstrap data Secret `<name>-bootstrap` (cloud-config), as CABPK writes it.
+pub async fn bootstrap_secret(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    bootstrap: &str,
+) -> Result<()> {
     let secret: Secret = serde_json::from_value(json!({
-        "metadata": {"name": format!("{name}-bootstrap")},
+        "metadata": {"name": format!("{name}-bootstrap"),
+                     "labels": {"cluster.x-k8s.io/cluster-name": "demo"}},
         "type": "cluster.x-k8s.io/secret",
         "stringData": {"value": bootstrap, "format": "cloud-config"},
     }))?;
     Api::<Secret>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &secret)
         .await?;
+    Ok(())
+}
+
+/// [`control_plane_machine`] whose Machine names a bootstrap Secret that does not exist yet.
+pub async fn control_plane_machine_without_secret(
+    client: &Client,
+    ns: &str,
+    name: &str,
+) -> Result<()> {
+    provisioned_cluster(client, ns).await?;
     let machine: Machine = serde_json::from_value(json!({
         "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
         "metadata": {"name": name, "labels": {
