@@ -58,10 +58,11 @@ with_libs "$ignition" /usr/bin/ignition
 with_libs /usr/sbin/useradd /usr/sbin/useradd
 with_libs /usr/sbin/usermod /usr/sbin/usermod
 
-# Programs the OS image would have and busybox lacks (capk-bootstrap's scripts use GNU install),
-# for the guest's /sysroot, usr-merged: /lib and /lib64 paths go under usr/.
+# Programs the OS image would have and busybox lacks, for the guest's /sysroot, usr-merged (/lib
+# and /lib64 paths go under usr/): GNU install (capk-bootstrap's staging script uses it) and
+# openssl (the stand-in apiserver of kubeadm init, with a throwaway self-signed certificate).
 skel=$root/usr/share/capk/sysroot
-for prog in /usr/bin/install; do
+for prog in /usr/bin/install /usr/bin/openssl; do
   mkdir -p "$skel/usr/bin"
   cp "$prog" "$skel/usr/bin/"
   ldd "$prog" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}' | while read -r lib; do
@@ -70,6 +71,11 @@ for prog in /usr/bin/install; do
     cp -L "$lib" "$dest"
   done
 done
+
+mkdir -p "$skel/usr/share/capk-test"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 3650 \
+  -subj /CN=capk-test-apiserver-standin -keyout "$skel/usr/share/capk-test/apiserver.key" \
+  -out "$skel/usr/share/capk-test/apiserver.crt" 2>/dev/null
 
 # Modules in dependency order, flattened into /lib/modules; /etc/modules lists the load order.
 : >"$root/etc/modules"

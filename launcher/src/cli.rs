@@ -192,6 +192,11 @@ pub struct RunArgs {
     /// Seconds between ACPI powerdown and killing QEMU on SIGTERM.
     #[arg(long, env = "CAPK_SHUTDOWN_GRACE_SECONDS", default_value_t = 300)]
     pub grace_period_seconds: u64,
+    /// Port of the guest apiserver: with `--role control-plane`, readiness also requires
+    /// `https://<VM IP>:<port>/readyz` to answer 200 (certificate not verified). 0 turns the
+    /// check off.
+    #[arg(long, env = "CAPK_APISERVER_READYZ_PORT", default_value_t = 6443)]
+    pub apiserver_readyz_port: u16,
     /// Seconds without a guest heartbeat before readiness fails.
     #[arg(long, env = "CAPK_HEARTBEAT_TIMEOUT_SECONDS", default_value_t = 90)]
     pub heartbeat_timeout_seconds: u64,

@@ -54,6 +54,17 @@ pub struct LauncherState {
     pub heartbeat_timeout: Duration,
     /// Disks attached.
     pub disks: Vec<DiskAttachment>,
+    /// The guest apiserver's `/readyz`, when readiness requires it (control-plane machines).
+    pub apiserver: Option<ApiserverReadyz>,
+}
+
+/// The apiserver check of a control-plane machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiserverReadyz {
+    /// Where it is checked (`https://<VM IP>:<port>/readyz`).
+    pub url: String,
+    /// The last answer: Ok, or why not.
+    pub last: Option<Result<(), String>>,
 }
 
 impl LauncherState {
@@ -73,6 +84,7 @@ impl LauncherState {
             bootstrap_succeeded: false,
             heartbeat_timeout,
             disks: Vec::new(),
+            apiserver: None,
         }
     }
 }
@@ -132,8 +144,21 @@ pub fn readiness(state: &LauncherState, now: Instant) -> ProbeResult {
     if !state.bootstrap_succeeded {
         return ProbeResult::fail("guest has not reported bootstrap success");
     }
+    let apiserver = match &state.apiserver {
+        None => "",
+        Some(ApiserverReadyz { url, last: None }) => {
+            return ProbeResult::fail(format!("apiserver {url} not checked yet"));
+        }
+        Some(ApiserverReadyz {
+            url,
+            last: Some(Err(e)),
+        }) => return ProbeResult::fail(format!("apiserver {url} not ready: {e}")),
+        Some(ApiserverReadyz {
+            last: Some(Ok(())), ..
+        }) => ", apiserver ready",
+    };
     ProbeResult::ok(format!(
-        "heartbeat {}s ago, bootstrap succeeded",
+        "heartbeat {}s ago, bootstrap succeeded{apiserver}",
         age.as_secs()
     ))
 }
@@ -266,6 +291,39 @@ mod tests {
         assert_eq!(
             readiness(&s, later),
             ProbeResult::fail("last guest heartbeat 120s ago")
+        );
+    }
+
+    #[test]
+    fn control_plane_readiness_also_needs_apiserver_readyz() {
+        let now = Instant::now();
+        let mut s = running();
+        s.last_heartbeat = Some(now);
+        s.bootstrap_succeeded = true;
+        let url = "https://10.244.1.5:6443/readyz".to_string();
+        s.apiserver = Some(ApiserverReadyz {
+            url: url.clone(),
+            last: None,
+        });
+        assert_eq!(
+            readiness(&s, now),
+            ProbeResult::fail(format!("apiserver {url} not checked yet"))
+        );
+        s.apiserver.as_mut().unwrap().last = Some(Err("connect: refused".into()));
+        assert_eq!(
+            readiness(&s, now),
+            ProbeResult::fail(format!("apiserver {url} not ready: connect: refused"))
+        );
+        s.apiserver.as_mut().unwrap().last = Some(Ok(()));
+        assert_eq!(
+            readiness(&s, now),
+            ProbeResult::ok("heartbeat 0s ago, bootstrap succeeded, apiserver ready")
+        );
+        // Bootstrap comes first: no apiserver before kubeadm ran.
+        s.bootstrap_succeeded = false;
+        assert_eq!(
+            readiness(&s, now).reason,
+            "guest has not reported bootstrap success"
         );
     }
 

@@ -3,6 +3,7 @@
 #![deny(unsafe_code)]
 
 pub mod accel;
+pub mod apiserver;
 pub mod cli;
 pub mod control;
 pub mod disk;

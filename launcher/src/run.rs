@@ -1,6 +1,6 @@
 //! `capk-launcher run`: validate → accel → network → disks → Ignition → QEMU → supervise.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -10,7 +10,8 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::Mutex;
 
 use crate::accel::{self, KvmUnusable};
-use crate::cli::RunArgs;
+use crate::apiserver;
+use crate::cli::{Role, RunArgs};
 use crate::control::{self, SharedQmp, SharedState};
 use crate::disk::{self, DiskError, DiskRequest};
 use crate::health::{self, LauncherState, Phase};
@@ -348,6 +349,20 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
         "qemu started"
     );
 
+    let readyz_task = if a.role == Role::ControlPlane && a.apiserver_readyz_port != 0 {
+        let addr = SocketAddr::new(
+            IpAddr::V4(net_plan.lease.address.addr()),
+            a.apiserver_readyz_port,
+        );
+        tracing::info!(apiserver = %addr, "control plane: readiness also requires the apiserver's /readyz");
+        state.lock().await.apiserver = Some(health::ApiserverReadyz {
+            url: format!("https://{addr}/readyz"),
+            last: None,
+        });
+        Some(tokio::spawn(apiserver::follow_readyz(addr, state.clone())))
+    } else {
+        None
+    };
     let hb_task = tokio::spawn(health::follow_heartbeat(
         a.socket.runtime_dir.join("heartbeat.sock"),
         state.clone(),
@@ -373,7 +388,10 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
     };
 
     let result = supervise(&mut signals, &a, pid, &mut reaper, &state, &qmp_slot).await;
-    for t in [dhcp_task, hb_task, qmp_task, control_task] {
+    for t in [dhcp_task, hb_task, qmp_task, control_task]
+        .into_iter()
+        .chain(readyz_task)
+    {
         t.abort();
     }
     applied.undo(&nl).await;

@@ -204,7 +204,7 @@ fn bridge_cni() -> Topology {
         peer_ip: "10.22.0.6",
         mtu: 1500,
         pod_mac: String::new(),
-        bootstrap: Bootstrap::IGNITION_WORKER,
+        bootstrap: Bootstrap::IGNITION_CONTROL_PLANE,
     };
     for ns in [&t.node, &t.pod, &t.peer] {
         sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
@@ -286,6 +286,7 @@ impl Launcher {
             .args(["--initrd", &g.join("initrd.img").display().to_string()])
             .args(["--append", &append])
             .args(["--accel", accel, "--vcpus", "1", "--memory", "256Mi"])
+            .args(["--role", t.bootstrap.role])
             .args([
                 "--disk-size",
                 "512Mi",
@@ -571,6 +572,8 @@ const HOSTNAME: &str = "capk-test-vm";
 struct Bootstrap {
     format: BootstrapFormat,
     fixture: &'static str,
+    /// The launcher's `--role`.
+    role: &'static str,
 }
 
 impl Bootstrap {
@@ -578,11 +581,14 @@ impl Bootstrap {
     const CLOUD_CONFIG_WORKER: Bootstrap = Bootstrap {
         format: BootstrapFormat::CloudConfig,
         fixture: "worker-join.cloud-config",
+        role: "worker",
     };
-    /// `format: ignition`: Ignition 2.3 with /etc/kubeadm.sh and kubeadm.service.
-    const IGNITION_WORKER: Bootstrap = Bootstrap {
+    /// `format: ignition`: Ignition 2.3 with /etc/kubeadm.sh (kubeadm init) and kubeadm.service,
+    /// on the first control-plane machine.
+    const IGNITION_CONTROL_PLANE: Bootstrap = Bootstrap {
         format: BootstrapFormat::Ignition,
-        fixture: "worker-join.ignition-2.3.json",
+        fixture: "control-plane-init.ignition-2.3.json",
+        role: "control-plane",
     };
 
     /// The machine's Ignition as the controller stores it: the bootstrap data converted by
@@ -866,7 +872,9 @@ fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
     }
     let t = bridge_cni();
     let work = work_dir();
-    let (mut l, _) = boot_and_check_as(&t, work.path(), "bridge", "", true);
+    // The stand-in apiserver answers 12 s after kubeadm init: long enough to see readiness wait
+    // for it after bootstrap success.
+    let (mut l, _) = boot_and_check_as(&t, work.path(), "bridge", "capk.apiserver-delay=12", true);
     assert!(
         l.seen
             .iter()
@@ -877,31 +885,50 @@ fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
     assert!(route.contains("default via 10.22.0.1"), "{route}");
     let addr = l.wait_for("CAPK-TESTGUEST addr ", Duration::from_secs(5));
     assert!(addr.ends_with("10.22.0.5/24"), "{addr}");
-    // `format: ignition` (Ignition 2.3 translated to 3.4): upstream Ignition wrote the files, and
-    // kubeadm.service ran /etc/kubeadm.sh, which wrote the success file.
+    // `format: ignition` (Ignition 2.3 translated to 3.4) of a first control plane: upstream
+    // Ignition wrote the files, and kubeadm.service ran /etc/kubeadm.sh, which wrote the success
+    // file.
     assert_ignition_ran(&mut l);
     assert_guest_file(
         &mut l,
-        "/etc/capk/from-additional-config",
-        "added by additionalConfig",
+        "/etc/capk/plain.txt",
+        "plain text for {{ ds.meta_data.hostname }}\n",
         "644",
         "0:0",
     );
     let kubeadm = l.wait_for("CAPK-TESTGUEST kubeadm args=", Duration::from_secs(60));
     assert!(
-        kubeadm.ends_with("kubeadm args=join --config /etc/kubeadm.yml"),
+        kubeadm.ends_with("kubeadm args=init --config /etc/kubeadm.yml"),
         "{kubeadm}"
     );
     let config = l.wait_for("CAPK-TESTGUEST kubeadm config=", Duration::from_secs(5));
-    assert!(config.contains("kind=JoinConfiguration"), "{config}");
+    assert!(
+        config.contains("kind=ClusterConfiguration,InitConfiguration"),
+        "{config}"
+    );
     let unit = l.wait_for(
         "CAPK-TESTGUEST unit=kubeadm.service finished",
         Duration::from_secs(30),
     );
     assert!(unit.ends_with("result=success"), "{unit}");
     l.wait_for("CAPK-TESTGUEST bootstrap-success", Duration::from_secs(30));
+    // A control plane is ready only once its apiserver answers /readyz on the VM IP, reached
+    // by the launcher over the bridge.
+    let waiting = l.wait_probe_reason(
+        "readiness",
+        "apiserver https://10.22.0.5:6443/readyz not ready",
+        Duration::from_secs(30),
+    );
+    println!("readiness before the apiserver answers: {waiting}");
+    l.wait_for(
+        "CAPK-TESTGUEST apiserver-standin listening",
+        Duration::from_secs(30),
+    );
     let ready = l.wait_probe("readiness", true, Duration::from_secs(30));
-    assert!(ready.contains("bootstrap succeeded"), "{ready}");
+    assert!(
+        ready.contains("bootstrap succeeded, apiserver ready"),
+        "{ready}"
+    );
     let (ok, answer) = l.cli(&["qmp", "query-status"]);
     assert!(ok, "{answer}");
     let v: serde_json::Value = serde_json::from_str(&answer).unwrap();

@@ -4,6 +4,7 @@ use std::net::IpAddr;
 
 use futures::TryStreamExt;
 use rtnetlink::packet_route::AddressFamily;
+use rtnetlink::packet_route::route::{RouteProtocol, RouteScope, RouteType};
 use rtnetlink::{
     Handle, LinkBridge, LinkBridgePort, LinkDummy, LinkUnspec, LinkVeth, RouteMessageBuilder,
 };
@@ -113,8 +114,11 @@ async fn apply_steps(
         .map_err(req(format!("create bridge {}", plan.bridge)))?;
     applied.steps.push(Step::CreatedLink(plan.bridge.clone()));
     let br = index_of(handle, &plan.bridge).await?;
-    // The bridge only answers for its own link-local DHCP address.
+    // The bridge only answers for its own link-local DHCP address. It accepts packets from the
+    // Pod IP although the dummy holds that address too: they are the VM's answers to the
+    // launcher (apiserver /readyz); without this the kernel drops them as martians.
     write_sysctl(&plan.bridge, "arp_ignore", "1")?;
+    write_sysctl(&plan.bridge, "accept_local", "1")?;
     handle
         .address()
         .add(
@@ -221,8 +225,47 @@ async fn apply_steps(
         .execute()
         .await
         .map_err(req(format!("set {} up", plan.dummy)))?;
+
+    // The dummy keeps the Pod IP for the CNI, but the VM owns it: the launcher's own traffic to
+    // it (apiserver /readyz) must leave through the bridge, from the bridge's link-local address
+    // (the guest has an on-link route back to it), instead of being delivered locally.
+    for a in &plan.pod_addresses {
+        let local = RouteMessageBuilder::<std::net::Ipv4Addr>::new()
+            .table_id(RT_TABLE_LOCAL)
+            .protocol(RouteProtocol::Kernel)
+            .kind(RouteType::Local)
+            .scope(RouteScope::Host)
+            .destination_prefix(a.addr(), 32)
+            .output_interface(dummy)
+            .build();
+        handle
+            .route()
+            .del(local)
+            .execute()
+            .await
+            .map_err(req(format!("remove the local route of {}", a.addr())))?;
+        let to_vm = RouteMessageBuilder::<std::net::Ipv4Addr>::new()
+            .destination_prefix(a.addr(), 32)
+            .output_interface(br)
+            .pref_source(plan.bridge_address.addr())
+            .scope(RouteScope::Link)
+            .build();
+        handle
+            .route()
+            .add(to_vm)
+            .execute()
+            .await
+            .map_err(req(format!(
+                "route {} to the VM over {}",
+                a.addr(),
+                plan.bridge
+            )))?;
+    }
     Ok(())
 }
+
+/// The kernel's `local` routing table.
+const RT_TABLE_LOCAL: u32 = 255;
 
 /// Creates the link that keeps the Pod IP. Kernels without the dummy driver (EOPNOTSUPP) get a
 /// veth pair whose peer stays down: it holds the address just as well and carries no traffic.

@@ -13,7 +13,9 @@ pub const BRIDGE: &str = "capkbr0";
 pub const TAP: &str = "capktap0";
 /// Name of the dummy link that keeps the Pod IP for the CNI's CHECK.
 pub const DUMMY: &str = "capkdummy0";
-/// Link-local address of the bridge: the DHCP server's identity, never routed.
+/// Link-local address of the bridge: the DHCP server's identity and the launcher's source
+/// address towards the VM (apiserver `/readyz`); the guest has an on-link route to it, nothing
+/// else routes it.
 pub const DHCP_SERVER_ADDRESS: Ipv4Addr = Ipv4Addr::new(169, 254, 75, 10);
 
 /// What the Pod interface has before the launcher touches it.
@@ -85,7 +87,8 @@ pub struct NetworkPlan {
     pub mtu: u32,
     /// Bridge name.
     pub bridge: String,
-    /// Bridge address (the DHCP server's source address).
+    /// Bridge address (the DHCP server's source address, and the launcher's towards the VM:
+    /// the apply step routes the Pod IP to the bridge instead of keeping it local).
     pub bridge_address: Ipv4Net,
     /// Tap name.
     pub tap: String,
@@ -150,6 +153,15 @@ pub fn plan(
         if !specific.contains(&entry) {
             specific.push(entry);
         }
+    }
+    // The launcher talks to the VM (apiserver /readyz) from the bridge's address: the guest
+    // must answer it on the link, not through the Pod's gateway.
+    let launcher_route = (
+        Ipv4Net::new(DHCP_SERVER_ADDRESS, 32).expect("32 is a valid prefix"),
+        Ipv4Addr::UNSPECIFIED,
+    );
+    if !specific.contains(&launcher_route) {
+        specific.push(launcher_route);
     }
     specific.sort_by(|a, b| {
         b.0.prefix_len()
