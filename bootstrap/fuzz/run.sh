@@ -1,40 +1,103 @@
 #!/usr/bin/env bash
-# Seeds each fuzz target's corpus from the test fixtures and fuzzes it for a bounded time.
+# Seeds each fuzz target's corpus from the test fixtures and fuzzes every target for a bounded
+# time; exits non-zero when any target finds a crash, a panic, a timeout or runs out of memory.
 #
-#   bootstrap/fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]     (default: 60 s, every target)
+#   bootstrap/fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]     (default: 20 s, every target)
 #
-# Needs cargo-fuzz (`cargo install cargo-fuzz`) and a nightly toolchain (libFuzzer's coverage
-# instrumentation). Corpora and crashes stay under bootstrap/fuzz/{corpus,artifacts} (ignored).
+# Needs cargo-fuzz (`cargo install cargo-fuzz`) and a nightly toolchain (`rustup toolchain install
+# nightly`; libFuzzer's coverage instrumentation). Everything it writes stays in ignored
+# directories of bootstrap/fuzz: target/ (build), corpus/ (seeds + what libFuzzer finds),
+# artifacts/ (crashing inputs, per-run logs) and last-run.txt (the summary printed at the end).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 FIXTURES=$HERE/../tests/fixtures
-SECONDS_PER_TARGET=${1:-60}
+SECONDS_PER_TARGET=${1:-20}
+[[ $SECONDS_PER_TARGET =~ ^[0-9]+$ ]] || { echo "fuzz: SECONDS_PER_TARGET must be a number" >&2; exit 2; }
 shift || true
+ALL=(cloud_config ignition secret write_file heartbeat)
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(cloud_config ignition heartbeat)
+[[ ${#targets[@]} -gt 0 ]] || targets=("${ALL[@]}")
 
 command -v cargo-fuzz >/dev/null || { echo "fuzz: cargo-fuzz not found; run: cargo install cargo-fuzz" >&2; exit 1; }
-rustup toolchain list 2>/dev/null | grep -q '^nightly' || { echo "fuzz: a nightly toolchain is needed (rustup toolchain install nightly)" >&2; exit 1; }
+rustup toolchain list 2>/dev/null | grep -q '^nightly' ||
+  { echo "fuzz: a nightly toolchain is needed; run: rustup toolchain install nightly" >&2; exit 1; }
 
 seed() { # target, files...
   local dir=$HERE/corpus/$1; shift
   mkdir -p "$dir"
-  for f in "$@"; do [[ -f $f ]] && cp "$f" "$dir/$(basename "$f")"; done
+  for f in "$@"; do [[ -f $f ]] && cp "$f" "$dir/seed-$(basename "$f")"; done
+  return 0
 }
+# The bootstrap data of a CABPK Secret dump (`.value`), for the cloud_config/ignition targets.
+secret_value() { # file
+  if command -v jq >/dev/null; then jq -j .value "$1"
+  elif command -v python3 >/dev/null; then python3 -c 'import json,sys; sys.stdout.write(json.load(open(sys.argv[1]))["value"])' "$1"
+  else return 1; fi
+}
+
+shopt -s nullglob
 seed cloud_config "$FIXTURES"/handmade/*.cloud-config "$FIXTURES"/cabpk-templates/*.cloud-config
 seed ignition "$FIXTURES"/handmade/*.json "$FIXTURES"/cabpk-templates/*.json
-mkdir -p "$HERE/corpus/heartbeat"
-printf 'capk-heartbeat/1 bootstrap=done uptime=12.5\n' >"$HERE/corpus/heartbeat/seed-done"
-# Generated CABPK Secrets hold the data in a JSON string; seed their raw dumps as they are.
+seed secret "$FIXTURES"/cabpk/*.secret.json
 for s in "$FIXTURES"/cabpk/*.secret.json; do
-  [[ -f $s ]] || continue
-  if grep -q '"format": *"ignition"' "$s"; then seed ignition "$s"; else seed cloud_config "$s"; fi
+  case $s in
+    */cloud-config-*) t=cloud_config ;;
+    *) t=ignition ;;
+  esac
+  mkdir -p "$HERE/corpus/$t"
+  secret_value "$s" >"$HERE/corpus/$t/seed-$(basename "$s" .secret.json)" ||
+    echo "fuzz: neither jq nor python3 found; $(basename "$s") seeds only the secret target" >&2
 done
+# write_file: first byte picks the encoding (see fuzz_targets/write_file.rs).
+mkdir -p "$HERE/corpus/write_file" "$HERE/corpus/heartbeat"
+printf '\000plain text\n' >"$HERE/corpus/write_file/seed-plain"
+printf '\002%s' "$(printf 'hello from base64\n' | base64 -w0)" >"$HERE/corpus/write_file/seed-base64"
+{ printf '\004'; printf 'gzip and base64\n' | gzip -9n | base64 -w0; } >"$HERE/corpus/write_file/seed-gzip-base64"
+{ printf '\006'; printf 'raw gzip\n' | gzip -9n; } >"$HERE/corpus/write_file/seed-gzip"
+printf 'capk-heartbeat/1 bootstrap=done uptime=12.5\n' >"$HERE/corpus/heartbeat/seed-done"
 
 cd "$HERE"
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HERE/target}
+# Keep the instrumented build in the ignored bootstrap/fuzz/target, whatever the caller exported.
+export CARGO_TARGET_DIR=$HERE/target
+# Safe Rust only: AddressSanitizer adds build time and finds nothing panics would not.
+echo "fuzz: building ${targets[*]}"
+start=$SECONDS
 for t in "${targets[@]}"; do
-  echo "fuzz: $t for ${SECONDS_PER_TARGET}s"
-  # Safe Rust only: AddressSanitizer adds build time and finds nothing panics would not.
-  cargo +nightly fuzz run --sanitizer none "$t" "corpus/$t" -- -max_total_time="$SECONDS_PER_TARGET" -max_len=65536
+  cargo +nightly fuzz build --sanitizer none "$t"
 done
+echo "fuzz: built in $((SECONDS - start))s"
+
+summary=$HERE/last-run.txt
+{
+  echo "# bootstrap/fuzz/run.sh $SECONDS_PER_TARGET s per target, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  printf '%-13s %-7s %12s %8s %8s %9s\n' target result executions exec/s corpus coverage
+} >"$summary"
+failed=()
+for t in "${targets[@]}"; do
+  mkdir -p "artifacts/$t"
+  logf=artifacts/$t/last-run.log
+  echo "fuzz: $t for ${SECONDS_PER_TARGET}s (log: bootstrap/fuzz/$logf)"
+  rc=0
+  cargo +nightly fuzz run --sanitizer none "$t" "corpus/$t" -- \
+    -max_total_time="$SECONDS_PER_TARGET" -max_len=65536 -timeout=20 -rss_limit_mb=2048 \
+    -print_final_stats=1 >"$logf" 2>&1 || rc=$?
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$logf" | tail -n 1)
+  speed=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$logf" | tail -n 1)
+  done_line=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$logf" | tail -n 1 || true)
+  corpus=$(sed -n 's/.* corp: \([0-9]*\).*/\1/p' <<<"$done_line")
+  cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$done_line")
+  result=ok
+  if [[ $rc != 0 ]]; then
+    result=FAILED
+    failed+=("$t")
+    echo "fuzz: $t FAILED (exit $rc); the end of its log:" >&2
+    tail -n 30 "$logf" >&2
+  fi
+  printf '%-13s %-7s %12s %8s %8s %9s\n' "$t" "$result" "${execs:-?}" "${speed:-?}" "${corpus:-?}" "${cov:-?}" >>"$summary"
+done
+cat "$summary"
+if [[ ${#failed[@]} -gt 0 ]]; then
+  echo "fuzz: failures in ${failed[*]}; crashing inputs are in bootstrap/fuzz/artifacts/<target>/" >&2
+  echo "fuzz: reproduce with: cd bootstrap/fuzz && cargo +nightly fuzz run --sanitizer none <target> artifacts/<target>/<file>" >&2
+  exit 1
+fi
