@@ -3,7 +3,7 @@
 
 mod support;
 
-use capk_bootstrap::{BootstrapFormat, render_ignition, to_json};
+use capk_bootstrap::{BootstrapFormat, RUN_STAGING_DIR, SUCCESS_FILE, render_ignition, to_json};
 use support::{facts, fixtures, full_overlay, ignition_validate, readable, validate};
 
 #[test]
@@ -65,6 +65,133 @@ fn cabpk_fixtures_convert_validate_and_match_snapshots() {
         }
     }
     check_and_snapshot(all);
+}
+
+/// The real CABPK output with the full machine overlay merged, as the controller stores it.
+#[test]
+fn cabpk_fixtures_with_overlay_match_snapshots() {
+    for f in fixtures("cabpk") {
+        let r = render_ignition(f.format, &f.data, &facts(), Some(&full_overlay()))
+            .unwrap_or_else(|e| panic!("{}: {e}", f.name));
+        insta::assert_yaml_snapshot!(format!("{}__with_overlay", f.name), readable(&r.json));
+    }
+}
+
+/// What CABPK put in each real Secret survives conversion: every file it writes (files bound for
+/// the /run tmpfs via the staging directory; Ignition file contents byte for byte), every user,
+/// no Jinja placeholder left in cloud-config, and the kubeadm command line with the success file
+/// in the commands that run at boot.
+#[test]
+fn cabpk_fixtures_keep_every_file_user_and_command() {
+    let all = fixtures("cabpk");
+    assert!(!all.is_empty(), "no CABPK fixtures");
+    for f in all {
+        let text = String::from_utf8(f.data.clone()).unwrap();
+        let r = render_ignition(f.format, &f.data, &facts(), None)
+            .unwrap_or_else(|e| panic!("{}: {e}", f.name));
+        let out = readable(&r.json);
+        let shown = serde_json::to_string(&out).unwrap();
+        if f.format == BootstrapFormat::CloudConfig {
+            // cloud-config is a Jinja template (CABPK's header says so): all of it is rendered.
+            for placeholder in ["{{ ds.", "{{ v1.", "{{ds.", "{{v1."] {
+                assert!(
+                    !shown.contains(placeholder),
+                    "{}: {placeholder} left",
+                    f.name
+                );
+            }
+            assert!(
+                shown.contains(&facts().hostname),
+                "{}: hostname missing",
+                f.name
+            );
+        } else {
+            // Ignition data is not a template: every file's content arrives byte for byte.
+            let input = readable(&f.data);
+            for file in input["storage"]["files"].as_array().unwrap() {
+                let translated = out["storage"]["files"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|o| o["path"] == file["path"])
+                    .unwrap_or_else(|| panic!("{}: {} lost", f.name, file["path"]));
+                assert_eq!(
+                    translated["contents"]["source"], file["contents"]["source"],
+                    "{}: content of {}",
+                    f.name, file["path"]
+                );
+            }
+        }
+
+        let (paths, users, kubeadm_script) = match f.format {
+            BootstrapFormat::CloudConfig => {
+                let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).unwrap();
+                let paths: Vec<String> = doc["write_files"]
+                    .as_sequence()
+                    .unwrap()
+                    .iter()
+                    .map(|w| w["path"].as_str().unwrap().to_owned())
+                    .collect();
+                let users: Vec<String> = doc["users"]
+                    .as_sequence()
+                    .map(|u| {
+                        u.iter()
+                            .map(|u| u["name"].as_str().unwrap().to_owned())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                (paths, users, "/etc/capk/bootstrap/runcmd.sh")
+            }
+            BootstrapFormat::Ignition => {
+                let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+                let paths: Vec<String> = doc["storage"]["files"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|w| w["path"].as_str().unwrap().to_owned())
+                    .collect();
+                let users: Vec<String> = doc["passwd"]["users"]
+                    .as_array()
+                    .map(|u| {
+                        u.iter()
+                            .map(|u| u["name"].as_str().unwrap().to_owned())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                (paths, users, "/etc/kubeadm.sh")
+            }
+        };
+        let files = out["storage"]["files"].as_array().unwrap();
+        let has = |p: &str| files.iter().any(|x| x["path"] == p);
+        for p in &paths {
+            let staged = format!("{RUN_STAGING_DIR}{p}");
+            assert!(has(p) || has(&staged), "{}: file {p} lost", f.name);
+        }
+        let out_users: Vec<&str> = out["passwd"]["users"]
+            .as_array()
+            .map(|u| u.iter().map(|u| u["name"].as_str().unwrap()).collect())
+            .unwrap_or_default();
+        for u in &users {
+            assert!(out_users.contains(&u.as_str()), "{}: user {u} lost", f.name);
+        }
+        let script = files
+            .iter()
+            .find(|x| x["path"] == kubeadm_script)
+            .unwrap_or_else(|| panic!("{}: no {kubeadm_script}", f.name))["contents"]["source"]
+            .as_str()
+            .unwrap();
+        let kubeadm = script
+            .lines()
+            .find(|l| l.contains("kubeadm init") || l.contains("kubeadm join"))
+            .unwrap_or_else(|| panic!("{}: no kubeadm command in {script}", f.name));
+        let role_cmd = if f.name.contains("-init") {
+            "kubeadm init"
+        } else {
+            "kubeadm join"
+        };
+        assert!(kubeadm.contains(role_cmd), "{}: {kubeadm}", f.name);
+        assert!(script.contains(SUCCESS_FILE), "{}: no success file", f.name);
+    }
 }
 
 #[test]
