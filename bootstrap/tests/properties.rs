@@ -123,6 +123,69 @@ proptest! {
         let _ = s.parse::<HeartbeatLine>();
     }
 
+    /// Spec 2.3 → 3.4: a file's bytes (percent-encoded or base64 data URL), decimal mode, owner
+    /// and append flag arrive unchanged in the spec-3 config.
+    #[test]
+    fn ignition_2_3_files_translate_byte_for_byte(
+        bytes in proptest::collection::vec(any::<u8>(), 0..400),
+        base64_url in any::<bool>(),
+        mode in 0u32..=0o7777,
+        append in any::<bool>(),
+    ) {
+        let source = if base64_url {
+            format!("data:;base64,{}", STANDARD.encode(&bytes))
+        } else {
+            data_url(&bytes)
+        };
+        let file = serde_json::json!({
+            "filesystem": "root", "path": "/etc/capk/p", "mode": mode, "append": append,
+            "user": {"name": "core"}, "contents": {"source": source, "verification": {}},
+        });
+        let input = serde_json::json!({"ignition": {"version": "2.3.0"}, "storage": {"files": [file]}});
+        let cfg = convert(BootstrapFormat::Ignition, input.to_string().as_bytes(), &MachineFacts::new("n")).unwrap();
+        let out: serde_json::Value = serde_json::from_slice(&to_json(&cfg).unwrap()).unwrap();
+        let f = &out["storage"]["files"][0];
+        prop_assert_eq!(&f["path"], "/etc/capk/p");
+        prop_assert_eq!(f["mode"].as_u64(), Some(u64::from(mode)));
+        prop_assert_eq!(&f["user"]["name"], "core");
+        let src = if append {
+            prop_assert!(f["contents"].is_null());
+            f["append"][0]["source"].as_str().unwrap()
+        } else {
+            prop_assert_eq!(&f["overwrite"], true);
+            f["contents"]["source"].as_str().unwrap()
+        };
+        prop_assert_eq!(decode_data_url(src), bytes);
+    }
+
+    /// The cloud-init Jinja placeholders CABPK templates use become the machine's values, in
+    /// files and commands alike, and nothing else in the text changes.
+    #[test]
+    fn jinja_placeholders_become_the_machine_facts(
+        host in "[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?",
+        id in "[a-zA-Z0-9-]{1,20}",
+        filler in "[ -z|~]{0,40}",
+    ) {
+        prop_assume!(!filler.contains("{{") && !filler.contains("{%") && !filler.contains("{#"));
+        let yaml = format!(
+            "## template: jinja\n#cloud-config\nwrite_files:\n- path: /etc/facts\n  content: {}\nruncmd:\n- echo {{{{ v1.local_hostname }}}}\n",
+            serde_json::to_string(&format!(
+                "{filler}|{{{{ ds.meta_data.hostname }}}}|{{{{ds.meta_data.local_hostname}}}}|{{{{ v1.local_hostname }}}}|{{{{ ds.meta_data.instance_id }}}}|{{{{ v1.instance_id }}}}"
+            )).unwrap()
+        );
+        let facts = MachineFacts { hostname: host.clone(), instance_id: id.clone() };
+        let cfg = convert(BootstrapFormat::CloudConfig, yaml.as_bytes(), &facts).unwrap();
+        let out: serde_json::Value = serde_json::from_slice(&to_json(&cfg).unwrap()).unwrap();
+        let files = out["storage"]["files"].as_array().unwrap();
+        let text = |p: &str| {
+            let f = files.iter().find(|f| f["path"] == p).unwrap();
+            String::from_utf8(decode_data_url(f["contents"]["source"].as_str().unwrap())).unwrap()
+        };
+        prop_assert_eq!(text("/etc/facts"), format!("{filler}|{host}|{host}|{host}|{id}|{id}"));
+        let echo = format!("\necho {host}\n");
+        prop_assert!(text("/etc/capk/bootstrap/runcmd.sh").contains(&echo));
+    }
+
     /// No input makes the converter panic (a cheap stand-in for the fuzz targets in CI).
     #[test]
     fn conversion_never_panics(body in "\\PC{0,200}") {
