@@ -52,7 +52,7 @@ fn prerequisites() -> bool {
             missing.push(format!("{tool} ({how})"));
         }
     }
-    for f in ["vmlinuz", "initrd.img", "base.qcow2"] {
+    for f in ["vmlinuz", "initrd.img", "base.qcow2", "boot.qcow2"] {
         if !guest_dir().join(f).exists() {
             missing.push(format!(
                 "{} (bash hack/prepare.d/40-test-guest.sh)",
@@ -256,6 +256,30 @@ impl Launcher {
         pid1: bool,
     ) -> Launcher {
         let g = guest_dir();
+        let append = format!(
+            "console=ttyS0 quiet panic=-1 capk.peer={} capk.marker-disk=etcdfs capk.boot-id={boot_id} {extra_append}",
+            t.peer_ip
+        );
+        let boot = [
+            "--image".to_string(),
+            g.join("base.qcow2").display().to_string(),
+            "--kernel".to_string(),
+            g.join("vmlinuz").display().to_string(),
+            "--initrd".to_string(),
+            g.join("initrd.img").display().to_string(),
+            "--append".to_string(),
+            append,
+        ];
+        Self::spawn(t, work, &boot, accel, pid1)
+    }
+
+    /// Boots the bootable disk as the node image: firmware → MBR → SYSLINUX → kernel.
+    fn start_from_disk(t: &Topology, work: &Path) -> Launcher {
+        let image = guest_dir().join("boot.qcow2").display().to_string();
+        Self::spawn(t, work, &["--image".to_string(), image], "auto", false)
+    }
+
+    fn spawn(t: &Topology, work: &Path, boot: &[String], accel: &str, pid1: bool) -> Launcher {
         let resolv = work.join("resolv.conf");
         std::fs::write(
             &resolv,
@@ -267,10 +291,6 @@ impl Launcher {
         std::fs::create_dir_all(&shared).unwrap();
         let ignition = work.join("ignition.json");
         std::fs::write(&ignition, t.bootstrap.machine_ignition()).unwrap();
-        let append = format!(
-            "console=ttyS0 quiet panic=-1 capk.peer={} capk.marker-disk=etcdfs capk.boot-id={boot_id} {extra_append}",
-            t.peer_ip
-        );
         // As PID 1 of a fresh PID namespace, like in a container, when asked.
         let pid1_wrap: &[&str] = if pid1 {
             &["unshare", "--pid", "--kill-child", "--mount-proc"]
@@ -281,10 +301,7 @@ impl Launcher {
             .args(["netns", "exec", &t.pod])
             .args(pid1_wrap)
             .args([env!("CARGO_BIN_EXE_capk-launcher"), "run"])
-            .args(["--image", &g.join("base.qcow2").display().to_string()])
-            .args(["--kernel", &g.join("vmlinuz").display().to_string()])
-            .args(["--initrd", &g.join("initrd.img").display().to_string()])
-            .args(["--append", &append])
+            .args(boot)
             .args(["--accel", accel, "--vcpus", "1", "--memory", "256Mi"])
             .args(["--role", t.bootstrap.role])
             .args([
@@ -856,6 +873,44 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
     );
     let (ok, out) = l.cli(&["probe", "liveness"]);
     assert!(!ok, "liveness must fail once the launcher is gone: {out}");
+}
+
+#[test]
+fn bootable_disk_guest_boots_through_firmware_and_bootloader() {
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    let t = calico();
+    let work = work_dir();
+    // No --kernel: QEMU's firmware boots the node image's MBR, SYSLINUX loads kernel and
+    // initramfs from its FAT partition, as GRUB does on a Flatcar disk.
+    let mut l = Launcher::start_from_disk(&t, work.path());
+    let banner = l.wait_for("SYSLINUX", Duration::from_secs(60));
+    println!(
+        "MEASURE bootloader banner {:.2}s after launcher start: {banner}",
+        l.started.elapsed().as_secs_f64()
+    );
+    l.wait_for("CAPK-TESTGUEST booted", Duration::from_secs(120));
+    println!(
+        "MEASURE disk-booted guest up {:.2}s after launcher start",
+        l.started.elapsed().as_secs_f64()
+    );
+    let cmdline = l.wait_for("CAPK-TESTGUEST cmdline ", Duration::from_secs(5));
+    assert!(
+        cmdline.contains("BOOT_IMAGE=vmlinuz") && cmdline.contains("capk.boot=disk"),
+        "the kernel command line comes from the bootloader: {cmdline}"
+    );
+    let lease = l.wait_for("CAPK-TESTGUEST lease ", Duration::from_secs(60));
+    assert!(lease.contains(&format!("ip={}/", t.pod_ip)), "{lease}");
+    let root = l.wait_for("serial=rootfs", Duration::from_secs(5));
+    assert!(root.ends_with(&format!("bytes={}", 512u64 << 20)), "{root}");
+    assert_ignition_ran(&mut l);
+    l.wait_for("CAPK-TESTGUEST bootstrap-success", Duration::from_secs(60));
+    let ready = l.wait_probe("readiness", true, Duration::from_secs(30));
+    assert!(ready.contains("bootstrap succeeded"), "{ready}");
+    l.signal("TERM");
+    assert!(l.wait_exit(Duration::from_secs(30)).success());
 }
 
 fn qemu_pid(l: &Launcher) -> u64 {
