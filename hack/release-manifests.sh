@@ -13,7 +13,7 @@ kubectl=$OUT/bin/kubectl
 mkdir -p "$dest"
 "$kubectl" kustomize manifests/default >"$dest/infrastructure-components.yaml"
 cp manifests/metadata.yaml "$dest/metadata.yaml"
-cp manifests/templates/cluster-template*.yaml "$dest/"
+cp manifests/templates/cluster-template*.yaml manifests/templates/clusterclass-*.yaml "$dest/"
 # Optional, for clusters with the VerticalPodAutoscaler CRDs (not part of the clusterctl install).
 cp manifests/components/vpa/vpa.yaml "$dest/vpa.yaml"
 echo "$dest"

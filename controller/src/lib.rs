@@ -7,6 +7,7 @@ pub mod context;
 pub mod error;
 pub mod kvmcluster;
 pub mod kvmmachine;
+pub mod leader;
 pub mod metrics;
 pub mod report;
 pub mod workload;

@@ -4,6 +4,7 @@ use std::io::{Read, Write};
 
 use anyhow::Context;
 use capk_bootstrap::{BootstrapFormat, MachineFacts};
+use capk_controller::leader::LEASE_NAME;
 use clap::{Parser, Subcommand, ValueEnum};
 use kube::Client;
 use tracing_subscriber::EnvFilter;
@@ -177,54 +178,65 @@ async fn main() -> anyhow::Result<()> {
             std::process::id()
         )
     });
-    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), LEASE_NAME)
-        .with_namespace(&namespace)
-        .with_identity(&identity)
-        .with_duration(15)
-        .with_grace(5)
-        .with_field_manager("capk-controller")
-        .build()
+    let manager = capk_controller::leader::lease_manager(client.clone(), &namespace, &identity)
         .await
         .with_context(|| format!("leader election Lease {namespace}/{LEASE_NAME}"))?;
-    let (mut leader, lease_task) = manager.watch().await;
+    // A follower is healthy and ready: it serves its endpoints and waits its turn.
+    metrics.set_ready();
+    // The Lease is driven by hand (not `watch()`), so that on the way out it is released at
+    // once rather than after the manager's next renewal.
+    let manager = std::sync::Arc::new(manager);
     tracing::info!(lease = %format!("{namespace}/{LEASE_NAME}"), %identity, "waiting for leadership");
-    tokio::select! {
-        r = leader.wait_for(|l| *l) => { r.context("leader election stopped")?; }
-        _ = stopped(stop_rx.clone()) => return Ok(()),
+    loop {
+        tokio::select! {
+            held = manager.changed() => {
+                if held.context("leader election")? {
+                    break;
+                }
+            }
+            _ = stopped(stop_rx.clone()) => return Ok(()),
+        }
     }
     tracing::info!(%identity, "became the leader");
-    let mut lost = leader.clone();
-    let lost_leadership = async move {
-        let _ = lost.wait_for(|l| !*l).await;
+    // Renew in the background; `changed()` returns only when the state changes: lost.
+    let renew = {
+        let manager = manager.clone();
+        tokio::spawn(async move {
+            loop {
+                match manager.changed().await {
+                    Ok(true) => continue,
+                    Ok(false) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "renewing the Lease failed");
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        })
     };
-    let stop = stopped(stop_rx.clone());
     let (end_tx, end_rx) = tokio::sync::watch::channel(false);
-    let outcome = tokio::spawn(async move {
-        tokio::select! {
-            _ = stop => false,
-            _ = lost_leadership => true,
-        }
-    });
     let run = capk_controller::run_with_metrics(client, settings, metrics, stopped(end_rx));
     tokio::pin!(run);
+    tokio::pin!(renew);
     let lost = tokio::select! {
         _ = &mut run => false,
-        lost = outcome => {
-            let lost = lost.unwrap_or(true);
+        _ = stopped(stop_rx.clone()) => {
             let _ = end_tx.send(true);
             run.await;
-            lost
+            false
+        }
+        _ = &mut renew => {
+            let _ = end_tx.send(true);
+            run.await;
+            true
         }
     };
-    drop(leader);
-    if let Ok(Ok(manager)) = lease_task.await {
-        let _ = manager.release().await;
+    renew.abort();
+    if !lost && let Err(e) = manager.release().await {
+        tracing::warn!(error = %e, "releasing the Lease failed; the next leader waits for it to expire");
     }
     if lost {
         anyhow::bail!("lost the leader election Lease {namespace}/{LEASE_NAME}");
     }
     Ok(())
 }
-
-/// Name of the leader-election Lease.
-const LEASE_NAME: &str = "capk-controller-leader";

@@ -113,3 +113,99 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() -> Result<()> {
     assert!(status.success(), "exit status after SIGTERM: {status}");
     Ok(())
 }
+
+/// Who holds the leader-election Lease in `ns`.
+async fn lease_holder(client: &kube::Client, ns: &str) -> Result<Option<String>> {
+    let lease = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(client.clone(), ns)
+        .get_opt(capk_controller::leader::LEASE_NAME)
+        .await?;
+    Ok(lease
+        .and_then(|l| l.spec)
+        .and_then(|s| s.holder_identity)
+        .filter(|h| !h.is_empty()))
+}
+
+#[tokio::test]
+async fn with_leader_election_one_replica_reconciles_and_the_other_takes_over() -> Result<()> {
+    let env = TestEnv::shared();
+    let client = env.client().await?;
+    let ns = "leader-election";
+    create_namespace(&client, ns).await?;
+    let start = |identity: &str| -> Result<(std::process::Child, u16)> {
+        let health = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_capk-controller"))
+            .args([
+                &format!("--namespace={ns}"),
+                "--metrics-addr=127.0.0.1:0",
+                &format!("--health-addr=127.0.0.1:{health}"),
+                "--leader-elect",
+                &format!("--leader-election-namespace={ns}"),
+            ])
+            .env("KUBECONFIG", env.kubeconfig())
+            .env("POD_NAME", identity)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        Ok((child, health))
+    };
+    let (mut first, _) = start("capk-first")?;
+    eventually(30, "capk-first holds the Lease", || async {
+        Ok((lease_holder(&client, ns).await?.as_deref() == Some("capk-first")).then_some(()))
+    })
+    .await?;
+    let (mut second, second_health) = start("capk-second")?;
+    // The follower is up and ready (it waits its turn), but does not take the Lease.
+    eventually(30, "the follower's /readyz", || async {
+        Ok(get(second_health, "/readyz").ok().filter(|r| r.0 == 200))
+    })
+    .await?;
+
+    let kcs: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
+    let provisioned = |name: &'static str| {
+        let kcs = kcs.clone();
+        async move {
+            let kc: KVMCluster = serde_json::from_value(json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
+                "metadata": {"name": name}, "spec": {},
+            }))?;
+            kcs.create(&PostParams::default(), &kc).await?;
+            eventually(30, &format!("KVMCluster {name} reconciled"), || async {
+                let kc = kcs.get(name).await?;
+                Ok(kc.status.and_then(|s| s.conditions).map(|_| ()))
+            })
+            .await
+        }
+    };
+    provisioned("one").await?;
+    assert_eq!(
+        lease_holder(&client, ns).await?.as_deref(),
+        Some("capk-first")
+    );
+
+    // The leader stops (a rollout, a node drain) and gives the Lease back; the follower takes
+    // it (kube-lease-manager looks again when the 15 s lease would have expired) and reconciles.
+    let stopped = std::time::Instant::now();
+    Command::new("kill")
+        .args(["-TERM", &first.id().to_string()])
+        .status()?;
+    let status = first.wait()?;
+    assert!(
+        status.success(),
+        "the leader's exit after SIGTERM: {status}"
+    );
+    let result = async {
+        eventually(45, "capk-second holds the Lease", || async {
+            Ok((lease_holder(&client, ns).await?.as_deref() == Some("capk-second")).then_some(()))
+        })
+        .await?;
+        let takeover = stopped.elapsed();
+        provisioned("two").await?;
+        anyhow::Ok(takeover)
+    }
+    .await;
+    second.kill()?;
+    let _ = second.wait();
+    let takeover = result?;
+    println!("leader takeover after SIGTERM: {takeover:?}");
+    Ok(())
+}

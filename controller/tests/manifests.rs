@@ -148,31 +148,165 @@ async fn infrastructure_components_follow_the_clusterctl_contract() -> Result<()
     Ok(())
 }
 
-#[tokio::test]
-async fn cluster_template_is_accepted_with_the_rfc_defaults() -> Result<()> {
-    let dir = release_dir()?;
-    let text = std::fs::read_to_string(dir.join("cluster-template.yaml"))?;
-    let vars = BTreeMap::from([
-        ("CLUSTER_NAME", "tmpl"),
-        ("NAMESPACE", "cluster-template"),
-        ("KUBERNETES_VERSION", "v1.35.4"),
-    ]);
-    let client = TestEnv::shared().client().await?;
-    create_namespace(&client, "cluster-template").await?;
-    let objs = docs(&substitute(&text, &vars)?)?;
-    for kind in [
-        "Cluster",
-        "KVMCluster",
-        "KubeadmControlPlane",
-        "MachineDeployment",
-    ] {
-        assert!(
-            objs.iter().any(|o| o["kind"] == kind),
-            "template lacks {kind}"
+/// Runs the real clusterctl (built from the Go module proxy) with no user configuration and
+/// no version check; fails with its stderr.
+fn clusterctl(args: &[&str], env: &[(&str, &str)]) -> Result<String> {
+    let bin = capk_tests::component("clusterctl", "make test-deps")?;
+    let home = tempfile::tempdir()?;
+    let out = Command::new(bin)
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("HOME", home.path())
+        .env("CLUSTERCTL_DISABLE_VERSIONCHECK", "true")
+        .envs(env.iter().copied())
+        .output()
+        .context("run clusterctl")?;
+    if !out.status.success() {
+        bail!(
+            "clusterctl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
         );
     }
-    for o in &objs {
-        apply(&client, o, true).await?;
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// The variables `clusterctl generate cluster --list-variables` calls required.
+fn required_variables(listing: &str) -> Vec<String> {
+    listing
+        .lines()
+        .skip_while(|l| !l.starts_with("Required Variables:"))
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .map(|l| l.trim().trim_start_matches("- ").to_owned())
+        .collect()
+}
+
+fn kinds(objs: &[Value]) -> Vec<String> {
+    let mut k: Vec<String> = objs
+        .iter()
+        .map(|o| o["kind"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    k.sort();
+    k
+}
+
+#[tokio::test]
+async fn clusterctl_generates_every_flavor_from_the_required_variables_only() -> Result<()> {
+    let dir = release_dir()?;
+    let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let ns = "cluster-template";
+    let client = TestEnv::shared().client().await?;
+    create_namespace(&client, ns).await?;
+
+    // The ClusterClass of the topology flavor, applied for real (a Cluster refers to it).
+    let class = docs(&clusterctl(
+        &["generate", "yaml", "--from", &file("clusterclass-kvm.yaml")],
+        &[("NAMESPACE", ns)],
+    )?)?;
+    assert_eq!(
+        kinds(&class),
+        [
+            "ClusterClass",
+            "KVMClusterTemplate",
+            "KVMMachineTemplate",
+            "KVMMachineTemplate",
+            "KubeadmConfigTemplate",
+            "KubeadmControlPlaneTemplate"
+        ]
+    );
+    for o in &class {
+        apply(&client, o, false).await?;
+    }
+
+    let flavors: [(&str, &[&str]); 3] = [
+        (
+            "cluster-template.yaml",
+            &[
+                "Cluster",
+                "KVMCluster",
+                "KVMMachineTemplate",
+                "KVMMachineTemplate",
+                "KubeadmConfigTemplate",
+                "KubeadmControlPlane",
+                "MachineDeployment",
+            ],
+        ),
+        (
+            "cluster-template-ignition.yaml",
+            &[
+                "Cluster",
+                "KVMCluster",
+                "KVMMachineTemplate",
+                "KVMMachineTemplate",
+                "KubeadmConfigTemplate",
+                "KubeadmControlPlane",
+                "MachineDeployment",
+            ],
+        ),
+        ("cluster-template-topology.yaml", &["Cluster"]),
+    ];
+    for (i, (flavor, expected)) in flavors.iter().enumerate() {
+        let name = format!("tmpl-{i}");
+        let listing = clusterctl(
+            &[
+                "generate",
+                "cluster",
+                &name,
+                "--from",
+                &file(flavor),
+                "--list-variables",
+                "--target-namespace",
+                ns,
+            ],
+            &[],
+        )?;
+        assert_eq!(
+            required_variables(&listing),
+            ["KUBERNETES_VERSION"],
+            "{flavor}: {listing}"
+        );
+        let objs = docs(&clusterctl(
+            &[
+                "generate",
+                "cluster",
+                &name,
+                "--from",
+                &file(flavor),
+                "--kubernetes-version",
+                "v1.35.4",
+                "--target-namespace",
+                ns,
+                "--control-plane-machine-count",
+                "3",
+                "--worker-machine-count",
+                "2",
+            ],
+            &[],
+        )?)?;
+        assert_eq!(kinds(&objs), *expected, "{flavor}");
+        for o in &objs {
+            assert_eq!(o["metadata"]["namespace"], ns, "{flavor}: {o}");
+            if *flavor == "cluster-template-ignition.yaml" {
+                match o["kind"].as_str() {
+                    Some("KubeadmControlPlane") => assert_eq!(
+                        o["spec"]["kubeadmConfigSpec"]["format"], "ignition",
+                        "{flavor}"
+                    ),
+                    Some("KubeadmConfigTemplate") => assert_eq!(
+                        o["spec"]["template"]["spec"]["format"], "ignition",
+                        "{flavor}"
+                    ),
+                    _ => {}
+                }
+            }
+            // Strict server-side dry-run against the real Cluster API CRDs: unknown fields and
+            // schema violations fail.
+            apply(&client, o, true)
+                .await
+                .with_context(|| flavor.to_string())?;
+        }
     }
     Ok(())
 }
@@ -220,6 +354,8 @@ async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
         ]
         .contains(&o["kind"].as_str().unwrap_or_default())
         {
@@ -227,6 +363,19 @@ async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
         }
     }
     let restricted = service_account_client(&admin).await?;
+
+    // Leader election (--leader-elect, as the Deployment runs it): take the Lease in
+    // capk-system, renew it, give it back.
+    let lease =
+        capk_controller::leader::lease_manager(restricted.clone(), "capk-system", "rbac-check")
+            .await
+            .context("Lease under the shipped RBAC")?;
+    let held = tokio::time::timeout(std::time::Duration::from_secs(20), lease.changed())
+        .await
+        .context("taking the Lease timed out")??;
+    assert!(held, "the Lease was not taken");
+    lease.release().await.context("release the Lease")?;
+
     let ns = "rbac-check";
     create_namespace(&admin, ns).await?;
     let _stop = support::start_controller(restricted, ns);
