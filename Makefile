@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher testenv testenv-down clean help
+.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher testenv testenv-down dev-up dev-down fuzz clean help
 
 all: build
 
@@ -45,6 +45,15 @@ testenv: test-deps ## Start etcd + kube-apiserver with our CRDs in the backgroun
 
 testenv-down: ## Stop the environment started by `make testenv`
 	@bash hack/testenv.sh down
+
+dev-up: ## The local management cluster (work in progress, issue 6): hack/dev-up.sh
+	bash hack/dev-up.sh
+
+dev-down: ## Stop the local management cluster and everything it started
+	bash hack/dev-down.sh
+
+fuzz: ## Run every bootstrap fuzz target for a bounded time (nightly + cargo-fuzz); FUZZ_SECONDS each
+	bash bootstrap/fuzz/run.sh $(FUZZ_SECONDS)
 
 clean: ## Remove build output (keeps the Go caches outside the tree)
 	$(CARGO) clean
