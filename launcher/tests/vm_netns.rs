@@ -323,6 +323,7 @@ impl Launcher {
             .args(["--resolv-conf", &resolv.display().to_string()])
             .args(["--ignition", &ignition.display().to_string()])
             .args(["--host-volume", &format!("shared={}", shared.display())])
+            .args(["--iscsi-initiator-name", ISCSI_NAME])
             .args([
                 "--hostname",
                 HOSTNAME,
@@ -582,6 +583,8 @@ fn boot_and_check_as(
 
 /// The node name the launcher gives the VM (`--hostname`) and the bootstrap data is rendered for.
 const HOSTNAME: &str = "capk-test-vm";
+/// The machine's iSCSI initiator name (`--iscsi-initiator-name`).
+const ISCSI_NAME: &str = "iqn.2016-04.com.coreos.iscsi:capk-test-vm";
 
 /// CABPK-shaped bootstrap data from capk-bootstrap's fixtures (rendered by CABPK's own template
 /// code, see bootstrap/tests/fixtures/cabpk-templates/README.md).
@@ -651,6 +654,47 @@ fn assert_guest_file(l: &mut Launcher, path: &str, content: &str, mode: &str, ow
     assert!(line.ends_with(&want), "{line}\nwant {want}");
 }
 
+/// Every file of the config the launcher handed to QEMU (the machine's bootstrap files and the
+/// boot facts: hostname, DNS, NTP, iSCSI name, heartbeat script, ...) is in the guest as upstream
+/// Ignition wrote it: the content (data URL decoded, gzip undone, appends added) and the mode.
+fn assert_guest_files_match_config(l: &mut Launcher) {
+    let merged = l.runtime_dir.join("ignition.json");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&merged).unwrap()).unwrap();
+    let decode = |c: &serde_json::Value| -> Vec<u8> {
+        let source = c["source"].as_str().unwrap_or("data:,");
+        let bytes = data_url::DataUrl::process(source)
+            .unwrap_or_else(|e| panic!("{source}: {e:?}"))
+            .decode_to_vec()
+            .unwrap()
+            .0;
+        match c["compression"].as_str() {
+            Some("gzip") => capk_bootstrap::content::gunzip(&bytes).unwrap(),
+            None | Some("") => bytes,
+            Some(other) => panic!("compression {other}"),
+        }
+    };
+    let files = config["storage"]["files"].as_array().expect("files");
+    assert!(files.len() > 5, "{files:?}");
+    for f in files {
+        let path = f["path"].as_str().unwrap();
+        let mut content = decode(&f["contents"]);
+        for a in f["append"].as_array().into_iter().flatten() {
+            content.extend(decode(a));
+        }
+        let mode = format!("{:o}", f["mode"].as_u64().unwrap_or(0o644));
+        let line = l.wait_for(
+            &format!("CAPK-TESTGUEST file {path} "),
+            Duration::from_secs(5),
+        );
+        let want = format!("mode={mode} ");
+        assert!(line.contains(&want), "{line}\nwant {want}");
+        let want = format!("sha256={}", sha256_hex(&content));
+        assert!(line.ends_with(&want), "{line}\nwant {want}");
+    }
+    println!("guest files match the {} files of the config", files.len());
+}
+
 /// Waits until Ignition has run in the guest and checks what every boot must show: the stages
 /// passed, the node name from /etc/hostname, the overlay's mount units reported, the heartbeat
 /// unit started.
@@ -667,6 +711,14 @@ fn assert_ignition_ran(l: &mut Launcher) {
     let host = l.wait_for("CAPK-TESTGUEST hostname=", Duration::from_secs(10));
     assert!(host.ends_with(&format!("hostname={HOSTNAME}")), "{host}");
     assert_guest_file(l, "/etc/hostname", &format!("{HOSTNAME}\n"), "644", "0:0");
+    assert_guest_file(
+        l,
+        "/etc/iscsi/initiatorname.iscsi",
+        &format!("InitiatorName={ISCSI_NAME}\n"),
+        "644",
+        "0:0",
+    );
+    assert_guest_files_match_config(l);
     let etcd = l.wait_for(
         "CAPK-TESTGUEST unit=var-lib-etcd.mount not-started",
         Duration::from_secs(10),
