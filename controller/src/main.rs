@@ -4,10 +4,21 @@ use std::io::{Read, Write};
 
 use anyhow::Context;
 use capk_bootstrap::{BootstrapFormat, MachineFacts};
-use capk_controller::leader::LEASE_NAME;
+use capk_controller::{kvmmachine::build, leader::LEASE_NAME};
 use clap::{Parser, Subcommand, ValueEnum};
 use kube::Client;
 use tracing_subscriber::EnvFilter;
+
+/// How container-image node images reach machine Pods.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum NodeImageSource {
+    /// An init container copies the disk once per MC node into /var/lib/capk/images (any
+    /// container runtime).
+    HostCache,
+    /// A Kubernetes image volume, no copy (ImageVolume: Kubernetes 1.33+, containerd 2.1+ or
+    /// CRI-O 1.31+).
+    ImageVolume,
+}
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum LogFormat {
@@ -45,6 +56,9 @@ struct Cli {
     /// Require control-plane machine Pods of one cluster on different MC nodes (default: prefer).
     #[arg(long)]
     require_control_plane_anti_affinity: bool,
+    /// How KVMMachines with `spec.image.containerImage` get their disk.
+    #[arg(long, value_enum, default_value = "host-cache")]
+    node_image_source: NodeImageSource,
     /// Reconciles that run at once, per kind.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     concurrency: u16,
@@ -130,6 +144,10 @@ async fn main() -> anyhow::Result<()> {
             launcher_image: cli.launcher_image,
             flatcar_version: cli.default_flatcar_version,
             require_control_plane_anti_affinity: cli.require_control_plane_anti_affinity,
+            node_image_source: match cli.node_image_source {
+                NodeImageSource::HostCache => build::NodeImageSource::HostCache,
+                NodeImageSource::ImageVolume => build::NodeImageSource::ImageVolume,
+            },
             ..Default::default()
         },
         concurrency: cli.concurrency,

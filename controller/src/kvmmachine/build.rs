@@ -48,6 +48,55 @@ pub const ETCD_DIR: &str = "/var/lib/capk/etcd";
 pub const HOST_IMAGE_CACHE: &str = "/var/lib/capk/images";
 /// Default path of the disk file inside a node-image container image.
 pub const DEFAULT_CONTAINER_DISK_PATH: &str = "/disk/image.qcow2";
+/// Where the machine Pod's init containers keep the launcher image's static busybox.
+pub const TOOLS_DIR: &str = "/var/lib/capk/tools";
+/// The node-image link the `node-image` init container leaves in the state directory (host
+/// cache mode): it points at the cached copy in [`IMAGE_DIR`].
+pub const NODE_IMAGE_LINK: &str = "/var/lib/capk/state/node-image";
+/// What the `node-image` init container runs (host-cache mode), with the static busybox the
+/// `tools` init container copied out of the launcher image, so node images need nothing but the
+/// disk file. Arguments: busybox, disk file in the node image, cache directory, link to write.
+///
+/// The copy is named by the sha256 of the disk's content and written under a temporary name,
+/// then renamed: a half-copied file is never used, whatever happens. A lock directory on the
+/// cache (busybox has no `flock`; `mkdir` is atomic) makes machine Pods that start together on
+/// one MC node copy once; a lock left by a Pod killed mid-copy is broken after 15 minutes.
+pub const NODE_IMAGE_SCRIPT: &str = r#"set -eu
+bb=$1 src=$2 cache=$3 link=$4
+[ -f "$src" ] || { echo "node image: $src is not in the node image" >&2; exit 1; }
+sum=$("$bb" sha256sum "$src" | "$bb" cut -d' ' -f1)
+dst="$cache/sha256-$sum.img"
+lock="$cache/.lock"
+until "$bb" mkdir "$lock" 2>/dev/null; do
+  if [ -n "$("$bb" find "$lock" -maxdepth 0 -mmin +15 2>/dev/null)" ]; then
+    echo "node image: breaking a lock older than 15 minutes" >&2
+    "$bb" rmdir "$lock" 2>/dev/null || true
+  fi
+  "$bb" sleep 1
+done
+trap '"$bb" rmdir "$lock" 2>/dev/null || true' EXIT
+if [ -f "$dst" ]; then
+  echo "node image: $src is cached as $dst"
+else
+  "$bb" cp "$src" "$dst.partial.$$"
+  "$bb" mv "$dst.partial.$$" "$dst"
+  echo "node image: copied $src to $dst"
+fi
+"$bb" ln -sfn "$dst" "$link"
+"#;
+
+/// How machine Pods get a node image that is a container image (`spec.image.containerImage`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NodeImageSource {
+    /// An init container copies the disk once per MC node into the host cache
+    /// ([`HOST_IMAGE_CACHE`]); works with every container runtime.
+    #[default]
+    HostCache,
+    /// A Kubernetes image volume mounts the image read-only, no copy (needs the ImageVolume
+    /// feature: Kubernetes 1.33+ and containerd 2.1+ or CRI-O 1.31+).
+    ImageVolume,
+}
+
 /// Seconds the launcher gives the guest for an ACPI shutdown before killing QEMU.
 pub const GUEST_SHUTDOWN_SECONDS: i64 = 300;
 
@@ -86,6 +135,8 @@ pub struct MachineDefaults {
     pub etcd_volume_bytes: u64,
     /// Require (not just prefer) control-plane Pods of a cluster on different MC nodes.
     pub require_control_plane_anti_affinity: bool,
+    /// How container-image node images reach the Pod.
+    pub node_image_source: NodeImageSource,
 }
 
 impl Default for MachineDefaults {
@@ -97,6 +148,7 @@ impl Default for MachineDefaults {
             kubelet_volume_bytes: 5 << 30,
             etcd_volume_bytes: 10 << 30,
             require_control_plane_anti_affinity: false,
+            node_image_source: NodeImageSource::default(),
         }
     }
 }
@@ -278,8 +330,8 @@ pub fn machine_pod(
         mount("image", IMAGE_DIR, true),
     ];
 
-    let (image_volume, image_file) = node_image(km, defaults);
-    volumes.push(image_volume);
+    let node_image = node_image(km, defaults);
+    volumes.extend(node_image.volumes);
 
     let mut args = vec![
         "run".to_owned(),
@@ -288,7 +340,7 @@ pub fn machine_pod(
         format!("--disk-size={disk}"),
         format!("--docker-disk-size={docker}"),
         format!("--kubelet-disk-size={kubelet}"),
-        format!("--image={IMAGE_DIR}/{image_file}"),
+        format!("--image={}", node_image.path),
         format!("--ignition={IGNITION_DIR}/{IGNITION_KEY}"),
         format!("--state-dir={STATE_DIR}"),
         format!("--hostname={}", hostname(km)),
@@ -427,6 +479,13 @@ pub fn machine_pod(
         ..Default::default()
     };
 
+    // Init containers get the launcher's resources: the Pod keeps Guaranteed QoS, and its
+    // effective request (the larger of init and app containers) does not grow.
+    let mut init_containers = node_image.init_containers;
+    for c in &mut init_containers {
+        c.resources = container.resources.clone();
+    }
+
     Ok(Pod {
         metadata: ObjectMeta {
             name: Some(pod_name(km)),
@@ -437,6 +496,7 @@ pub fn machine_pod(
         },
         spec: Some(PodSpec {
             hostname: Some(hostname(km)),
+            init_containers: (!init_containers.is_empty()).then_some(init_containers),
             containers: vec![container],
             volumes: Some(volumes),
             restart_policy: Some("Always".into()),
@@ -462,25 +522,93 @@ pub fn etcd_claim_name(km: &KVMMachine) -> String {
     format!("{}-etcd", pod_name(km))
 }
 
-/// The node-image volume and the disk file's name inside it.
-fn node_image(km: &KVMMachine, defaults: &MachineDefaults) -> (Volume, String) {
+/// How the node image reaches the launcher: volumes, init containers, and the `--image` path.
+struct NodeImage {
+    volumes: Vec<Volume>,
+    init_containers: Vec<Container>,
+    path: String,
+}
+
+/// The node image: a container image through an image volume or the host cache, or a Flatcar
+/// release / URL download from the host cache.
+fn node_image(km: &KVMMachine, defaults: &MachineDefaults) -> NodeImage {
     let image = km.spec.image.as_ref();
+    let cache = host_path("image", HOST_IMAGE_CACHE, "DirectoryOrCreate");
     if let Some(ci) = image.and_then(|i| i.container_image.as_ref()) {
-        // The container runtime pulls and caches the image by digest; it is mounted read-only
-        // and used as the qcow2 backing file, never copied.
-        let path = ci
+        let disk = ci
             .path
             .clone()
             .unwrap_or_else(|| DEFAULT_CONTAINER_DISK_PATH.into());
-        let volume = Volume {
-            name: "image".into(),
-            image: Some(ImageVolumeSource {
-                reference: Some(ci.image.clone()),
-                pull_policy: Some("IfNotPresent".into()),
-            }),
+        if defaults.node_image_source == NodeImageSource::ImageVolume {
+            // The container runtime pulls and caches the image by digest; it is mounted
+            // read-only and used as the qcow2 backing file, never copied.
+            let volume = Volume {
+                name: "image".into(),
+                image: Some(ImageVolumeSource {
+                    reference: Some(ci.image.clone()),
+                    pull_policy: Some("IfNotPresent".into()),
+                }),
+                ..Default::default()
+            };
+            return NodeImage {
+                volumes: vec![volume],
+                init_containers: vec![],
+                path: format!("{IMAGE_DIR}/{}", disk.trim_start_matches('/')),
+            };
+        }
+        let tools = Volume {
+            name: "tools".into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
             ..Default::default()
         };
-        return (volume, path.trim_start_matches('/').to_owned());
+        let busybox = format!("{TOOLS_DIR}/busybox");
+        let init =
+            |name: &str, image: &str, command: Vec<String>, mounts: Vec<VolumeMount>| Container {
+                name: name.into(),
+                image: Some(image.into()),
+                image_pull_policy: Some("IfNotPresent".into()),
+                command: Some(command),
+                volume_mounts: Some(mounts),
+                termination_message_policy: Some("FallbackToLogsOnError".into()),
+                ..Default::default()
+            };
+        return NodeImage {
+            volumes: vec![cache, tools],
+            init_containers: vec![
+                init(
+                    "tools",
+                    &defaults.launcher_image,
+                    vec![
+                        "/bin/busybox".into(),
+                        "cp".into(),
+                        "/bin/busybox".into(),
+                        busybox.clone(),
+                    ],
+                    vec![mount("tools", TOOLS_DIR, false)],
+                ),
+                init(
+                    "node-image",
+                    &ci.image,
+                    vec![
+                        busybox.clone(),
+                        "sh".into(),
+                        "-c".into(),
+                        NODE_IMAGE_SCRIPT.into(),
+                        "node-image".into(),
+                        busybox,
+                        disk,
+                        IMAGE_DIR.into(),
+                        NODE_IMAGE_LINK.into(),
+                    ],
+                    vec![
+                        mount("tools", TOOLS_DIR, true),
+                        mount("image", IMAGE_DIR, false),
+                        mount("state", STATE_DIR, false),
+                    ],
+                ),
+            ],
+            path: NODE_IMAGE_LINK.into(),
+        };
     }
     let file = match image {
         Some(i) if i.url.is_some() => {
@@ -498,10 +626,11 @@ fn node_image(km: &KVMMachine, defaults: &MachineDefaults) -> (Volume, String) {
         }
         _ => format!("flatcar-stable-{}.img", defaults.flatcar_version),
     };
-    (
-        host_path("image", HOST_IMAGE_CACHE, "DirectoryOrCreate"),
-        file,
-    )
+    NodeImage {
+        volumes: vec![cache],
+        init_containers: vec![],
+        path: format!("{IMAGE_DIR}/{file}"),
+    }
 }
 
 fn channel(c: FlatcarChannel) -> &'static str {
@@ -949,6 +1078,31 @@ mod tests {
         };
         let pod = machine_pod(&km, &facts, &MachineDefaults::default()).unwrap();
         insta::assert_yaml_snapshot!(pod);
+
+        // With image volumes the runtime mounts the image: no init containers, no copy.
+        let defaults = MachineDefaults {
+            node_image_source: NodeImageSource::ImageVolume,
+            ..Default::default()
+        };
+        let spec = machine_pod(&km, &facts, &defaults).unwrap().spec.unwrap();
+        assert!(spec.init_containers.is_none());
+        let image = spec
+            .volumes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|v| v.name == "image");
+        assert_eq!(
+            image
+                .and_then(|v| v.image.as_ref())
+                .and_then(|i| i.reference.as_deref()),
+            Some("capk-test-guest:v1")
+        );
+        let args = spec.containers[0].args.clone().unwrap().join(" ");
+        assert!(
+            args.contains("--image=/var/lib/capk/image/disk/image.qcow2"),
+            "{args}"
+        );
     }
 
     #[test]
