@@ -16,8 +16,9 @@ use futures::{StreamExt, TryStreamExt, stream};
 use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
 use kube::{
     Api, Client, ResourceExt,
-    api::{ListParams, Patch, PatchParams, PostParams},
-    runtime::{WatchStreamExt, watcher},
+    api::{Patch, PatchParams, PostParams},
+    core::PartialObjectMeta,
+    runtime::{WatchStreamExt, reflector, watcher},
 };
 use serde_json::{Value, json};
 
@@ -150,30 +151,39 @@ async fn main() -> Result<()> {
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     let kms: Api<KVMMachine> = Api::namespaced(client.clone(), NS);
+    // Convergence is watched, not polled with lists (1000-object lists twice a second would
+    // load the apiserver the controller is measured against).
+    let (km_store, km_writer) = reflector::store();
+    let (pod_store, pod_writer) = reflector::store();
+    let km_watch = reflector::reflector(km_writer, watcher(kms.clone(), Default::default()))
+        .default_backoff()
+        .for_each(|_| async {});
+    let pod_watch = reflector::reflector(
+        pod_writer,
+        watcher(
+            Api::<PartialObjectMeta<Pod>>::namespaced(client.clone(), NS),
+            Default::default(),
+        ),
+    )
+    .default_backoff()
+    .for_each(|_| async {});
+    let watches = tokio::spawn(async move {
+        futures::join!(km_watch, pod_watch);
+    });
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
-        // A list can fail transiently while the apiserver is busy; only the deadline ends this.
-        let np = pods
-            .list_metadata(&ListParams::default())
-            .await
-            .map(|l| l.items.len())
-            .unwrap_or(0);
-        let done = kms
-            .list(&ListParams::default())
-            .await
-            .map(|l| {
-                l.items
-                    .iter()
-                    .filter(|k| {
-                        k.spec.provider_id.is_some()
-                            && k.status
-                                .as_ref()
-                                .and_then(|s| s.pod_name.as_ref())
-                                .is_some()
-                    })
-                    .count()
+        let np = pod_store.state().len();
+        let done = km_store
+            .state()
+            .iter()
+            .filter(|k| {
+                k.spec.provider_id.is_some()
+                    && k.status
+                        .as_ref()
+                        .and_then(|s| s.pod_name.as_ref())
+                        .is_some()
             })
-            .unwrap_or(0);
+            .count();
         if np == n && done == n {
             break;
         }
@@ -181,8 +191,9 @@ async fn main() -> Result<()> {
             child.kill()?;
             bail!("not converged after 600 s: {np} Pods, {done} statuses of {n}");
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    watches.abort();
     let converge = start.elapsed();
     let after = apiserver_requests(&client).await?;
 

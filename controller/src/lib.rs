@@ -50,6 +50,7 @@ where
 fn cached<K>(
     api: Api<K>,
     config: watcher::Config,
+    strip: fn(&mut K),
 ) -> (
     Store<K>,
     impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
@@ -66,7 +67,10 @@ where
     let (store, writer) = reflector::store();
     let stream = reflector::reflector(
         writer,
-        watcher(api, config).modify(|o: &mut K| o.managed_fields_mut().clear()),
+        watcher(api, config).modify(move |o: &mut K| {
+            o.managed_fields_mut().clear();
+            strip(o);
+        }),
     )
     .default_backoff()
     .touched_objects();
@@ -126,17 +130,29 @@ pub async fn run_with_metrics(
     let machine_controller =
         Controller::new(api::<KVMMachine>(&client, ns), watcher::Config::default());
     let kvm_machines = machine_controller.store();
-    let (machines, machine_events) = cached(api::<Machine>(&client, ns), Default::default());
-    let (clusters, cluster_events) = cached(api::<Cluster>(&client, ns), Default::default());
-    let (pods, pod_events) = cached(api::<Pod>(&client, ns), owned.clone());
+    let (machines, machine_events) =
+        cached(api::<Machine>(&client, ns), Default::default(), |_| {});
+    let (clusters, cluster_events) =
+        cached(api::<Cluster>(&client, ns), Default::default(), |_| {});
+    // Of a machine Pod only its status and node are read; the spec is most of its size.
+    let (pods, pod_events) = cached(api::<Pod>(&client, ns), owned.clone(), |p: &mut Pod| {
+        if let Some(spec) = p.spec.as_mut() {
+            *spec = k8s_openapi::api::core::v1::PodSpec {
+                node_name: spec.node_name.take(),
+                ..Default::default()
+            };
+        }
+    });
     // Secrets and PVCs as metadata only: their data is read when needed.
     let (secrets, secret_events) = cached(
         api::<PartialObjectMeta<Secret>>(&client, ns),
         Default::default(),
+        |_| {},
     );
     let (claims, claim_events) = cached(
         api::<PartialObjectMeta<PersistentVolumeClaim>>(&client, ns),
         owned.clone(),
+        |_| {},
     );
     let (synced_tx, synced) = tokio::sync::watch::channel(false);
     let caches = Caches {

@@ -436,5 +436,21 @@ async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
             km.status
         );
     }
+
+    // Deletion: the Pod, the Ignition Secret and the Service go, then the finalizers.
+    kms.delete("demo-cp-0", &Default::default()).await?;
+    kcs.delete("demo", &Default::default()).await?;
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(admin.clone(), ns);
+    let services: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(admin.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), ns);
+    eventually(60, "deletion under the shipped RBAC", || async {
+        let gone = kms.get_opt("demo-cp-0").await?.is_none()
+            && kcs.get_opt("demo").await?.is_none()
+            && pods.get_opt("demo-cp-0").await?.is_none()
+            && secrets.get_opt("demo-cp-0-ignition").await?.is_none()
+            && services.get_opt("demo-apiserver").await?.is_none();
+        Ok(gone.then_some(()))
+    })
+    .await?;
     Ok(())
 }

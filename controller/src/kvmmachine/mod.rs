@@ -91,28 +91,42 @@ async fn reconcile_inner(km: Arc<KVMMachine>, ctx: &Context) -> Result<Action> {
     .map_err(|e| Error::Finalizer(Box::new(e)))
 }
 
-/// Sets or removes clusterctl's block-move annotation (a Pod is being created, or not).
-async fn block_move(api: &Api<KVMMachine>, km: &KVMMachine, block: bool) -> Result<()> {
-    if km.annotations().contains_key(BLOCK_MOVE_ANNOTATION) == block {
-        return Ok(());
+/// One merge patch of the KVMMachine: clusterctl's block-move annotation set or removed (while
+/// a Pod is being created), and `spec.providerID` when it has none. Nothing to change, no
+/// request. Returns the patched object, if patched.
+async fn patch_machine(
+    api: &Api<KVMMachine>,
+    km: &KVMMachine,
+    block: bool,
+) -> Result<Option<KVMMachine>> {
+    let ns = km.namespace().ok_or(Error::MissingNamespace)?;
+    let mut patch = json!({});
+    if km.annotations().contains_key(BLOCK_MOVE_ANNOTATION) != block {
+        patch["metadata"] =
+            json!({"annotations": {BLOCK_MOVE_ANNOTATION: block.then_some("true")}});
     }
-    let value = block.then_some("true");
-    let patch = json!({"metadata": {"annotations": {BLOCK_MOVE_ANNOTATION: value}}});
-    api.patch(
-        &km.name_any(),
-        &PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..Default::default()
-        },
-        &Patch::Merge(&patch),
-    )
-    .await
-    .map_err(|source| Error::Apply {
-        kind: "KVMMachine",
-        name: km.name_any(),
-        source,
-    })?;
-    Ok(())
+    if km.spec.provider_id.is_none() {
+        patch["spec"] = json!({"providerID": provider_id(&ns, &km.name_any())});
+    }
+    if patch == json!({}) {
+        return Ok(None);
+    }
+    let patched = api
+        .patch(
+            &km.name_any(),
+            &PatchParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..Default::default()
+            },
+            &Patch::Merge(&patch),
+        )
+        .await
+        .map_err(|source| Error::Apply {
+            kind: "KVMMachine",
+            name: km.name_any(),
+            source,
+        })?;
+    Ok(Some(patched))
 }
 
 /// The machine's Ignition Secret, rendered from the bootstrap data when it is missing or was
@@ -295,12 +309,16 @@ async fn apply(
         .await?;
         return Ok(Action::await_change());
     }
+    // The KVMMachine as last written by this reconcile.
+    let mut current = km.clone();
     let existing = match existing {
         Some(p) => p,
         None => {
             // clusterctl move waits while a Pod is being created: a moved KVMMachine whose Pod
             // creation was cut short would otherwise look unprovisioned forever.
-            block_move(api, km, true).await?;
+            if let Some(patched) = patch_machine(api, km, true).await? {
+                current = patched;
+            }
             info!(pod = %pod_name, "creating machine Pod");
             let (created, new) = create_if_absent(&pods, &pod, "Pod").await?;
             if new {
@@ -317,27 +335,18 @@ async fn apply(
         }
     };
 
-    if km.spec.provider_id.is_none() {
-        let patch = json!({"spec": {"providerID": provider_id(&ns, &km.name_any())}});
-        api.patch(
-            &km.name_any(),
-            &PatchParams {
-                field_manager: Some(FIELD_MANAGER.into()),
-                ..Default::default()
-            },
-            &Patch::Merge(&patch),
-        )
-        .await
-        .map_err(|source| Error::Apply {
-            kind: "KVMMachine",
-            name: km.name_any(),
-            source,
-        })?;
-    }
-
     let state = pod_state(&existing);
-    write_status(api, km, &state, &build::pod_conditions(Some(&existing)), fd).await?;
-    block_move(api, km, false).await?;
+    write_status(
+        api,
+        &current,
+        &state,
+        &build::pod_conditions(Some(&existing)),
+        fd,
+    )
+    .await?;
+    // The Pod exists and the status records it: clusterctl move may go (and providerID is set
+    // here if a restart came between the Pod's creation and the first patch).
+    patch_machine(api, &current, false).await?;
 
     // The readiness gate follows the workload cluster's Node; the Node watch wakes this
     // machine when it changes.
