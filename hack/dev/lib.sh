@@ -1,0 +1,122 @@
+# Shared settings and helpers of the local management cluster (hack/dev-up.sh, hack/dev-down.sh).
+# Sourced, not run. Everything lives under _output/dev; nothing listens outside loopback and the
+# node's own bridge, and nothing routes pod traffic off this machine.
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${CAPK_OUTPUT:-$ROOT/_output}
+BIN=$OUT/bin
+DEV=$OUT/dev
+PKI=$DEV/pki
+RUN=$DEV/run
+LOGS=$DEV/logs
+
+NODE_NAME=capk-dev
+# The node's bridge: its address is the node IP, the apiserver's advertise/bind address and the
+# pods' gateway. It exists only on this machine; pods get no default route.
+BRIDGE=capk0
+NODE_IP=10.240.0.1
+POD_CIDR=10.240.0.0/24
+CLUSTER_CIDR=10.240.0.0/16
+SERVICE_CIDR=10.96.0.0/16
+KUBERNETES_SVC_IP=10.96.0.1
+DNS_SVC_IP=10.96.0.10
+APISERVER_PORT=6443
+ETCD_CLIENT_PORT=2379
+ETCD_PEER_PORT=2380
+CONTAINERD_SOCK=$RUN/containerd.sock
+# iptables chains of our own (filter table), hooked first into INPUT and FORWARD.
+FW_CHAIN_FORWARD=CAPK-DEV-FORWARD
+FW_CHAIN_INPUT=CAPK-DEV-INPUT
+
+# The pause image: Debian's static catatonit in pause mode, built here (hack/dev/pause-image.sh).
+# "localhost/" so that no lookup could ever leave this machine.
+PAUSE_IMAGE=localhost/capk/pause:catatonit-0.1
+
+export KUBECONFIG_ADMIN=$DEV/admin.kubeconfig
+
+log() { printf '%s dev: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+# pid_alive NAME: the pid file's process exists and still runs the binary we started.
+pid_alive() {
+  local f=$RUN/$1.pid pid
+  [[ -f $f ]] || return 1
+  pid=$(<"$f")
+  [[ -n $pid && -r /proc/$pid/cmdline ]] || return 1
+  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$(<"$RUN/$1.cmd")"
+}
+
+# start_daemon NAME MATCH BINARY ARGS...: background process with a pid file and a log file,
+# unless it already runs. MATCH is a string its command line contains (checked on later runs).
+start_daemon() {
+  local name=$1 match=$2
+  shift 2
+  if pid_alive "$name"; then
+    log "$name already running (pid $(<"$RUN/$name.pid"))"
+    return 0
+  fi
+  mkdir -p "$RUN" "$LOGS"
+  printf '%s' "$match" >"$RUN/$name.cmd"
+  # setsid: own session, so a Ctrl-C in the calling shell does not reach it.
+  setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
+  local pid=$!
+  echo "$pid" >"$RUN/$name.pid"
+  sleep 0.5
+  if ! kill -0 "$pid" 2>/dev/null; then
+    tail -n 20 "$LOGS/$name.log" >&2
+    rm -f "$RUN/$name.pid"
+    die "$name exited at once (log ${LOGS#"$ROOT"/}/$name.log)"
+  fi
+  log "$name started (pid $pid, log ${LOGS#"$ROOT"/}/$name.log)"
+}
+
+# stop_daemon NAME [TIMEOUT]: SIGTERM, wait, then SIGKILL. Only the process of our pid file.
+stop_daemon() {
+  local name=$1 timeout=${2:-20} pid i
+  if pid_alive "$name"; then
+    pid=$(<"$RUN/$name.pid")
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < timeout * 10; i++)); do
+      [[ -d /proc/$pid ]] || break
+      sleep 0.1
+    done
+    if [[ -d /proc/$pid ]]; then
+      log "$name (pid $pid) did not stop in ${timeout}s; SIGKILL"
+      kill -KILL "$pid" 2>/dev/null || true
+      sleep 0.5
+    fi
+    log "$name stopped"
+  fi
+  rm -f "$RUN/$name.pid" "$RUN/$name.cmd"
+}
+
+# wait_for DESCRIPTION TIMEOUT_S COMMAND...: poll until COMMAND succeeds.
+wait_for() {
+  local what=$1 timeout=$2 start=$SECONDS
+  shift 2
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS - start < timeout)) || die "timed out after ${timeout}s waiting for $what"
+    sleep 0.5
+  done
+  log "$what: ok after $((SECONDS - start))s"
+}
+
+# write_config FILE DAEMON < content: replace FILE only when the content differs (kube-proxy exits
+# when its config file changes under it), and then stop DAEMON if it runs so it restarts with it.
+write_config() {
+  local file=$1 daemon=$2 tmp
+  tmp=$(mktemp "$file.XXXXXX")
+  cat >"$tmp"
+  if [[ -f $file ]] && cmp -s "$tmp" "$file"; then
+    rm -f "$tmp"
+    return 0
+  fi
+  mv "$tmp" "$file"
+  if pid_alive "$daemon"; then
+    log "${file#"$ROOT"/} changed: restarting $daemon"
+    stop_daemon "$daemon" 30
+  fi
+}
+
+kc() { "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
+ctr_k8s() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
