@@ -67,7 +67,8 @@ where
     let (store, writer) = reflector::store();
     let stream = reflector::reflector(
         writer,
-        watcher(api, config).modify(move |o: &mut K| {
+        // Small pages: the first list of thousands of objects is not held in memory at once.
+        watcher(api, config.page_size(100)).modify(move |o: &mut K| {
             o.managed_fields_mut().clear();
             strip(o);
         }),
@@ -127,9 +128,9 @@ pub async fn run_with_metrics(
     };
 
     // The KVMMachine controller's watches, each feeding a cache its reconciles read.
-    let machine_controller =
-        Controller::new(api::<KVMMachine>(&client, ns), watcher::Config::default());
-    let kvm_machines = machine_controller.store();
+    let (kvm_machines, kvm_machine_events) =
+        cached(api::<KVMMachine>(&client, ns), Default::default(), |_| {});
+    let machine_controller = Controller::for_stream(kvm_machine_events, kvm_machines.clone());
     let (machines, machine_events) =
         cached(api::<Machine>(&client, ns), Default::default(), |_| {});
     let (clusters, cluster_events) =

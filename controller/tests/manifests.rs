@@ -19,7 +19,14 @@ use kube::{
 use serde_json::{Value, json};
 use support::{control_plane_machine, create_namespace, eventually};
 
+/// The clusterctl repository from `hack/release-manifests.sh`, written once per test binary:
+/// the tests run in parallel and must not read files another test is rewriting.
 fn release_dir() -> Result<std::path::PathBuf> {
+    static DIR: std::sync::Mutex<Option<std::path::PathBuf>> = std::sync::Mutex::new(None);
+    let mut dir = DIR.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = dir.as_ref() {
+        return Ok(d.clone());
+    }
     let out = Command::new("bash")
         .arg(capk_tests::repo_root().join("hack/release-manifests.sh"))
         .output()
@@ -35,6 +42,7 @@ fn release_dir() -> Result<std::path::PathBuf> {
         .last()
         .context("release dir")?
         .to_owned();
+    *dir = Some(last.clone().into());
     Ok(last.into())
 }
 

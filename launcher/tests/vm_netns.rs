@@ -1205,6 +1205,7 @@ fn bench_launcher_vs_bare_qemu() {
     let mut launcher_boot = Vec::new();
     let mut lease = Vec::new();
     let mut rss = Vec::new();
+    let mut qemu_rss = Vec::new();
     for i in 0..3 {
         let mut l = Launcher::start_with_accel(&t, work.path(), &format!("b{i}"), "", "tcg", false);
         let started = l.wait_for("qemu started", Duration::from_secs(60));
@@ -1226,6 +1227,16 @@ fn bench_launcher_vs_bare_qemu() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(f64::NAN);
         rss.push(kib / 1024.0);
+        // QEMU is the launcher's child; its RSS holds the guest RAM the guest touched plus
+        // QEMU's own (TCG translation cache, device buffers): the controller's overhead model
+        // is checked against it.
+        let qemu = sh_out(&format!("pgrep -P {} qemu-system", l.child.id()));
+        let qemu_kib: f64 = sh_out(&format!("grep VmRSS /proc/{}/status", qemu.trim()))
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN);
+        qemu_rss.push(qemu_kib / 1024.0);
         l.signal("TERM");
         l.wait_exit(Duration::from_secs(30));
     }
@@ -1289,4 +1300,8 @@ fn bench_launcher_vs_bare_qemu() {
     );
     println!("BENCH guest DHCP lease through the launcher: {le:.2} s");
     println!("BENCH launcher RSS while the VM runs: {r:.1} MiB");
+    println!(
+        "BENCH QEMU RSS while the VM runs (guest RAM it touched + QEMU's own, TCG): {:.1} MiB",
+        median(&mut qemu_rss)
+    );
 }
