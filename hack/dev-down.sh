@@ -107,6 +107,13 @@ for h in /sys/fs/cgroup/*/; do
   find "${h}kubepods" -depth -type d -exec rmdir {} + 2>/dev/null || true
 done
 
+# Paths outside _output/dev that the kubelet and containerd hard-code: the device-plugin socket
+# (not under --root-dir) and runc's/the shims' state. Removed only when nothing else is in them.
+rm -f /var/lib/kubelet/device-plugins/kubelet.sock
+for d in /var/lib/kubelet/device-plugins /var/lib/kubelet /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd/s /run/containerd; do
+  [[ -d $d ]] && rmdir "$d" 2>/dev/null || true
+done
+
 # Nothing of ours may be left running.
 left=$(ps -eo pid=,args= | grep -F -e "$DEV" -e "$CONTAINERD_SOCK" | grep -v -e grep -e "hack/dev-down.sh" || true)
 if [[ -n $left ]]; then
