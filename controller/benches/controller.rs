@@ -144,6 +144,8 @@ async fn main() -> Result<()> {
         ])
         .env("KUBECONFIG", env.kubeconfig())
         .env("RUST_LOG", "warn")
+        // As the Deployment (manifests/manager/manager.yaml) and the image run it.
+        .env("MALLOC_ARENA_MAX", "2")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
