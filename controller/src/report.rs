@@ -62,6 +62,32 @@ where
     result
 }
 
+/// A JSON merge patch of `obj` by the controller's field manager; returns the patched object.
+pub async fn merge_patch<K>(
+    api: &Api<K>,
+    obj: &K,
+    kind: &'static str,
+    patch: &serde_json::Value,
+) -> Result<K>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug,
+{
+    api.patch(
+        &obj.name_any(),
+        &PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..Default::default()
+        },
+        &Patch::Merge(patch),
+    )
+    .await
+    .map_err(|source| Error::Apply {
+        kind,
+        name: obj.name_any(),
+        source,
+    })
+}
+
 /// Writes `desired_for(obj)` as the status, only when it differs from the stored status. The
 /// watch cache can lag behind our own last write, so the decision is made again on the stored
 /// object: a stale copy never causes a redundant write.

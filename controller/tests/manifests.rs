@@ -228,31 +228,18 @@ async fn clusterctl_generates_every_flavor_from_the_required_variables_only() ->
         apply(&client, o, false).await?;
     }
 
+    const KUBEADM: &[&str] = &[
+        "Cluster",
+        "KVMCluster",
+        "KVMMachineTemplate",
+        "KVMMachineTemplate",
+        "KubeadmConfigTemplate",
+        "KubeadmControlPlane",
+        "MachineDeployment",
+    ];
     let flavors: [(&str, &[&str]); 3] = [
-        (
-            "cluster-template.yaml",
-            &[
-                "Cluster",
-                "KVMCluster",
-                "KVMMachineTemplate",
-                "KVMMachineTemplate",
-                "KubeadmConfigTemplate",
-                "KubeadmControlPlane",
-                "MachineDeployment",
-            ],
-        ),
-        (
-            "cluster-template-ignition.yaml",
-            &[
-                "Cluster",
-                "KVMCluster",
-                "KVMMachineTemplate",
-                "KVMMachineTemplate",
-                "KubeadmConfigTemplate",
-                "KubeadmControlPlane",
-                "MachineDeployment",
-            ],
-        ),
+        ("cluster-template.yaml", KUBEADM),
+        ("cluster-template-ignition.yaml", KUBEADM),
         ("cluster-template-topology.yaml", &["Cluster"]),
     ];
     for (i, (flavor, expected)) in flavors.iter().enumerate() {

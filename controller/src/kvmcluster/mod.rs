@@ -109,20 +109,7 @@ async fn apply(
     {
         info!(host = ?endpoint.host, port = ?endpoint.port, "setting controlPlaneEndpoint");
         let patch = json!({"spec": {"controlPlaneEndpoint": endpoint}});
-        api.patch(
-            &kc.name_any(),
-            &PatchParams {
-                field_manager: Some(FIELD_MANAGER.into()),
-                ..Default::default()
-            },
-            &Patch::Merge(&patch),
-        )
-        .await
-        .map_err(|source| Error::Apply {
-            kind: "KVMCluster",
-            name: kc.name_any(),
-            source,
-        })?;
+        crate::report::merge_patch(api, kc, "KVMCluster", &patch).await?;
     }
     write_status(api, kc, &ClusterState::Provisioned).await?;
     Ok(Action::await_change())

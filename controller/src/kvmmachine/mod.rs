@@ -111,21 +111,7 @@ async fn patch_machine(
     if patch == json!({}) {
         return Ok(None);
     }
-    let patched = api
-        .patch(
-            &km.name_any(),
-            &PatchParams {
-                field_manager: Some(FIELD_MANAGER.into()),
-                ..Default::default()
-            },
-            &Patch::Merge(&patch),
-        )
-        .await
-        .map_err(|source| Error::Apply {
-            kind: "KVMMachine",
-            name: km.name_any(),
-            source,
-        })?;
+    let patched = report::merge_patch(api, km, "KVMMachine", &patch).await?;
     Ok(Some(patched))
 }
 
