@@ -1246,7 +1246,9 @@ fn bench_launcher_vs_bare_qemu() {
         let mut child = Command::new("qemu-system-x86_64")
             .args([
                 "-machine",
-                "q35,accel=tcg",
+                "q35",
+                "-accel",
+                "tcg,tb-size=128",
                 "-cpu",
                 "max",
                 "-smp",

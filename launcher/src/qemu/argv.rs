@@ -10,6 +10,8 @@ use crate::net::MacAddr;
 pub const IGNITION_FW_CFG: &str = "opt/org.flatcar-linux/config";
 /// virtio-serial port name the guest's heartbeat unit writes to.
 pub const HEARTBEAT_PORT: &str = "org.capk.heartbeat.0";
+/// TCG translation cache size, MiB (QEMU's default is 1 GiB; see `qemu_args`).
+pub const TCG_TB_SIZE_MIB: u32 = 128;
 
 /// The accelerator actually used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -136,10 +138,16 @@ pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
         "-name",
         format!("guest={},debug-threads=on", spec.name.replace(',', ",,")),
     );
+    push(&mut a, "-machine", "q35".into());
+    // TCG's translation cache defaults to 1 GiB and grows into the Pod's memory as the guest
+    // runs new code; a bound keeps QEMU inside the machine Pod's overhead allowance.
     push(
         &mut a,
-        "-machine",
-        format!("q35,accel={}", spec.accel.as_str()),
+        "-accel",
+        match spec.accel {
+            Accel::Tcg => format!("tcg,tb-size={TCG_TB_SIZE_MIB}"),
+            _ => spec.accel.as_str().to_owned(),
+        },
     );
     if spec.accel == Accel::Kvm {
         push(&mut a, "-cpu", "host,pmu=off".into());
@@ -328,7 +336,7 @@ mod tests {
     #[test]
     fn tcg_never_asks_for_host_cpu_or_vhost() {
         let a = qemu_args(&spec(Accel::Tcg)).0;
-        assert!(a.contains(&"q35,accel=tcg".to_string()));
+        assert!(a.contains(&format!("tcg,tb-size={TCG_TB_SIZE_MIB}")));
         assert!(
             !a.iter()
                 .any(|x| x.contains("host,pmu") || x.contains("vhost"))
