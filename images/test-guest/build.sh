@@ -29,7 +29,7 @@ for t in useradd usermod; do
   [[ -x /usr/sbin/$t ]] || { echo "test-guest: no /usr/sbin/$t; apt-get install passwd" >&2; exit 1; }
 done
 
-stamp="$kver $(cat "$HERE/build.sh" "$HERE/init" "$HERE/udhcpc.sh" "$HERE/run-units.sh" "$HERE/kubeadm" "$HERE/systemctl" "$ignition" | sha256sum | cut -d' ' -f1) $bb_version"
+stamp="$kver $(cat "$HERE/build.sh" "$HERE/init" "$HERE/udhcpc.sh" "$HERE/run-units.sh" "$HERE/kubeadm" "$HERE/systemctl" "$HERE/hostnamectl" "$ignition" | sha256sum | cut -d' ' -f1) $bb_version"
 if [[ -f $OUT/stamp && $(cat "$OUT/stamp") == "$stamp" && -f $OUT/initrd.img && -f $OUT/vmlinuz && -f $OUT/base.qcow2 ]]; then
   echo "test-guest: up to date in $OUT"
   exit 0
@@ -44,7 +44,7 @@ for applet in $("$busybox" --list); do [[ $applet == busybox ]] || ln -sf busybo
 install -m 0755 "$HERE/init" "$root/init"
 install -m 0755 "$HERE/udhcpc.sh" "$root/bin/udhcpc.sh"
 install -m 0755 "$HERE/run-units.sh" "$root/bin/run-units.sh"
-install -m 0755 "$HERE/kubeadm" "$HERE/systemctl" "$root/usr/share/capk/"
+install -m 0755 "$HERE/kubeadm" "$HERE/systemctl" "$HERE/hostnamectl" "$root/usr/share/capk/"
 
 # A dynamically linked program and the shared libraries ldd says it loads, at the same paths.
 with_libs() {
@@ -60,9 +60,10 @@ with_libs /usr/sbin/usermod /usr/sbin/usermod
 
 # Programs the OS image would have and busybox lacks, for the guest's /sysroot, usr-merged (/lib
 # and /lib64 paths go under usr/): GNU install (capk-bootstrap's staging script uses it) and
-# openssl (the stand-in apiserver of kubeadm init, with a throwaway self-signed certificate).
+# openssl (the stand-in apiserver of kubeadm init, with a throwaway self-signed certificate), and
+# envsubst (Flatcar has it; CABPK Ignition configs use it to fill in the node's name).
 skel=$root/usr/share/capk/sysroot
-for prog in /usr/bin/install /usr/bin/openssl; do
+for prog in /usr/bin/install /usr/bin/openssl /usr/bin/envsubst; do
   mkdir -p "$skel/usr/bin"
   cp "$prog" "$skel/usr/bin/"
   ldd "$prog" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}' | while read -r lib; do
