@@ -138,6 +138,8 @@ async fn cleanup(kc: &KVMCluster, cluster: Option<&Cluster>, ctx: &Context) -> R
                     source,
                 })?;
         }
+        // The workload cluster goes with it: stop watching its Nodes.
+        ctx.workloads.forget(&ns, &cluster.name_any());
     }
     Ok(Action::await_change())
 }
