@@ -26,14 +26,21 @@ async fn setup(ns: &str) -> Result<(Client, tokio::sync::oneshot::Sender<()>)> {
 }
 
 fn ready(km: &KVMMachine) -> Option<(String, String, String)> {
-    let c = km
-        .status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == "Ready")?;
-    Some((c.status.clone(), c.reason.clone(), c.message.clone()))
+    condition(km, "Ready")
+}
+
+/// Waits until KVMMachine `name`'s `Ready` condition has `reason`; returns (status, message).
+async fn ready_with_reason(
+    kms: &Api<KVMMachine>,
+    name: &str,
+    reason: &str,
+) -> Result<(String, String)> {
+    let (status, _, message) = eventually(30, reason, || async {
+        let km = kms.get(name).await?;
+        Ok(ready(&km).filter(|r| r.1 == reason))
+    })
+    .await?;
+    Ok((status, message))
 }
 
 #[tokio::test]
@@ -128,12 +135,7 @@ async fn bad_bootstrap_data_is_reported_and_no_pod_is_made() -> Result<()> {
     )
     .await?;
     let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
-    let (_, reason, message) = eventually(30, "BootstrapDataInvalid", || async {
-        let km = kms.get("demo-cp-1").await?;
-        Ok(ready(&km).filter(|r| r.1 == "BootstrapDataInvalid"))
-    })
-    .await?;
-    assert_eq!(reason, "BootstrapDataInvalid");
+    let (_, message) = ready_with_reason(&kms, "demo-cp-1", "BootstrapDataInvalid").await?;
     assert!(message.contains("frobnicate"), "{message}");
     let events: Api<Event> = Api::namespaced(client.clone(), ns);
     let ev = eventually(30, "a Warning Event", || async {
@@ -174,11 +176,7 @@ async fn a_missing_bootstrap_secret_is_waited_for_then_used() -> Result<()> {
     let (client, _stop) = setup(ns).await?;
     support::control_plane_machine_without_secret(&client, ns, "demo-cp-2").await?;
     let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
-    let (status, _, message) = eventually(30, "WaitingForBootstrapData", || async {
-        let km = kms.get("demo-cp-2").await?;
-        Ok(ready(&km).filter(|r| r.1 == "WaitingForBootstrapData"))
-    })
-    .await?;
+    let (status, message) = ready_with_reason(&kms, "demo-cp-2", "WaitingForBootstrapData").await?;
     assert_eq!(status, "False");
     assert!(message.contains("demo-cp-2-bootstrap"), "{message}");
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
