@@ -47,6 +47,10 @@ struct Cli {
     /// Flatcar version for KVMMachines that name no image.
     #[arg(long, default_value = "current")]
     default_flatcar_version: String,
+    /// Container image holding a node disk (at `/disk/image.qcow2`) for KVMMachines that name no
+    /// image; overrides the Flatcar default. Empty: Flatcar.
+    #[arg(long, env = "CAPK_DEFAULT_NODE_IMAGE", default_value = "")]
+    default_node_image: String,
     /// Address of the Prometheus metrics endpoint (`/metrics`).
     #[arg(long, default_value = "0.0.0.0:8080")]
     metrics_addr: std::net::SocketAddr,
@@ -143,6 +147,8 @@ async fn main() -> anyhow::Result<()> {
         machine_defaults: capk_controller::kvmmachine::build::MachineDefaults {
             launcher_image: cli.launcher_image,
             flatcar_version: cli.default_flatcar_version,
+            default_node_image: Some(cli.default_node_image.trim().to_owned())
+                .filter(|i| !i.is_empty()),
             require_control_plane_anti_affinity: cli.require_control_plane_anti_affinity,
             node_image_source: match cli.node_image_source {
                 NodeImageSource::HostCache => build::NodeImageSource::HostCache,

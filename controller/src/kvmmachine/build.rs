@@ -11,7 +11,7 @@ use capk_api::{
         CLUSTER_NAME_LABEL, MACHINE_ROLE_LABEL, NODE_READY_GATE, ROLE_CONTROL_PLANE, ROLE_WORKER,
     },
     quantity::QuantityError,
-    v1alpha1::{Accel, EtcdStorageType, FlatcarChannel, KVMMachine},
+    v1alpha1::{Accel, ContainerDiskImage, EtcdStorageType, FlatcarChannel, KVMMachine},
 };
 use k8s_openapi::{
     ByteString,
@@ -132,6 +132,8 @@ pub struct MachineDefaults {
     pub launcher_image: String,
     /// Flatcar version used when `spec.image` is absent.
     pub flatcar_version: String,
+    /// A container disk image used instead of Flatcar when `spec.image` is absent.
+    pub default_node_image: Option<String>,
     /// containerd disk size when `dockerVolumeSize` is absent.
     pub docker_volume_bytes: u64,
     /// kubelet disk size when `kubeletVolumeSize` is absent.
@@ -149,6 +151,7 @@ impl Default for MachineDefaults {
         Self {
             launcher_image: "capk-launcher:dev".into(),
             flatcar_version: "current".into(),
+            default_node_image: None,
             docker_volume_bytes: 10 << 30,
             kubelet_volume_bytes: 5 << 30,
             etcd_volume_bytes: 10 << 30,
@@ -539,7 +542,17 @@ struct NodeImage {
 fn node_image(km: &KVMMachine, defaults: &MachineDefaults) -> NodeImage {
     let image = km.spec.image.as_ref();
     let cache = host_path("image", HOST_IMAGE_CACHE, "DirectoryOrCreate");
-    if let Some(ci) = image.and_then(|i| i.container_image.as_ref()) {
+    let default_image = match (image, &defaults.default_node_image) {
+        (None, Some(i)) => Some(ContainerDiskImage {
+            image: i.clone(),
+            path: None,
+        }),
+        _ => None,
+    };
+    let container_image = image
+        .and_then(|i| i.container_image.as_ref())
+        .or(default_image.as_ref());
+    if let Some(ci) = container_image {
         let disk = ci
             .path
             .clone()
@@ -1062,6 +1075,45 @@ mod tests {
         };
         let pod = machine_pod(&km, &facts, &MachineDefaults::default()).unwrap();
         insta::assert_yaml_snapshot!(pod);
+    }
+
+    #[test]
+    fn default_node_image_replaces_flatcar_only_when_the_machine_names_no_image() {
+        let defaults = MachineDefaults {
+            default_node_image: Some("localhost/capk/test-guest:dev".into()),
+            ..MachineDefaults::default()
+        };
+        let init_images = |km: &KVMMachine| -> Vec<String> {
+            let facts = MachineFacts {
+                cluster: "demo".into(),
+                control_plane: false,
+                failure_domain: None,
+            };
+            machine_pod(km, &facts, &defaults)
+                .unwrap()
+                .spec
+                .unwrap()
+                .init_containers
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|c| c.image)
+                .collect()
+        };
+        let resources = json!({"cpu": 1, "memory": "1Gi", "disk": "20Gi"});
+        let plain = kvm_machine("plain", json!({"resources": resources}));
+        assert_eq!(
+            init_images(&plain),
+            ["capk-launcher:dev", "localhost/capk/test-guest:dev"],
+            "a machine without spec.image boots the default node image"
+        );
+        let flatcar = kvm_machine(
+            "flatcar",
+            json!({"resources": resources, "image": {"flatcar": {"channel": "beta", "version": "4230.1.0"}}}),
+        );
+        assert!(
+            init_images(&flatcar).is_empty(),
+            "a machine naming its image keeps it"
+        );
     }
 
     #[test]
