@@ -37,7 +37,7 @@ TIMEOUT 0
 LABEL capk
   KERNEL vmlinuz
   INITRD initrd.img
-  APPEND console=ttyS0 quiet panic=-1 capk.boot=disk
+  APPEND console=ttyS0 quiet panic=-1 capk.boot=disk capk.marker-disk=etcdfs
 CFG
 export MTOOLS_SKIP_CHECK=1
 mcopy -i "$work/part.img" "$DIR/vmlinuz" "$DIR/initrd.img" "$work/syslinux.cfg" ::/
