@@ -1,0 +1,885 @@
+//! End to end on the local management cluster (`make e2e`; issue 6).
+//!
+//! The user's journey with real components: Cluster API's core, kubeadm bootstrap and control-plane
+//! controllers and this provider, installed by the real `clusterctl init` (`make dev-up`), a real
+//! kubelet and containerd running the machine Pods, and in each Pod capk-launcher booting the test
+//! guest's bootable disk under QEMU (TCG) from the node image container. What is not real, said
+//! plainly: the guest's `kubeadm` only records its arguments and its "apiserver" answers `/readyz`
+//! only (images/test-guest/README.md), so no workload Node ever registers. Hence the workers get a
+//! bootstrap data Secret of their own (CABPK writes join data only after a real control plane
+//! initialised), and their MachineDeployment skips the MachineSet preflight checks (which wait for
+//! a stable control plane) and rolls with maxUnavailable 1 (a new Machine never becomes Available).
+//!
+//! Every step asserts with a timeout; on failure everything useful goes to `_output/e2e/`.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    thread::sleep,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_json::{Value, json};
+
+const NS: &str = "capk-e2e";
+const CLUSTER: &str = "e2e";
+const OWNED: &str =
+    "cluster.x-k8s.io/cluster-name=e2e,app.kubernetes.io/managed-by=capk-controller";
+const CAPK_NS: &str = "capk-system";
+const CAPK_DEPLOYMENT: &str = "capk-controller-manager";
+
+struct E2e {
+    root: PathBuf,
+    kubeconfig: PathBuf,
+    clusterctl_config: PathBuf,
+    out: PathBuf,
+}
+
+impl E2e {
+    fn new() -> Result<Self> {
+        let root = capk_tests::repo_root();
+        let out = capk_tests::output_dir();
+        let kubeconfig = out.join("dev/admin.kubeconfig");
+        let clusterctl_config = out.join("dev/clusterctl/clusterctl.yaml");
+        for (f, what) in [
+            (&kubeconfig, "the local management cluster"),
+            (
+                &clusterctl_config,
+                "Cluster API and CAPK installed by clusterctl",
+            ),
+        ] {
+            if !f.exists() {
+                bail!(
+                    "{} missing: {what} is not up; run `make dev-up`",
+                    f.display()
+                );
+            }
+        }
+        let stamp = chrono_stamp();
+        let out = out.join("e2e").join(stamp);
+        Ok(Self {
+            root,
+            kubeconfig,
+            clusterctl_config,
+            out,
+        })
+    }
+
+    fn bin(&self, name: &str) -> PathBuf {
+        capk_tests::output_dir().join("bin").join(name)
+    }
+
+    /// Runs a command; its stdout, or an error with its stderr.
+    fn run(&self, mut cmd: Command, input: Option<&str>) -> Result<String> {
+        let shown = format!("{cmd:?}");
+        cmd.stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        let mut child = cmd.spawn().with_context(|| format!("spawn {shown}"))?;
+        if let Some(input) = input {
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .expect("piped")
+                .write_all(input.as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "{shown} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn kubectl_cmd(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(self.bin("kubectl"));
+        cmd.arg("--kubeconfig").arg(&self.kubeconfig).args(args);
+        cmd
+    }
+
+    fn kubectl(&self, args: &[&str]) -> Result<String> {
+        self.run(self.kubectl_cmd(args), None)
+    }
+
+    fn kubectl_in(&self, args: &[&str], input: &str) -> Result<String> {
+        self.run(self.kubectl_cmd(args), Some(input))
+    }
+
+    fn json(&self, args: &[&str]) -> Result<Value> {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        let text = self.kubectl(&all)?;
+        serde_json::from_str(&text).context("kubectl -o json")
+    }
+
+    /// `kubectl get` of a list in the test namespace.
+    fn items(&self, kind: &str, selector: Option<&str>) -> Result<Vec<Value>> {
+        let mut args = vec!["-n", NS, "get", kind];
+        if let Some(s) = selector {
+            args.extend(["-l", s]);
+        }
+        Ok(self.json(&args)?["items"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default())
+    }
+
+    fn clusterctl(&self, args: &[&str], env: &[(&str, &str)]) -> Result<String> {
+        let mut cmd = Command::new(self.bin("clusterctl"));
+        cmd.args(args)
+            .arg("--config")
+            .arg(&self.clusterctl_config)
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .env("CLUSTERCTL_DISABLE_VERSIONCHECK", "true")
+            .envs(env.iter().copied());
+        self.run(cmd, None)
+    }
+
+    /// Everything useful for a failure, under `_output/e2e/<stamp>/`.
+    fn collect(&self) {
+        let _ = std::fs::create_dir_all(&self.out);
+        let dump = |file: &str, args: &[&str]| {
+            let text = match self.kubectl(args) {
+                Ok(t) => t,
+                Err(e) => format!("{e:#}"),
+            };
+            let _ = std::fs::write(self.out.join(file), text);
+        };
+        dump(
+            "objects.yaml",
+            &[
+                "get",
+                "-A",
+                "-o",
+                "yaml",
+                "clusters,machines,machinesets,machinedeployments,kubeadmcontrolplanes,kubeadmconfigs,kvmclusters,kvmmachines,kvmmachinetemplates,pods,services,endpointslices,persistentvolumeclaims",
+            ],
+        );
+        dump(
+            "events.txt",
+            &["get", "events", "-A", "--sort-by=.lastTimestamp"],
+        );
+        for (ns, deploy) in [
+            (CAPK_NS, CAPK_DEPLOYMENT),
+            ("capi-system", "capi-controller-manager"),
+            (
+                "capi-kubeadm-bootstrap-system",
+                "capi-kubeadm-bootstrap-controller-manager",
+            ),
+            (
+                "capi-kubeadm-control-plane-system",
+                "capi-kubeadm-control-plane-controller-manager",
+            ),
+        ] {
+            dump(
+                &format!("{deploy}.log"),
+                &[
+                    "-n",
+                    ns,
+                    "logs",
+                    &format!("deployment/{deploy}"),
+                    "--tail=2000",
+                ],
+            );
+        }
+        if let Ok(pods) = self.items("pods", None) {
+            for p in pods {
+                let name = p["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned();
+                dump(
+                    &format!("pod-{name}.log"),
+                    &["-n", NS, "logs", &name, "--all-containers"],
+                );
+                dump(
+                    &format!("pod-{name}.previous.log"),
+                    &["-n", NS, "logs", &name, "--previous"],
+                );
+            }
+        }
+        eprintln!("e2e: diagnostics in {}", self.out.display());
+    }
+}
+
+/// UTC timestamp for the diagnostics directory, without a date crate.
+fn chrono_stamp() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    format!("run-{secs}")
+}
+
+/// Polls `f` until it returns `Some`, or fails with the description and the last error.
+fn wait<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+    let start = Instant::now();
+    let mut last = String::from("not yet");
+    loop {
+        match f() {
+            Ok(Some(v)) => {
+                eprintln!("e2e: {what}: after {:.1}s", start.elapsed().as_secs_f64());
+                return Ok(v);
+            }
+            Ok(None) => {}
+            Err(e) => last = format!("{e:#}"),
+        }
+        if start.elapsed() > timeout {
+            bail!("timed out after {timeout:?} waiting for {what} (last: {last})");
+        }
+        sleep(Duration::from_secs(1));
+    }
+}
+
+fn name(o: &Value) -> &str {
+    o["metadata"]["name"].as_str().unwrap_or_default()
+}
+
+fn condition<'a>(o: &'a Value, t: &str) -> Option<&'a Value> {
+    o["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == t)
+}
+
+fn condition_true(o: &Value, t: &str) -> bool {
+    condition(o, t).is_some_and(|c| c["status"] == "True")
+}
+
+/// The machine Pods of the cluster (the controller's labels), by name.
+fn pod_names(e: &E2e) -> Result<Vec<String>> {
+    let mut names: Vec<String> = e
+        .items("pods", Some(OWNED))?
+        .iter()
+        .map(|p| name(p).to_owned())
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+fn worker_machines(e: &E2e) -> Result<Vec<Value>> {
+    e.items(
+        "machines",
+        Some("cluster.x-k8s.io/cluster-name=e2e,!cluster.x-k8s.io/control-plane"),
+    )
+}
+
+/// A machine is up when its KVMMachine says BootstrapCompleted, its Pod runs, and the Machine
+/// has the provider ID and infrastructure provisioned.
+fn machine_up(e: &E2e, machine: &Value) -> Result<Option<String>> {
+    let Some(km_name) = machine["spec"]["infrastructureRef"]["name"].as_str() else {
+        return Ok(None);
+    };
+    let km = e.json(&["-n", NS, "get", "kvmmachine", km_name])?;
+    if !condition_true(&km, "BootstrapCompleted") {
+        return Ok(None);
+    }
+    let provisioned = machine["status"]["initialization"]["infrastructureProvisioned"] == true;
+    let provider_id = machine["spec"]["providerID"].as_str().unwrap_or_default();
+    if !provisioned || provider_id != format!("kvm://{NS}/{km_name}") {
+        return Ok(None);
+    }
+    let pod = e.json(&["-n", NS, "get", "pod", km_name])?;
+    if pod["status"]["phase"] != "Running" {
+        return Ok(None);
+    }
+    Ok(Some(km_name.to_owned()))
+}
+
+fn scale_workers(e: &E2e, replicas: usize) -> Result<Vec<String>> {
+    e.kubectl(&[
+        "-n",
+        NS,
+        "scale",
+        "machinedeployment",
+        "e2e-md-0",
+        &format!("--replicas={replicas}"),
+    ])?;
+    wait_workers(e, replicas)
+}
+
+/// Waits until exactly `n` worker machines are up and only their Pods (plus the control plane's)
+/// exist; returns the worker KVMMachine names.
+fn wait_workers(e: &E2e, n: usize) -> Result<Vec<String>> {
+    wait(
+        &format!("{n} worker machines up, no other machine Pods"),
+        Duration::from_secs(420),
+        || {
+            let machines = worker_machines(e)?;
+            if machines.len() != n
+                || machines
+                    .iter()
+                    .any(|m| m["metadata"]["deletionTimestamp"].is_string())
+            {
+                return Ok(None);
+            }
+            let mut up = Vec::new();
+            for m in &machines {
+                match machine_up(e, m)? {
+                    Some(km) => up.push(km),
+                    None => return Ok(None),
+                }
+            }
+            let cp = control_plane_kvmmachines(e)?;
+            let mut expected: Vec<String> = up.iter().cloned().chain(cp).collect();
+            expected.sort();
+            if pod_names(e)? != expected {
+                return Ok(None);
+            }
+            up.sort();
+            Ok(Some(up))
+        },
+    )
+}
+
+fn control_plane_kvmmachines(e: &E2e) -> Result<Vec<String>> {
+    Ok(e.items(
+        "machines",
+        Some("cluster.x-k8s.io/cluster-name=e2e,cluster.x-k8s.io/control-plane"),
+    )?
+    .iter()
+    .filter_map(|m| {
+        m["spec"]["infrastructureRef"]["name"]
+            .as_str()
+            .map(str::to_owned)
+    })
+    .collect())
+}
+
+/// Nothing the provider created for machines that are gone: Pods, Ignition Secrets, PVCs.
+fn assert_nothing_left_for(e: &E2e, gone: &[String]) -> Result<()> {
+    wait(
+        "deleted machines' Pods, Secrets and PVCs gone",
+        Duration::from_secs(120),
+        || {
+            let mut left = Vec::new();
+            for kind in ["pods", "secrets", "persistentvolumeclaims"] {
+                for o in e.items(kind, Some(OWNED))? {
+                    let n = name(&o);
+                    if gone
+                        .iter()
+                        .any(|g| n == g || n.starts_with(&format!("{g}-")))
+                    {
+                        left.push(format!("{kind}/{n}"));
+                    }
+                }
+            }
+            if left.is_empty() {
+                Ok(Some(()))
+            } else {
+                Err(anyhow!("still there: {left:?}"))
+            }
+        },
+    )
+}
+
+fn logs(e: &E2e, pod: &str, previous: bool) -> Result<String> {
+    let mut args = vec!["-n", NS, "logs", pod, "-c", "launcher"];
+    if previous {
+        args.push("--previous");
+    }
+    e.kubectl(&args)
+}
+
+fn launcher_status(e: &E2e, pod: &str) -> Result<Value> {
+    let text = e.kubectl(&[
+        "-n",
+        NS,
+        "exec",
+        pod,
+        "-c",
+        "launcher",
+        "--",
+        "capk-launcher",
+        "status",
+    ])?;
+    serde_json::from_str(&text).with_context(|| format!("capk-launcher status: {text}"))
+}
+
+fn restart_count(e: &E2e, pod: &str) -> Result<i64> {
+    let p = e.json(&["-n", NS, "get", "pod", pod])?;
+    Ok(p["status"]["containerStatuses"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == "launcher"))
+        .and_then(|c| c["restartCount"].as_i64())
+        .unwrap_or(0))
+}
+
+fn set_controller_replicas(e: &E2e, n: u32) -> Result<()> {
+    e.kubectl(&[
+        "-n",
+        CAPK_NS,
+        "scale",
+        "deployment",
+        CAPK_DEPLOYMENT,
+        &format!("--replicas={n}"),
+    ])?;
+    wait(
+        &format!("capk-controller at {n} replicas"),
+        Duration::from_secs(120),
+        || {
+            let pods = e.json(&[
+                "-n",
+                CAPK_NS,
+                "get",
+                "pods",
+                "-l",
+                "app.kubernetes.io/name=capk-controller",
+            ])?;
+            let items = pods["items"].as_array().cloned().unwrap_or_default();
+            let ready = items
+                .iter()
+                .filter(|p| {
+                    condition_true(p, "Ready") && p["metadata"]["deletionTimestamp"].is_null()
+                })
+                .count();
+            Ok((items.len() == n as usize && ready == n as usize).then_some(()))
+        },
+    )
+}
+
+fn the_journey(e: &E2e) -> Result<()> {
+    // --- 0. a clean namespace -----------------------------------------------------------------------
+    if e.kubectl(&["get", "namespace", NS]).is_ok() {
+        eprintln!("e2e: deleting {NS} left by an earlier run");
+        let _ = e.kubectl(&["-n", NS, "delete", "cluster", CLUSTER, "--timeout=300s"]);
+        e.kubectl(&["delete", "namespace", NS, "--timeout=300s"])?;
+    }
+    e.kubectl(&["create", "namespace", NS])?;
+
+    // --- 1. create ------------------------------------------------------------------------------------
+    let version = capk_tests::pinned_version("KUBERNETES_VERSION");
+    let manifest = e.clusterctl(
+        &[
+            "generate",
+            "cluster",
+            CLUSTER,
+            "--infrastructure",
+            "kvm",
+            "--flavor",
+            "ignition",
+            "--target-namespace",
+            NS,
+            "--kubernetes-version",
+            &version,
+            "--control-plane-machine-count",
+            "1",
+            "--worker-machine-count",
+            "0",
+        ],
+        &[
+            ("CONTROL_PLANE_MACHINE_CPUS", "1"),
+            ("CONTROL_PLANE_MACHINE_MEMORY", "256Mi"),
+            ("WORKER_MACHINE_CPUS", "1"),
+            ("WORKER_MACHINE_MEMORY", "256Mi"),
+            ("CONTROL_PLANE_VOLUME_SIZE_GB", "1"),
+            ("CONTROL_PLANE_DOCKER_VOLUME_SIZE_GB", "1"),
+            ("VOLUME_SIZE_GB", "1"),
+            ("DOCKER_VOLUME_SIZE_GB", "1"),
+        ],
+    )?;
+    std::fs::create_dir_all(&e.out)?;
+    std::fs::write(e.out.join("cluster.yaml"), &manifest)?;
+    e.kubectl_in(&["apply", "-f", "-"], &manifest)?;
+
+    let kc = wait("KVMCluster provisioned", Duration::from_secs(120), || {
+        let kc = e.json(&["-n", NS, "get", "kvmcluster", CLUSTER])?;
+        Ok((kc["status"]["initialization"]["provisioned"] == true).then_some(kc))
+    })?;
+    let endpoint = kc["spec"]["controlPlaneEndpoint"].clone();
+    assert_eq!(endpoint["port"], 6443, "control-plane endpoint: {endpoint}");
+    let svc_name = format!("{CLUSTER}-apiserver");
+    e.kubectl(&["-n", NS, "get", "service", &svc_name])
+        .context("the control-plane Service")?;
+
+    let cp = wait("control-plane machine up", Duration::from_secs(420), || {
+        let cps = control_plane_kvmmachines(e)?;
+        let Some(km) = cps.first() else {
+            return Ok(None);
+        };
+        let machines = e.items(
+            "machines",
+            Some("cluster.x-k8s.io/cluster-name=e2e,cluster.x-k8s.io/control-plane"),
+        )?;
+        machine_up(e, &machines[0]).map(|up| up.filter(|k| k == km))
+    })?;
+    let cp_pod = e.json(&["-n", NS, "get", "pod", &cp])?;
+    let cp_ip = cp_pod["status"]["podIP"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    // The Service's endpoint is the control-plane VM (the Pod's IP is the VM's).
+    wait(
+        "control-plane endpoint set",
+        Duration::from_secs(60),
+        || {
+            let slices = e.json(&[
+                "-n",
+                NS,
+                "get",
+                "endpointslices",
+                "-l",
+                &format!("kubernetes.io/service-name={svc_name}"),
+            ])?;
+            let ips: Vec<String> = slices["items"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default())
+                .flat_map(|ep| ep["addresses"].as_array().cloned().unwrap_or_default())
+                .filter_map(|a| a.as_str().map(str::to_owned))
+                .collect();
+            Ok((ips == [cp_ip.clone()]).then_some(()))
+        },
+    )?;
+    // kubectl logs: the guest's console, from the bootloader to the bootstrap.
+    let console = logs(e, &cp, false)?;
+    for marker in [
+        "SYSLINUX",
+        "CAPK-TESTGUEST kubeadm args=init",
+        "CAPK-TESTGUEST bootstrap-success",
+        "CAPK-TESTGUEST marker-written",
+    ] {
+        assert!(
+            console.contains(marker),
+            "console of {cp} lacks {marker:?}:\n{console}"
+        );
+    }
+    let first_marker = console
+        .lines()
+        .find_map(|l| l.split("CAPK-TESTGUEST marker-written ").nth(1))
+        .map(|s| s.trim().to_owned())
+        .context("marker id")?;
+    assert!(
+        console.contains(&format!("ip={cp_ip}")) || console.contains(&cp_ip),
+        "the VM holds the Pod IP {cp_ip}:\n{console}"
+    );
+    let status = launcher_status(e, &cp)?;
+    assert_eq!(status["phase"], "Running", "capk-launcher status: {status}");
+    assert_eq!(
+        status["ip"],
+        cp_ip.as_str(),
+        "capk-launcher status: {status}"
+    );
+    assert_eq!(
+        status["bootstrap_succeeded"], true,
+        "capk-launcher status: {status}"
+    );
+    eprintln!("e2e: 1. create: control plane {cp} up at {cp_ip}");
+
+    // --- 2. workers and scale -------------------------------------------------------------------------
+    let fixture = std::fs::read_to_string(
+        e.root
+            .join("bootstrap/tests/fixtures/cabpk/ignition-worker-join.secret.json"),
+    )?;
+    let fixture: Value = serde_json::from_str(&fixture)?;
+    let secret = json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "e2e-worker-bootstrap", "namespace": NS,
+                     "labels": {"cluster.x-k8s.io/cluster-name": CLUSTER}},
+        "type": "cluster.x-k8s.io/secret",
+        "stringData": {"format": fixture["format"], "value": fixture["value"]},
+    });
+    e.kubectl_in(&["apply", "-f", "-"], &secret.to_string())?;
+    e.kubectl_in(
+        &["-n", NS, "patch", "machinedeployment", "e2e-md-0", "--type", "merge", "--patch-file", "/dev/stdin"],
+        &json!({
+            "metadata": {"annotations": {"machineset.cluster.x-k8s.io/skip-preflight-checks": "All"}},
+            "spec": {
+                "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}},
+                "template": {"spec": {"bootstrap": {"configRef": null, "dataSecretName": "e2e-worker-bootstrap"}}},
+            },
+        })
+        .to_string(),
+    )?;
+    let one = scale_workers(e, 1)?;
+    let three = scale_workers(e, 3)?;
+    assert!(three.contains(&one[0]), "scaling up keeps the first worker");
+    let kept = scale_workers(e, 1)?;
+    let gone: Vec<String> = three
+        .iter()
+        .filter(|k| !kept.contains(k))
+        .cloned()
+        .collect();
+    assert_eq!(gone.len(), 2);
+    assert_nothing_left_for(e, &gone)?;
+    eprintln!("e2e: 2. workers scaled 1 -> 3 -> 1");
+
+    // --- 3. upgrade: a new KVMMachineTemplate rolls the MachineDeployment ------------------------------
+    let mut tmpl = e.json(&["-n", NS, "get", "kvmmachinetemplate", "e2e-md-0"])?;
+    tmpl["metadata"] = json!({"name": "e2e-md-0-v2", "namespace": NS});
+    tmpl["spec"]["template"]["spec"]["resources"]["memory"] = json!("320Mi");
+    tmpl.as_object_mut().expect("object").remove("status");
+    e.kubectl_in(&["apply", "-f", "-"], &tmpl.to_string())?;
+    e.kubectl_in(
+        &[
+            "-n",
+            NS,
+            "patch",
+            "machinedeployment",
+            "e2e-md-0",
+            "--type",
+            "merge",
+            "--patch-file",
+            "/dev/stdin",
+        ],
+        &json!({"spec": {"template": {"spec": {"infrastructureRef": {"name": "e2e-md-0-v2"}}}}})
+            .to_string(),
+    )?;
+    let upgraded = wait(
+        "worker rolled to the new template",
+        Duration::from_secs(420),
+        || {
+            let ms = worker_machines(e)?;
+            if ms.len() != 1 || ms[0]["metadata"]["deletionTimestamp"].is_string() {
+                return Ok(None);
+            }
+            let Some(km) = machine_up(e, &ms[0])? else {
+                return Ok(None);
+            };
+            let kvm = e.json(&["-n", NS, "get", "kvmmachine", &km])?;
+            let from = kvm["metadata"]["annotations"]["cluster.x-k8s.io/cloned-from-name"].clone();
+            Ok(
+                (from == "e2e-md-0-v2" && kvm["spec"]["resources"]["memory"] == "320Mi")
+                    .then_some(km),
+            )
+        },
+    )?;
+    assert!(!kept.contains(&upgraded));
+    assert_nothing_left_for(e, &kept)?;
+    eprintln!("e2e: 3. upgrade: {kept:?} replaced by {upgraded}");
+
+    // --- 4. faults ------------------------------------------------------------------------------------
+    // kill -9 of QEMU: the container restarts, the VM boots again, the etcd disk kept its marker.
+    let restarts = restart_count(e, &cp)?;
+    let qemu = launcher_status(e, &cp)?["qemu_pid"]
+        .as_u64()
+        .context("qemu_pid in capk-launcher status")?;
+    e.kubectl(&[
+        "-n",
+        NS,
+        "exec",
+        &cp,
+        "-c",
+        "launcher",
+        "--",
+        "sh",
+        "-c",
+        &format!("kill -9 {qemu}"),
+    ])?;
+    wait(
+        "launcher container restarted after kill -9 of QEMU",
+        Duration::from_secs(180),
+        || Ok((restart_count(e, &cp)? > restarts).then_some(())),
+    )?;
+    let previous = logs(e, &cp, true)?;
+    assert!(
+        previous.contains("qemu") || previous.contains("QEMU"),
+        "the launcher said why it exited:\n{}",
+        previous
+            .lines()
+            .rev()
+            .take(20)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    wait(
+        "control-plane VM booted again with its etcd disk",
+        Duration::from_secs(300),
+        || {
+            let console = logs(e, &cp, false)?;
+            if !console.contains("CAPK-TESTGUEST bootstrap-success") {
+                return Ok(None);
+            }
+            if !console.contains(&format!("marker-found {first_marker}")) {
+                bail!("the etcd disk lost its marker {first_marker}");
+            }
+            Ok(Some(()))
+        },
+    )?;
+    eprintln!(
+        "e2e: 4a. kill -9 of QEMU: container restarted, etcd disk kept marker {first_marker}"
+    );
+
+    // Deleting a machine Pod: the KVMMachine reports it (a MachineHealthCheck would replace it).
+    e.kubectl(&["-n", NS, "delete", "pod", &upgraded, "--wait=false"])?;
+    wait(
+        "KVMMachine reports its Pod missing",
+        Duration::from_secs(120),
+        || {
+            let km = e.json(&["-n", NS, "get", "kvmmachine", &upgraded])?;
+            Ok(km["status"]["conditions"]
+                .as_array()
+                .is_some_and(|cs| cs.iter().any(|c| c["reason"] == "MachinePodMissing"))
+                .then_some(()))
+        },
+    )?;
+    let lost_machine = worker_machines(e)?
+        .iter()
+        .find(|m| m["spec"]["infrastructureRef"]["name"] == upgraded.as_str())
+        .map(|m| name(m).to_owned())
+        .context("the lost worker's Machine")?;
+    e.kubectl(&["-n", NS, "delete", "machine", &lost_machine, "--wait=false"])?;
+    let replaced = wait_workers(e, 1)?;
+    assert_ne!(replaced[0], upgraded);
+    eprintln!(
+        "e2e: 4b. deleted Pod reported; its Machine replaced by {}",
+        replaced[0]
+    );
+
+    // The controller stopped during a scale-up, then started: no duplicate Pods.
+    set_controller_replicas(e, 0)?;
+    e.kubectl(&[
+        "-n",
+        NS,
+        "scale",
+        "machinedeployment",
+        "e2e-md-0",
+        "--replicas=3",
+    ])?;
+    wait(
+        "3 worker KVMMachines while the controller is down",
+        Duration::from_secs(120),
+        || Ok((e.items("kvmmachines", None)?.len() == 4).then_some(())),
+    )?;
+    assert_eq!(
+        pod_names(e)?.len(),
+        2,
+        "no Pods while the controller is down"
+    );
+    set_controller_replicas(e, 1)?;
+    let three = wait_workers(e, 3)?;
+    assert_eq!(pod_names(e)?.len(), 4, "one Pod per machine");
+    eprintln!("e2e: 4c. controller stopped during scale-up: {three:?}, one Pod each");
+
+    // kube-apiserver restarted: the controller recovers on its own (its watches resume).
+    let pid_file = capk_tests::output_dir().join("dev/run/kube-apiserver.pid");
+    let pid = std::fs::read_to_string(&pid_file)?.trim().to_owned();
+    e.run(
+        {
+            let mut c = Command::new("kill");
+            c.args(["-TERM", &pid]);
+            c
+        },
+        None,
+    )?;
+    wait("kube-apiserver stopped", Duration::from_secs(60), || {
+        Ok((!Path::new(&format!("/proc/{pid}")).exists()).then_some(()))
+    })?;
+    e.run(
+        {
+            let mut c = Command::new("bash");
+            c.arg(e.root.join("hack/dev-up.sh"));
+            c
+        },
+        None,
+    )
+    .context("make dev-up restarts kube-apiserver")?;
+    let kept = scale_workers(e, 1)?;
+    let gone: Vec<String> = three
+        .iter()
+        .filter(|k| !kept.contains(k))
+        .cloned()
+        .collect();
+    assert_nothing_left_for(e, &gone)?;
+    eprintln!("e2e: 4d. kube-apiserver restarted; the controller scaled down afterwards");
+
+    // --- 5. pause -------------------------------------------------------------------------------------
+    let secret = format!("{}-ignition", kept[0]);
+    e.kubectl(&[
+        "-n",
+        NS,
+        "patch",
+        "cluster",
+        CLUSTER,
+        "--type",
+        "merge",
+        "-p",
+        r#"{"spec":{"paused":true}}"#,
+    ])?;
+    wait("KVMMachine reports Paused", Duration::from_secs(60), || {
+        let km = e.json(&["-n", NS, "get", "kvmmachine", &kept[0]])?;
+        Ok(condition_true(&km, "Paused").then_some(()))
+    })?;
+    e.kubectl(&["-n", NS, "delete", "secret", &secret])?;
+    sleep(Duration::from_secs(15));
+    assert!(
+        e.kubectl(&["-n", NS, "get", "secret", &secret]).is_err(),
+        "a paused cluster's machines are left alone: the Ignition Secret was recreated"
+    );
+    e.kubectl(&[
+        "-n",
+        NS,
+        "patch",
+        "cluster",
+        CLUSTER,
+        "--type",
+        "merge",
+        "-p",
+        r#"{"spec":{"paused":false}}"#,
+    ])?;
+    wait(
+        "Ignition Secret rendered again after unpause",
+        Duration::from_secs(60),
+        || {
+            Ok(e.kubectl(&["-n", NS, "get", "secret", &secret])
+                .is_ok()
+                .then_some(()))
+        },
+    )?;
+    eprintln!("e2e: 5. paused: nothing touched; unpaused: reconciled");
+
+    // --- 6. delete ------------------------------------------------------------------------------------
+    e.kubectl(&["-n", NS, "delete", "cluster", CLUSTER, "--timeout=300s"])?;
+    wait(
+        "everything the provider created is gone",
+        Duration::from_secs(120),
+        || {
+            let mut left = Vec::new();
+            for kind in [
+                "pods",
+                "services",
+                "secrets",
+                "persistentvolumeclaims",
+                "kvmmachines",
+                "kvmclusters",
+            ] {
+                for o in e.items(kind, None)? {
+                    let n = name(&o).to_owned();
+                    if kind == "secrets" && n == "e2e-worker-bootstrap" {
+                        continue; // ours
+                    }
+                    left.push(format!("{kind}/{n}"));
+                }
+            }
+            if left.is_empty() {
+                Ok(Some(()))
+            } else {
+                Err(anyhow!("left: {left:?}"))
+            }
+        },
+    )?;
+    e.kubectl(&["delete", "namespace", NS, "--timeout=120s"])?;
+    eprintln!("e2e: 6. cluster deleted, nothing left");
+    Ok(())
+}
+
+#[test]
+#[ignore = "end to end on the local management cluster: `make e2e`"]
+fn cluster_journey_on_the_local_management_cluster() {
+    let e = E2e::new().unwrap_or_else(|err| panic!("{err:#}"));
+    if let Err(err) = the_journey(&e) {
+        e.collect();
+        panic!("{err:#}");
+    }
+}
