@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher testenv testenv-down dev-up dev-down fuzz clean help
+.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e testenv testenv-down dev-up dev-down e2e fuzz clean help
 
 all: build
 
@@ -29,7 +29,7 @@ fmt: ## Format the code
 generate: ## Regenerate manifests/crd from the Rust types
 	$(CARGO) run -q -p capk-api --example crdgen -- manifests/crd
 
-bench: bench-controller bench-launcher ## Every benchmark
+bench: bench-controller bench-launcher bench-e2e ## Every benchmark
 
 bench-launcher: test-deps ## Launcher start-up, guest boot and RSS under QEMU (root, netns)
 	$(CARGO) test -p capk-launcher --release --test vm_netns -- --ignored --nocapture bench
@@ -46,8 +46,16 @@ testenv: test-deps ## Start etcd + kube-apiserver with our CRDs in the backgroun
 testenv-down: ## Stop the environment started by `make testenv`
 	@bash hack/testenv.sh down
 
-dev-up: ## The local management cluster (work in progress, issue 6): hack/dev-up.sh
+dev-up: ## The local management cluster with Cluster API and CAPK (clusterctl init) and a sample cluster
 	bash hack/dev-up.sh
+
+e2e: ## End to end on the local management cluster (make dev-up without the sample): create, scale, upgrade, faults, pause, delete
+	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_journey_on_the_local_management_cluster
+
+bench-e2e: ## Machine created -> guest up (P50/P95 over 10 machines) and machine Pod memory beyond guest RAM, on the local MC
+	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
+	$(CARGO) test -p capk-tests --release --test e2e -- --ignored --nocapture --exact bench_e2e_machine_boot_and_pod_overhead
 
 dev-down: ## Stop the local management cluster and everything it started
 	bash hack/dev-down.sh

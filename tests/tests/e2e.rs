@@ -22,7 +22,17 @@ use std::{
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Value, json};
 
-const NS: &str = "capk-e2e";
+thread_local! {
+    /// The namespace of the running scenario (the journey's or the benchmark's).
+    static NS: std::cell::Cell<&'static str> = const { std::cell::Cell::new("capk-e2e") };
+}
+
+fn ns() -> &'static str {
+    NS.with(|n| n.get())
+}
+
+/// One scenario at a time: they share the local management cluster.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const CLUSTER: &str = "e2e";
 const OWNED: &str =
     "cluster.x-k8s.io/cluster-name=e2e,app.kubernetes.io/managed-by=capk-controller";
@@ -123,7 +133,7 @@ impl E2e {
 
     /// `kubectl get` of a list in the test namespace.
     fn items(&self, kind: &str, selector: Option<&str>) -> Result<Vec<Value>> {
-        let mut args = vec!["-n", NS, "get", kind];
+        let mut args = vec!["-n", ns(), "get", kind];
         if let Some(s) = selector {
             args.extend(["-l", s]);
         }
@@ -200,11 +210,11 @@ impl E2e {
                     .to_owned();
                 dump(
                     &format!("pod-{name}.log"),
-                    &["-n", NS, "logs", &name, "--all-containers"],
+                    &["-n", ns(), "logs", &name, "--all-containers"],
                 );
                 dump(
                     &format!("pod-{name}.previous.log"),
-                    &["-n", NS, "logs", &name, "--previous"],
+                    &["-n", ns(), "logs", &name, "--previous"],
                 );
             }
         }
@@ -280,16 +290,16 @@ fn machine_up(e: &E2e, machine: &Value) -> Result<Option<String>> {
     let Some(km_name) = machine["spec"]["infrastructureRef"]["name"].as_str() else {
         return Ok(None);
     };
-    let km = e.json(&["-n", NS, "get", "kvmmachine", km_name])?;
+    let km = e.json(&["-n", ns(), "get", "kvmmachine", km_name])?;
     if !condition_true(&km, "BootstrapCompleted") {
         return Ok(None);
     }
     let provisioned = machine["status"]["initialization"]["infrastructureProvisioned"] == true;
     let provider_id = machine["spec"]["providerID"].as_str().unwrap_or_default();
-    if !provisioned || provider_id != format!("kvm://{NS}/{km_name}") {
+    if !provisioned || provider_id != format!("kvm://{}/{km_name}", ns()) {
         return Ok(None);
     }
-    let pod = e.json(&["-n", NS, "get", "pod", km_name])?;
+    let pod = e.json(&["-n", ns(), "get", "pod", km_name])?;
     if pod["status"]["phase"] != "Running" {
         return Ok(None);
     }
@@ -299,7 +309,7 @@ fn machine_up(e: &E2e, machine: &Value) -> Result<Option<String>> {
 fn scale_workers(e: &E2e, replicas: usize) -> Result<Vec<String>> {
     e.kubectl(&[
         "-n",
-        NS,
+        ns(),
         "scale",
         "machinedeployment",
         "e2e-md-0",
@@ -384,7 +394,7 @@ fn assert_nothing_left_for(e: &E2e, gone: &[String]) -> Result<()> {
 }
 
 fn logs(e: &E2e, pod: &str, previous: bool) -> Result<String> {
-    let mut args = vec!["-n", NS, "logs", pod, "-c", "launcher"];
+    let mut args = vec!["-n", ns(), "logs", pod, "-c", "launcher"];
     if previous {
         args.push("--previous");
     }
@@ -394,7 +404,7 @@ fn logs(e: &E2e, pod: &str, previous: bool) -> Result<String> {
 fn launcher_status(e: &E2e, pod: &str) -> Result<Value> {
     let text = e.kubectl(&[
         "-n",
-        NS,
+        ns(),
         "exec",
         pod,
         "-c",
@@ -407,7 +417,7 @@ fn launcher_status(e: &E2e, pod: &str) -> Result<Value> {
 }
 
 fn restart_count(e: &E2e, pod: &str) -> Result<i64> {
-    let p = e.json(&["-n", NS, "get", "pod", pod])?;
+    let p = e.json(&["-n", ns(), "get", "pod", pod])?;
     Ok(p["status"]["containerStatuses"]
         .as_array()
         .and_then(|cs| cs.iter().find(|c| c["name"] == "launcher"))
@@ -448,14 +458,31 @@ fn set_controller_replicas(e: &E2e, n: u32) -> Result<()> {
     )
 }
 
+/// What step 1 leaves for the others.
+struct ControlPlane {
+    kvmmachine: String,
+    first_marker: String,
+}
+
 fn the_journey(e: &E2e) -> Result<()> {
+    let ControlPlane {
+        kvmmachine: cp,
+        first_marker,
+    } = create_cluster(e)?;
+    prepare_workers(e)?;
+    scale_upgrade_faults_pause_delete(e, &cp, &first_marker)
+}
+
+/// Step 1: a fresh namespace, a clusterctl-generated cluster with one control-plane machine and
+/// no workers, asserted as a user sees it.
+fn create_cluster(e: &E2e) -> Result<ControlPlane> {
     // --- 0. a clean namespace -----------------------------------------------------------------------
-    if e.kubectl(&["get", "namespace", NS]).is_ok() {
-        eprintln!("e2e: deleting {NS} left by an earlier run");
-        let _ = e.kubectl(&["-n", NS, "delete", "cluster", CLUSTER, "--timeout=300s"]);
-        e.kubectl(&["delete", "namespace", NS, "--timeout=300s"])?;
+    if e.kubectl(&["get", "namespace", ns()]).is_ok() {
+        eprintln!("e2e: deleting {} left by an earlier run", ns());
+        let _ = e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=300s"]);
+        e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
     }
-    e.kubectl(&["create", "namespace", NS])?;
+    e.kubectl(&["create", "namespace", ns()])?;
 
     // --- 1. create ------------------------------------------------------------------------------------
     let version = capk_tests::pinned_version("KUBERNETES_VERSION");
@@ -469,7 +496,7 @@ fn the_journey(e: &E2e) -> Result<()> {
             "--flavor",
             "ignition",
             "--target-namespace",
-            NS,
+            ns(),
             "--kubernetes-version",
             &version,
             "--control-plane-machine-count",
@@ -493,13 +520,13 @@ fn the_journey(e: &E2e) -> Result<()> {
     e.kubectl_in(&["apply", "-f", "-"], &manifest)?;
 
     let kc = wait("KVMCluster provisioned", Duration::from_secs(120), || {
-        let kc = e.json(&["-n", NS, "get", "kvmcluster", CLUSTER])?;
+        let kc = e.json(&["-n", ns(), "get", "kvmcluster", CLUSTER])?;
         Ok((kc["status"]["initialization"]["provisioned"] == true).then_some(kc))
     })?;
     let endpoint = kc["spec"]["controlPlaneEndpoint"].clone();
     assert_eq!(endpoint["port"], 6443, "control-plane endpoint: {endpoint}");
     let svc_name = format!("{CLUSTER}-apiserver");
-    e.kubectl(&["-n", NS, "get", "service", &svc_name])
+    e.kubectl(&["-n", ns(), "get", "service", &svc_name])
         .context("the control-plane Service")?;
 
     let cp = wait("control-plane machine up", Duration::from_secs(420), || {
@@ -513,7 +540,7 @@ fn the_journey(e: &E2e) -> Result<()> {
         )?;
         machine_up(e, &machines[0]).map(|up| up.filter(|k| k == km))
     })?;
-    let cp_pod = e.json(&["-n", NS, "get", "pod", &cp])?;
+    let cp_pod = e.json(&["-n", ns(), "get", "pod", &cp])?;
     let cp_ip = cp_pod["status"]["podIP"]
         .as_str()
         .unwrap_or_default()
@@ -525,7 +552,7 @@ fn the_journey(e: &E2e) -> Result<()> {
         || {
             let slices = e.json(&[
                 "-n",
-                NS,
+                ns(),
                 "get",
                 "endpointslices",
                 "-l",
@@ -576,8 +603,15 @@ fn the_journey(e: &E2e) -> Result<()> {
         "capk-launcher status: {status}"
     );
     eprintln!("e2e: 1. create: control plane {cp} up at {cp_ip}");
+    Ok(ControlPlane {
+        kvmmachine: cp,
+        first_marker,
+    })
+}
 
-    // --- 2. workers and scale -------------------------------------------------------------------------
+/// The workers' own bootstrap Secret (a real CABPK worker join, Ignition) and the
+/// MachineDeployment settings a cluster without a real workload control plane needs.
+fn prepare_workers(e: &E2e) -> Result<()> {
     let fixture = std::fs::read_to_string(
         e.root
             .join("bootstrap/tests/fixtures/cabpk/ignition-worker-join.secret.json"),
@@ -585,14 +619,14 @@ fn the_journey(e: &E2e) -> Result<()> {
     let fixture: Value = serde_json::from_str(&fixture)?;
     let secret = json!({
         "apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": "e2e-worker-bootstrap", "namespace": NS,
+        "metadata": {"name": "e2e-worker-bootstrap", "namespace": ns(),
                      "labels": {"cluster.x-k8s.io/cluster-name": CLUSTER}},
         "type": "cluster.x-k8s.io/secret",
         "stringData": {"format": fixture["format"], "value": fixture["value"]},
     });
     e.kubectl_in(&["apply", "-f", "-"], &secret.to_string())?;
     e.kubectl_in(
-        &["-n", NS, "patch", "machinedeployment", "e2e-md-0", "--type", "merge", "--patch-file", "/dev/stdin"],
+        &["-n", ns(), "patch", "machinedeployment", "e2e-md-0", "--type", "merge", "--patch-file", "/dev/stdin"],
         &json!({
             "metadata": {"annotations": {"machineset.cluster.x-k8s.io/skip-preflight-checks": "All"}},
             "spec": {
@@ -602,6 +636,11 @@ fn the_journey(e: &E2e) -> Result<()> {
         })
         .to_string(),
     )?;
+    Ok(())
+}
+
+fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> Result<()> {
+    // --- 2. workers and scale -------------------------------------------------------------------------
     let one = scale_workers(e, 1)?;
     let three = scale_workers(e, 3)?;
     assert!(three.contains(&one[0]), "scaling up keeps the first worker");
@@ -616,15 +655,15 @@ fn the_journey(e: &E2e) -> Result<()> {
     eprintln!("e2e: 2. workers scaled 1 -> 3 -> 1");
 
     // --- 3. upgrade: a new KVMMachineTemplate rolls the MachineDeployment ------------------------------
-    let mut tmpl = e.json(&["-n", NS, "get", "kvmmachinetemplate", "e2e-md-0"])?;
-    tmpl["metadata"] = json!({"name": "e2e-md-0-v2", "namespace": NS});
+    let mut tmpl = e.json(&["-n", ns(), "get", "kvmmachinetemplate", "e2e-md-0"])?;
+    tmpl["metadata"] = json!({"name": "e2e-md-0-v2", "namespace": ns()});
     tmpl["spec"]["template"]["spec"]["resources"]["memory"] = json!("320Mi");
     tmpl.as_object_mut().expect("object").remove("status");
     e.kubectl_in(&["apply", "-f", "-"], &tmpl.to_string())?;
     e.kubectl_in(
         &[
             "-n",
-            NS,
+            ns(),
             "patch",
             "machinedeployment",
             "e2e-md-0",
@@ -647,7 +686,7 @@ fn the_journey(e: &E2e) -> Result<()> {
             let Some(km) = machine_up(e, &ms[0])? else {
                 return Ok(None);
             };
-            let kvm = e.json(&["-n", NS, "get", "kvmmachine", &km])?;
+            let kvm = e.json(&["-n", ns(), "get", "kvmmachine", &km])?;
             let from = kvm["metadata"]["annotations"]["cluster.x-k8s.io/cloned-from-name"].clone();
             Ok(
                 (from == "e2e-md-0-v2" && kvm["spec"]["resources"]["memory"] == "320Mi")
@@ -661,15 +700,15 @@ fn the_journey(e: &E2e) -> Result<()> {
 
     // --- 4. faults ------------------------------------------------------------------------------------
     // kill -9 of QEMU: the container restarts, the VM boots again, the etcd disk kept its marker.
-    let restarts = restart_count(e, &cp)?;
-    let qemu = launcher_status(e, &cp)?["qemu_pid"]
+    let restarts = restart_count(e, cp)?;
+    let qemu = launcher_status(e, cp)?["qemu_pid"]
         .as_u64()
         .context("qemu_pid in capk-launcher status")?;
     e.kubectl(&[
         "-n",
-        NS,
+        ns(),
         "exec",
-        &cp,
+        cp,
         "-c",
         "launcher",
         "--",
@@ -680,9 +719,9 @@ fn the_journey(e: &E2e) -> Result<()> {
     wait(
         "launcher container restarted after kill -9 of QEMU",
         Duration::from_secs(180),
-        || Ok((restart_count(e, &cp)? > restarts).then_some(())),
+        || Ok((restart_count(e, cp)? > restarts).then_some(())),
     )?;
-    let previous = logs(e, &cp, true)?;
+    let previous = logs(e, cp, true)?;
     assert!(
         previous.contains("qemu") || previous.contains("QEMU"),
         "the launcher said why it exited:\n{}",
@@ -697,7 +736,7 @@ fn the_journey(e: &E2e) -> Result<()> {
         "control-plane VM booted again with its etcd disk",
         Duration::from_secs(300),
         || {
-            let console = logs(e, &cp, false)?;
+            let console = logs(e, cp, false)?;
             if !console.contains("CAPK-TESTGUEST bootstrap-success") {
                 return Ok(None);
             }
@@ -712,12 +751,12 @@ fn the_journey(e: &E2e) -> Result<()> {
     );
 
     // Deleting a machine Pod: the KVMMachine reports it (a MachineHealthCheck would replace it).
-    e.kubectl(&["-n", NS, "delete", "pod", &upgraded, "--wait=false"])?;
+    e.kubectl(&["-n", ns(), "delete", "pod", &upgraded, "--wait=false"])?;
     wait(
         "KVMMachine reports its Pod missing",
         Duration::from_secs(120),
         || {
-            let km = e.json(&["-n", NS, "get", "kvmmachine", &upgraded])?;
+            let km = e.json(&["-n", ns(), "get", "kvmmachine", &upgraded])?;
             Ok(km["status"]["conditions"]
                 .as_array()
                 .is_some_and(|cs| cs.iter().any(|c| c["reason"] == "MachinePodMissing"))
@@ -729,7 +768,14 @@ fn the_journey(e: &E2e) -> Result<()> {
         .find(|m| m["spec"]["infrastructureRef"]["name"] == upgraded.as_str())
         .map(|m| name(m).to_owned())
         .context("the lost worker's Machine")?;
-    e.kubectl(&["-n", NS, "delete", "machine", &lost_machine, "--wait=false"])?;
+    e.kubectl(&[
+        "-n",
+        ns(),
+        "delete",
+        "machine",
+        &lost_machine,
+        "--wait=false",
+    ])?;
     let replaced = wait_workers(e, 1)?;
     assert_ne!(replaced[0], upgraded);
     eprintln!(
@@ -741,7 +787,7 @@ fn the_journey(e: &E2e) -> Result<()> {
     set_controller_replicas(e, 0)?;
     e.kubectl(&[
         "-n",
-        NS,
+        ns(),
         "scale",
         "machinedeployment",
         "e2e-md-0",
@@ -779,7 +825,8 @@ fn the_journey(e: &E2e) -> Result<()> {
     e.run(
         {
             let mut c = Command::new("bash");
-            c.arg(e.root.join("hack/dev-up.sh"));
+            c.arg(e.root.join("hack/dev-up.sh"))
+                .env("CAPK_DEV_SAMPLE", "0");
             c
         },
         None,
@@ -798,7 +845,7 @@ fn the_journey(e: &E2e) -> Result<()> {
     let secret = format!("{}-ignition", kept[0]);
     e.kubectl(&[
         "-n",
-        NS,
+        ns(),
         "patch",
         "cluster",
         CLUSTER,
@@ -808,18 +855,18 @@ fn the_journey(e: &E2e) -> Result<()> {
         r#"{"spec":{"paused":true}}"#,
     ])?;
     wait("KVMMachine reports Paused", Duration::from_secs(60), || {
-        let km = e.json(&["-n", NS, "get", "kvmmachine", &kept[0]])?;
+        let km = e.json(&["-n", ns(), "get", "kvmmachine", &kept[0]])?;
         Ok(condition_true(&km, "Paused").then_some(()))
     })?;
-    e.kubectl(&["-n", NS, "delete", "secret", &secret])?;
+    e.kubectl(&["-n", ns(), "delete", "secret", &secret])?;
     sleep(Duration::from_secs(15));
     assert!(
-        e.kubectl(&["-n", NS, "get", "secret", &secret]).is_err(),
+        e.kubectl(&["-n", ns(), "get", "secret", &secret]).is_err(),
         "a paused cluster's machines are left alone: the Ignition Secret was recreated"
     );
     e.kubectl(&[
         "-n",
-        NS,
+        ns(),
         "patch",
         "cluster",
         CLUSTER,
@@ -832,7 +879,7 @@ fn the_journey(e: &E2e) -> Result<()> {
         "Ignition Secret rendered again after unpause",
         Duration::from_secs(60),
         || {
-            Ok(e.kubectl(&["-n", NS, "get", "secret", &secret])
+            Ok(e.kubectl(&["-n", ns(), "get", "secret", &secret])
                 .is_ok()
                 .then_some(()))
         },
@@ -840,7 +887,7 @@ fn the_journey(e: &E2e) -> Result<()> {
     eprintln!("e2e: 5. paused: nothing touched; unpaused: reconciled");
 
     // --- 6. delete ------------------------------------------------------------------------------------
-    e.kubectl(&["-n", NS, "delete", "cluster", CLUSTER, "--timeout=300s"])?;
+    e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=300s"])?;
     wait(
         "everything the provider created is gone",
         Duration::from_secs(120),
@@ -869,7 +916,7 @@ fn the_journey(e: &E2e) -> Result<()> {
             }
         },
     )?;
-    e.kubectl(&["delete", "namespace", NS, "--timeout=120s"])?;
+    e.kubectl(&["delete", "namespace", ns(), "--timeout=120s"])?;
     eprintln!("e2e: 6. cluster deleted, nothing left");
     Ok(())
 }
@@ -877,8 +924,176 @@ fn the_journey(e: &E2e) -> Result<()> {
 #[test]
 #[ignore = "end to end on the local management cluster: `make e2e`"]
 fn cluster_journey_on_the_local_management_cluster() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    NS.with(|n| n.set("capk-e2e"));
     let e = E2e::new().unwrap_or_else(|err| panic!("{err:#}"));
     if let Err(err) = the_journey(&e) {
+        e.collect();
+        panic!("{err:#}");
+    }
+}
+
+/// Resident KiB of QEMU's guest-RAM mapping: the anonymous mapping whose size is the guest's
+/// memory (`/proc/PID/smaps`).
+fn guest_ram_rss_kib(pid: u32, guest_kib: u64) -> Result<u64> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    let mut size_matches = false;
+    for line in smaps.lines() {
+        let mut f = line.split_whitespace();
+        match (f.next(), f.next()) {
+            (Some("Size:"), Some(kib)) => size_matches = kib.parse::<u64>().ok() == Some(guest_kib),
+            (Some("Rss:"), Some(kib)) if size_matches => return Ok(kib.parse()?),
+            _ => {}
+        }
+    }
+    bail!("no {guest_kib} KiB mapping in /proc/{pid}/smaps")
+}
+
+/// A machine Pod's memory from its cgroup (v1, cgroupfs driver: kubepods/pod<uid>; Guaranteed
+/// QoS pods sit directly under kubepods): working set (usage minus inactive file cache), and
+/// the processes in it with their RSS.
+struct PodMemory {
+    working_set_kib: u64,
+    qemu_rss_kib: u64,
+    launcher_rss_kib: u64,
+    guest_ram_rss_kib: u64,
+}
+
+fn pod_memory(e: &E2e, pod: &str, guest_kib: u64) -> Result<PodMemory> {
+    let p = e.json(&["-n", ns(), "get", "pod", pod])?;
+    let uid = p["metadata"]["uid"].as_str().context("pod uid")?;
+    let dir = PathBuf::from(format!("/sys/fs/cgroup/memory/kubepods/pod{uid}"));
+    let read = |f: &str| {
+        std::fs::read_to_string(dir.join(f)).with_context(|| format!("{}/{f}", dir.display()))
+    };
+    let usage: u64 = read("memory.usage_in_bytes")?.trim().parse()?;
+    let inactive_file: u64 = read("memory.stat")?
+        .lines()
+        .find_map(|l| l.strip_prefix("total_inactive_file "))
+        .context("total_inactive_file")?
+        .trim()
+        .parse()?;
+    let mut m = PodMemory {
+        working_set_kib: usage.saturating_sub(inactive_file) / 1024,
+        qemu_rss_kib: 0,
+        launcher_rss_kib: 0,
+        guest_ram_rss_kib: 0,
+    };
+    for entry in std::fs::read_dir(&dir)? {
+        let procs = entry?.path().join("cgroup.procs");
+        let Ok(text) = std::fs::read_to_string(&procs) else {
+            continue;
+        };
+        for pid in text.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            let rss: u64 = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+                .unwrap_or(0);
+            match comm.trim() {
+                c if c.starts_with("qemu-system") => {
+                    m.qemu_rss_kib = rss;
+                    m.guest_ram_rss_kib = guest_ram_rss_kib(pid, guest_kib)?;
+                }
+                "capk-launcher" => m.launcher_rss_kib = rss,
+                _ => {}
+            }
+        }
+    }
+    if m.qemu_rss_kib == 0 {
+        bail!("no QEMU process in {}", dir.display());
+    }
+    Ok(m)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// `make bench-e2e`: Machine created -> guest up for 10 workers, one at a time (each measured
+/// alone: 2 cores under TCG), and each machine Pod's memory beyond the guest's RAM.
+fn bench(e: &E2e) -> Result<()> {
+    const MACHINES: usize = 10;
+    const GUEST_KIB: u64 = 256 * 1024;
+    create_cluster(e)?;
+    prepare_workers(e)?;
+    let mut seconds = Vec::new();
+    let mut seen: Vec<String> = Vec::new();
+    for n in 1..=MACHINES {
+        let start = Instant::now();
+        e.kubectl(&[
+            "-n",
+            ns(),
+            "scale",
+            "machinedeployment",
+            "e2e-md-0",
+            &format!("--replicas={n}"),
+        ])?;
+        // The new worker's KVMMachine reports BootstrapCompleted: the guest is up and its
+        // bootstrap ran (what makes CAPI's Machine provisioned).
+        let new = loop {
+            if start.elapsed() > Duration::from_secs(300) {
+                bail!("worker {n} not up after 300s");
+            }
+            let up: Vec<String> = e
+                .items("kvmmachines", Some("!cluster.x-k8s.io/control-plane"))?
+                .iter()
+                .filter(|k| condition_true(k, "BootstrapCompleted"))
+                .map(|k| name(k).to_owned())
+                .filter(|k| !seen.contains(k))
+                .collect();
+            if let Some(k) = up.into_iter().next() {
+                break k;
+            }
+            sleep(Duration::from_millis(200));
+        };
+        let s = start.elapsed().as_secs_f64();
+        eprintln!("bench-e2e: worker {n}/{MACHINES} {new} up in {s:.1}s");
+        seconds.push(s);
+        seen.push(new);
+    }
+    let mut sorted = seconds.clone();
+    sorted.sort_by(f64::total_cmp);
+    let mut overhead = Vec::new();
+    for k in &seen {
+        let m = pod_memory(e, k, GUEST_KIB)?;
+        let beyond = m.working_set_kib.saturating_sub(m.guest_ram_rss_kib) as f64 / 1024.0;
+        eprintln!(
+            "bench-e2e: {k}: pod working set {:.0} MiB, QEMU RSS {:.0} MiB (guest RAM resident {:.0} of {} MiB), launcher RSS {:.1} MiB, beyond guest RAM {beyond:.0} MiB",
+            m.working_set_kib as f64 / 1024.0,
+            m.qemu_rss_kib as f64 / 1024.0,
+            m.guest_ram_rss_kib as f64 / 1024.0,
+            GUEST_KIB / 1024,
+            m.launcher_rss_kib as f64 / 1024.0,
+        );
+        overhead.push(beyond);
+    }
+    overhead.sort_by(f64::total_cmp);
+    println!(
+        "bench-e2e: machine created -> guest up over {MACHINES} workers (TCG, one at a time): P50 {:.1}s P95 {:.1}s (target P50 <= 10s)",
+        percentile(&sorted, 0.5),
+        percentile(&sorted, 0.95)
+    );
+    println!(
+        "bench-e2e: machine Pod memory beyond the guest's RAM (QEMU + launcher, cgroup working set minus resident guest RAM, 1 vCPU / 256 MiB TCG guest): P50 {:.0} MiB max {:.0} MiB (target <= 100 MiB)",
+        percentile(&overhead, 0.5),
+        overhead.last().copied().unwrap_or_default()
+    );
+    e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=300s"])?;
+    e.kubectl(&["delete", "namespace", ns(), "--timeout=120s"])?;
+    Ok(())
+}
+
+#[test]
+#[ignore = "benchmark on the local management cluster: `make bench-e2e`"]
+fn bench_e2e_machine_boot_and_pod_overhead() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    NS.with(|n| n.set("capk-bench"));
+    let e = E2e::new().unwrap_or_else(|err| panic!("{err:#}"));
+    if let Err(err) = bench(&e) {
         e.collect();
         panic!("{err:#}");
     }

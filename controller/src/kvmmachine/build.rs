@@ -479,10 +479,15 @@ pub fn machine_pod(
             ..Default::default()
         }),
         volume_mounts: Some(mounts),
-        // QEMU alive and answering QMP; generous start-up because TCG boots slowly.
-        liveness_probe: Some(probe("liveness", 30, 20, 6)),
+        // Until the guest first reports bootstrap success, the readiness check every second, so
+        // the Machine is provisioned within a second of its guest (not up to a probe period
+        // later). An hour without it restarts the container (the etcd disk stays); liveness and
+        // readiness start only after it, and QEMU dying meanwhile ends the launcher anyway.
+        startup_probe: Some(probe("readiness", 1, 1, 3600)),
+        // QEMU alive and answering QMP.
+        liveness_probe: Some(probe("liveness", 0, 20, 6)),
         // Guest heartbeat (+ API server on control planes).
-        readiness_probe: Some(probe("readiness", 10, 10, 3)),
+        readiness_probe: Some(probe("readiness", 0, 10, 3)),
         termination_message_policy: Some("FallbackToLogsOnError".into()),
         ..Default::default()
     };
