@@ -418,7 +418,7 @@ async fn start_vm(
         kubelet_size: a.kubelet_disk_size,
         etcd: a.etcd_disk.clone().map(|p| (p, a.etcd_disk_size)),
     };
-    let disk_plan = disk::plan(&req, &disk::observe(&req, &a.qemu_img)?)?;
+    let disk_plan = disk::plan(&req, &disk::observe(&req)?)?;
     disk::apply(&disk_plan, &a.qemu_img)?;
     state.lock().await.disks = disk_plan.attachments.clone();
 
