@@ -236,8 +236,10 @@ struct Launcher {
     /// Runs as PID 1 of its own PID namespace (the child is `unshare`).
     pid1: bool,
     child: Child,
-    lines: Receiver<String>,
+    /// Lines with the instant the reader thread got them (benchmarks time the console).
+    lines: Receiver<(String, Instant)>,
     seen: Vec<String>,
+    seen_at: Vec<Instant>,
     runtime_dir: PathBuf,
     started: Instant,
 }
@@ -297,6 +299,7 @@ impl Launcher {
         } else {
             &[]
         };
+        let started = Instant::now();
         let mut child = Command::new("ip")
             .args(["netns", "exec", &t.pod])
             .args(pid1_wrap)
@@ -343,14 +346,16 @@ impl Launcher {
         let tx2 = tx.clone();
         std::thread::spawn(move || {
             for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let at = Instant::now();
                 println!("console| {l}");
-                let _ = tx.send(l);
+                let _ = tx.send((l, at));
             }
         });
         std::thread::spawn(move || {
             for l in BufReader::new(err).lines().map_while(Result::ok) {
+                let at = Instant::now();
                 println!("launcher| {l}");
-                let _ = tx2.send(format!("LAUNCHER {l}"));
+                let _ = tx2.send((format!("LAUNCHER {l}"), at));
             }
         });
         Launcher {
@@ -358,24 +363,34 @@ impl Launcher {
             child,
             lines: rx,
             seen: Vec::new(),
+            seen_at: Vec::new(),
             runtime_dir,
-            started: Instant::now(),
+            started,
         }
     }
 
     /// Waits for a console line containing `needle`; returns it.
     fn wait_for(&mut self, needle: &str, timeout: Duration) -> String {
-        if let Some(l) = self.seen.iter().find(|l| l.contains(needle)) {
-            return l.clone();
+        self.wait_for_at(needle, timeout).0
+    }
+
+    /// Waits for a console line containing `needle`; returns it and the seconds from the
+    /// launcher's start to when the line was read.
+    fn wait_for_at(&mut self, needle: &str, timeout: Duration) -> (String, f64) {
+        let started = self.started;
+        let since = |at: Instant| at.duration_since(started).as_secs_f64();
+        if let Some(i) = self.seen.iter().position(|l| l.contains(needle)) {
+            return (self.seen[i].clone(), since(self.seen_at[i]));
         }
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
-                Ok(l) => {
+                Ok((l, at)) => {
                     self.seen.push(l.clone());
+                    self.seen_at.push(at);
                     if l.contains(needle) {
-                        return l;
+                        return (l, since(at));
                     }
                 }
                 Err(RecvTimeoutError::Timeout) => panic!(
@@ -438,8 +453,9 @@ impl Launcher {
         loop {
             if let Some(s) = self.child.try_wait().unwrap() {
                 // Drain what is left for diagnostics.
-                while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(200)) {
+                while let Ok((l, at)) = self.lines.recv_timeout(Duration::from_millis(200)) {
                     self.seen.push(l);
+                    self.seen_at.push(at);
                 }
                 return s;
             }
@@ -1260,8 +1276,223 @@ fn accel_kvm_fails_clearly_where_kvm_hangs() {
     }
 }
 
+/// One boot's console timings: seconds from the spawn of the launcher (or bare QEMU) to the
+/// line, and the guest's own uptime printed in it.
+#[derive(Debug, Clone, Copy, Default)]
+struct BootTimes {
+    /// `CAPK-TESTGUEST booted` read (the guest's /init started).
+    booted: f64,
+    /// Guest uptime in that line: wall time minus this is QEMU start + firmware + kernel load.
+    booted_uptime: f64,
+    /// `CAPK-TESTGUEST lease` read (the lease applied).
+    lease: f64,
+    /// Guest uptime at `dhcp-done`: minus `booted_uptime`, the guest-side network bring-up.
+    dhcp_uptime: f64,
+    /// CPU seconds QEMU had used when `booted` was read: the work of the boot, whatever the
+    /// load (wall time under TCG stretches with every other busy process).
+    booted_cpu: f64,
+    /// 1-minute load average when the run started.
+    load: f64,
+    /// QEMU's QMP monitor answered (machine created, guest about to run): the launcher's
+    /// `QMP connected` log line, or the bench's own connection to a bare QEMU's socket.
+    qmp: f64,
+}
+
+/// User + system CPU seconds of a live process (NaN once it is gone).
+fn cpu_secs(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let rest = s.rsplit_once(") ")?.1.to_string();
+            let f: Vec<f64> = rest
+                .split_whitespace()
+                .map(|v| v.parse().unwrap_or(f64::NAN))
+                .collect();
+            // Fields 14 and 15 of stat (utime, stime), in clock ticks of 1/100 s on Linux.
+            Some((f.get(11)? + f.get(12)?) / 100.0)
+        })
+        .unwrap_or(f64::NAN)
+}
+
+fn load1() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+fn uptime_in(line: &str) -> f64 {
+    line.split("uptime=")
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Runs QEMU without the launcher until the console says `booted` (and, with `until_lease`, the
+/// guest's DHCP is done); returns the timings and QEMU's exit is forced.
+fn bare_boot(program: &str, args: &[String], until_lease: bool) -> BootTimes {
+    let load = load1();
+    // The socket QMP listens on, when the argv has one: its greeting times QEMU's start.
+    let qmp_sock = args
+        .iter()
+        .find_map(|a| a.strip_prefix("socket,id=qmp,path="))
+        .and_then(|a| a.split(',').next())
+        .map(PathBuf::from);
+    let started = Instant::now();
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {program}: {e}"));
+    let (tx, rx) = channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send((l, Instant::now()));
+        }
+    });
+    let qmp = qmp_sock.map(|path| {
+        std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                if let Ok(s) = std::os::unix::net::UnixStream::connect(&path) {
+                    let mut greeting = String::new();
+                    if BufReader::new(s).read_line(&mut greeting).is_ok()
+                        && greeting.contains("QMP")
+                    {
+                        return started.elapsed().as_secs_f64();
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            f64::NAN
+        })
+    });
+    let err = child.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        for l in BufReader::new(err).lines().map_while(Result::ok) {
+            s.push_str(&l);
+            s.push('\n');
+        }
+        s
+    });
+    let mut t = BootTimes {
+        lease: f64::NAN,
+        dhcp_uptime: f64::NAN,
+        load,
+        ..BootTimes::default()
+    };
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok((l, at)) = rx.recv_timeout(left) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "bare {program} ended or timed out before the guest was up; console:\n{}\nstderr:\n{}",
+                seen.join("\n"),
+                err.join().unwrap_or_default()
+            );
+        };
+        let secs = at.duration_since(started).as_secs_f64();
+        if l.contains("CAPK-TESTGUEST booted") {
+            t.booted = secs;
+            t.booted_uptime = uptime_in(&l);
+            t.booted_cpu = cpu_secs(child.id());
+            if !until_lease {
+                break;
+            }
+        } else if l.contains("CAPK-TESTGUEST lease ") {
+            t.lease = secs;
+        } else if l.contains("CAPK-TESTGUEST dhcp-done") {
+            t.dhcp_uptime = uptime_in(&l);
+            assert!(!t.lease.is_nan(), "bare guest got no lease: {l}");
+            break;
+        }
+        seen.push(l);
+    }
+    t.qmp = qmp.map_or(f64::NAN, |h| h.join().unwrap_or(f64::NAN));
+    let _ = child.kill();
+    let _ = child.wait();
+    t
+}
+
+/// The launcher's own QEMU command line, runnable without the launcher: every path under the
+/// launcher's work directory moves to `bare` (its disks, Ignition, sockets and console log are
+/// copied there before each run), and the tap netdev (the launcher's bridge, DHCP server and
+/// Pod namespace) becomes a user-mode one whose built-in DHCP server answers the guest.
+/// Returns the argv and a description of every argument that changed.
+fn bare_argv_from(
+    launcher_argv: &[String],
+    work: &Path,
+    bare: &Path,
+) -> (Vec<String>, Vec<String>) {
+    let (work, bare) = (work.display().to_string(), bare.display().to_string());
+    let mut out = Vec::new();
+    let mut changed = Vec::new();
+    let mut prev = "";
+    for a in launcher_argv {
+        let mut b = a.replace(&work, &bare);
+        if prev == "-netdev" && a.starts_with("tap,") {
+            let id = a
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("id="))
+                .expect("-netdev tap has an id");
+            b = format!("user,id={id},restrict=on");
+        }
+        if &b != a {
+            changed.push(format!("{prev} {a} -> {b}"));
+        }
+        prev = a;
+        out.push(b);
+    }
+    (out, changed)
+}
+
+/// Copies what the launcher's QEMU used (disks as the launcher left them, the merged Ignition,
+/// the host volume) from `work` to a fresh `bare`, so both boots start from the same files.
+fn prepare_bare_dir(work: &Path, bare: &Path) {
+    let _ = std::fs::remove_dir_all(bare);
+    std::fs::create_dir_all(bare.join("run")).unwrap();
+    sh(&format!(
+        "cp -a --sparse=always {w}/state {w}/etcd {w}/shared {b}/ && cp {w}/run/ignition.json {b}/run/",
+        w = work.display(),
+        b = bare.display()
+    ));
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn runs(v: &[f64]) -> String {
+    let v: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();
+    format!("[{}]", v.join(", "))
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// Numbers for the benchmark (printed, not asserted):
 /// `cargo test -p capk-launcher --release --test vm_netns -- --ignored --nocapture bench`.
+///
+/// Runs are interleaved (launcher, fair bare, minimal bare) so that load from other jobs on the
+/// machine hits all three alike. The fair bare run is the launcher's own QEMU argv, read from
+/// `/proc/<qemu>/cmdline` in the first round (see `bare_argv_from`); the minimal one is the old
+/// comparison (same kernel/initrd, no NIC, disks, fw_cfg or virtio-serial/rng, default cmdline).
 #[test]
 #[ignore = "benchmark: run explicitly"]
 fn bench_launcher_vs_bare_qemu() {
@@ -1269,15 +1500,57 @@ fn bench_launcher_vs_bare_qemu() {
     if !prerequisites() {
         return;
     }
+    let rounds: usize = std::env::var("CAPK_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
     let t = calico();
     let work = work_dir();
+    let bare_work = work_dir();
     let g = guest_dir();
+    let load_before = loadavg();
     let mut startup = Vec::new();
-    let mut launcher_boot = Vec::new();
-    let mut lease = Vec::new();
+    let mut launcher = Vec::new();
+    let mut offer = Vec::new();
+    let mut ack = Vec::new();
     let mut rss = Vec::new();
+    let mut launcher_cpu = Vec::new();
+    let mut launcher_start = Vec::new();
+    let mut exec_at = Vec::new();
     let mut qemu_rss = Vec::new();
-    for i in 0..3 {
+    let mut fair = Vec::new();
+    let mut minimal = Vec::new();
+    let mut fair_argv: Option<(String, Vec<String>)> = None;
+    let minimal_args: Vec<String> = [
+        "-machine",
+        "q35",
+        "-accel",
+        "tcg,tb-size=128",
+        "-cpu",
+        "max",
+        "-smp",
+        "1",
+        "-m",
+        "256M",
+        "-nodefaults",
+        "-display",
+        "none",
+        "-chardev",
+        "stdio,id=c,signal=off",
+        "-serial",
+        "chardev:c",
+        "-kernel",
+        &g.join("vmlinuz").display().to_string(),
+        "-initrd",
+        &g.join("initrd.img").display().to_string(),
+        "-append",
+        "console=ttyS0 quiet panic=-1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for i in 0..rounds {
+        let load = load1();
         let mut l = Launcher::start_with_accel(&t, work.path(), &format!("b{i}"), "", "tcg", false);
         let started = l.wait_for("qemu started", Duration::from_secs(60));
         let ms: f64 = started
@@ -1287,94 +1560,171 @@ fn bench_launcher_vs_bare_qemu() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(f64::NAN);
         startup.push(ms);
-        l.wait_for("CAPK-TESTGUEST booted", Duration::from_secs(120));
-        launcher_boot.push(l.started.elapsed().as_secs_f64());
-        l.wait_for("CAPK-TESTGUEST lease ", Duration::from_secs(120));
-        lease.push(l.started.elapsed().as_secs_f64());
-        l.wait_for("CAPK-TESTGUEST peer-", Duration::from_secs(60));
-        let kib: f64 = sh_out(&format!("grep VmRSS /proc/{}/status", l.child.id()))
-            .split_whitespace()
-            .nth(1)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(f64::NAN);
-        rss.push(kib / 1024.0);
         // QEMU is the launcher's child; its RSS holds the guest RAM the guest touched plus
         // QEMU's own (TCG translation cache, device buffers): the controller's overhead model
         // is checked against it.
-        let qemu = sh_out(&format!("pgrep -P {} qemu-system", l.child.id()));
-        let qemu_kib: f64 = sh_out(&format!("grep VmRSS /proc/{}/status", qemu.trim()))
-            .split_whitespace()
-            .nth(1)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(f64::NAN);
-        qemu_rss.push(qemu_kib / 1024.0);
+        let qemu_pid = children_of(l.child.id())
+            .into_iter()
+            .find(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/comm"))
+                    .is_ok_and(|c| c.starts_with("qemu-system"))
+            })
+            .expect("the launcher's QEMU child");
+        if fair_argv.is_none() {
+            let raw = std::fs::read(format!("/proc/{qemu_pid}/cmdline")).unwrap();
+            let argv: Vec<String> = raw
+                .split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            let (args, changed) = bare_argv_from(&argv[1..], work.path(), bare_work.path());
+            println!(
+                "BENCH fair bare run = the launcher's QEMU argv from /proc/{qemu_pid}/cmdline ({} args), only these changed:",
+                argv.len() - 1
+            );
+            for c in &changed {
+                println!("BENCH   {c}");
+            }
+            fair_argv = Some((argv[0].clone(), args));
+        }
+        let (line, booted) = l.wait_for_at("CAPK-TESTGUEST booted", Duration::from_secs(120));
+        let booted_cpu = cpu_secs(qemu_pid);
+        launcher_cpu.push(cpu_secs(l.child.id()));
+        let (_, lease_at) = l.wait_for_at("CAPK-TESTGUEST lease ", Duration::from_secs(120));
+        let (done, _) = l.wait_for_at("CAPK-TESTGUEST dhcp-done", Duration::from_secs(60));
+        launcher_start.push(
+            l.wait_for_at("capk-launcher starting", Duration::from_secs(5))
+                .1,
+        );
+        exec_at.push(l.wait_for_at("qemu started", Duration::from_secs(5)).1);
+        let qmp = l.wait_for_at("QMP connected", Duration::from_secs(5)).1;
+        launcher.push(BootTimes {
+            booted,
+            booted_uptime: uptime_in(&line),
+            lease: lease_at,
+            dhcp_uptime: uptime_in(&done),
+            booted_cpu,
+            load,
+            qmp,
+        });
+        offer.push(l.wait_for_at("dhcp.reply=Offer", Duration::from_secs(5)).1);
+        ack.push(l.wait_for_at("dhcp.reply=Ack", Duration::from_secs(5)).1);
+        l.wait_for("CAPK-TESTGUEST peer-", Duration::from_secs(60));
+        let kib = |pid: u32| -> f64 {
+            sh_out(&format!("grep VmRSS /proc/{pid}/status"))
+                .split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(f64::NAN)
+        };
+        rss.push(kib(l.child.id()) / 1024.0);
+        qemu_rss.push(kib(qemu_pid) / 1024.0);
         l.signal("TERM");
         l.wait_exit(Duration::from_secs(30));
+
+        let (program, args) = fair_argv.as_ref().unwrap();
+        prepare_bare_dir(work.path(), bare_work.path());
+        fair.push(bare_boot(program, args, true));
+        minimal.push(bare_boot("qemu-system-x86_64", &minimal_args, false));
     }
-    let mut bare = Vec::new();
-    for _ in 0..3 {
-        let start = Instant::now();
-        let mut child = Command::new("qemu-system-x86_64")
-            .args([
-                "-machine",
-                "q35",
-                "-accel",
-                "tcg,tb-size=128",
-                "-cpu",
-                "max",
-                "-smp",
-                "1",
-                "-m",
-                "256M",
-                "-nodefaults",
-            ])
-            .args([
-                "-display",
-                "none",
-                "-chardev",
-                "stdio,id=c,signal=off",
-                "-serial",
-                "chardev:c",
-            ])
-            .args(["-kernel", &g.join("vmlinuz").display().to_string()])
-            .args(["-initrd", &g.join("initrd.img").display().to_string()])
-            .args(["-append", "console=ttyS0 quiet panic=-1"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        for line in out.lines().map_while(Result::ok) {
-            if line.contains("CAPK-TESTGUEST booted") {
-                bare.push(start.elapsed().as_secs_f64());
-                break;
-            }
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    };
-    let (s, b, lb, le, r) = (
-        median(&mut startup),
-        median(&mut bare),
-        median(&mut launcher_boot),
-        median(&mut lease),
-        median(&mut rss),
+    let col = |v: &[BootTimes], f: fn(&BootTimes) -> f64| v.iter().map(f).collect::<Vec<f64>>();
+    let booted = |v: &[BootTimes]| col(v, |b| b.booted);
+    let pre = |v: &[BootTimes]| col(v, |b| b.booted - b.booted_uptime);
+    let net = |v: &[BootTimes]| col(v, |b| b.dhcp_uptime - b.booted_uptime);
+    let (lb, fb, mb) = (
+        median(&booted(&launcher)),
+        median(&booted(&fair)),
+        median(&booted(&minimal)),
     );
     println!(
-        "BENCH launcher start -> qemu exec (--accel tcg, disks kept after first run): {s:.0} ms (runs {startup:?})"
+        "BENCH load average before {load_before}, after {}",
+        loadavg()
     );
     println!(
-        "BENCH guest up (console 'booted'): launcher {lb:.2} s, bare qemu {b:.2} s, ratio {:.3}",
-        lb / b
+        "BENCH launcher start -> qemu exec (--accel tcg, disks kept after the first run): {:.0} ms (runs {startup:?})",
+        median(&startup)
     );
-    println!("BENCH guest DHCP lease through the launcher: {le:.2} s");
-    println!("BENCH launcher RSS while the VM runs: {r:.1} MiB");
+    println!(
+        "BENCH guest up (console 'booted', s from spawn): launcher {lb:.2} {}, fair bare qemu {fb:.2} {}",
+        runs(&booted(&launcher)),
+        runs(&booted(&fair))
+    );
+    println!(
+        "BENCH ratio launcher / fair bare qemu (same argv, user-mode NIC): {:.3}",
+        lb / fb
+    );
+    println!(
+        "BENCH ratio launcher / minimal bare qemu (old comparison: no NIC, disks, fw_cfg, virtio-serial/rng; default cmdline): {:.3} (minimal {mb:.2} {})",
+        lb / mb,
+        runs(&booted(&minimal))
+    );
+    println!(
+        "BENCH   before the guest clock (QEMU start, firmware, kernel load; spawn -> 'booted' minus guest uptime): launcher {:.2} {}, fair bare {:.2} {}, minimal {:.2} {}",
+        median(&pre(&launcher)),
+        runs(&pre(&launcher)),
+        median(&pre(&fair)),
+        runs(&pre(&fair)),
+        median(&pre(&minimal)),
+        runs(&pre(&minimal))
+    );
+    println!(
+        "BENCH   launcher path (s from spawn): 'capk-launcher starting' {} 'qemu started' {} 'QMP connected' {}; fair bare QMP greeting {}",
+        runs(&launcher_start),
+        runs(&exec_at),
+        runs(&col(&launcher, |b| b.qmp)),
+        runs(&col(&fair, |b| b.qmp)),
+    );
+    println!(
+        "BENCH   guest uptime at 'booted': launcher {:.2} {}, fair bare {:.2} {}, minimal {:.2} {}",
+        median(&col(&launcher, |b| b.booted_uptime)),
+        runs(&col(&launcher, |b| b.booted_uptime)),
+        median(&col(&fair, |b| b.booted_uptime)),
+        runs(&col(&fair, |b| b.booted_uptime)),
+        median(&col(&minimal, |b| b.booted_uptime)),
+        runs(&col(&minimal, |b| b.booted_uptime)),
+    );
+    println!(
+        "BENCH   QEMU CPU seconds at 'booted': launcher {:.2} {}, fair bare {:.2} {}, minimal {:.2} {}; the launcher's own CPU by then {}",
+        median(&col(&launcher, |b| b.booted_cpu)),
+        runs(&col(&launcher, |b| b.booted_cpu)),
+        median(&col(&fair, |b| b.booted_cpu)),
+        runs(&col(&fair, |b| b.booted_cpu)),
+        median(&col(&minimal, |b| b.booted_cpu)),
+        runs(&col(&minimal, |b| b.booted_cpu)),
+        runs(&launcher_cpu),
+    );
+    println!(
+        "BENCH   1-min load average at each start: launcher {}, fair bare {}, minimal {}",
+        runs(&col(&launcher, |b| b.load)),
+        runs(&col(&fair, |b| b.load)),
+        runs(&col(&minimal, |b| b.load)),
+    );
+    println!(
+        "BENCH guest DHCP lease (s from spawn): launcher {:.2} {}, fair bare (slirp) {:.2} {}",
+        median(&col(&launcher, |b| b.lease)),
+        runs(&col(&launcher, |b| b.lease)),
+        median(&col(&fair, |b| b.lease)),
+        runs(&col(&fair, |b| b.lease)),
+    );
+    println!(
+        "BENCH   guest-side 'booted' -> 'dhcp-done' (guest uptime): launcher {:.2} {}, fair bare (slirp) {:.2} {}",
+        median(&net(&launcher)),
+        runs(&net(&launcher)),
+        median(&net(&fair)),
+        runs(&net(&fair)),
+    );
+    println!(
+        "BENCH   launcher DHCP replies (s from spawn): Offer {} Ack {}",
+        runs(&offer),
+        runs(&ack)
+    );
+    println!(
+        "BENCH launcher RSS while the VM runs: {:.1} MiB (runs {})",
+        median(&rss),
+        runs(&rss)
+    );
     println!(
         "BENCH QEMU RSS while the VM runs (guest RAM it touched + QEMU's own, TCG): {:.1} MiB",
-        median(&mut qemu_rss)
+        median(&qemu_rss)
     );
 }
