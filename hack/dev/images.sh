@@ -1,0 +1,229 @@
+#!/usr/bin/env bash
+# Every image the local management cluster needs for the Cluster API + CAPK journey, built here and
+# imported into the dev containerd (namespace k8s.io), so the kubelet never pulls (issue 6;
+# REFERENCE.md §7). No registry is involved.
+#
+#   bash hack/dev/images.sh              build what changed, import what containerd lacks
+#   bash hack/dev/images.sh --no-import  build only (no running local MC needed)
+#
+# Images (names also written to _output/dev/images.env as shell variables):
+#   capk-controller:dev, capk-launcher:dev   `buildah build` of Dockerfile.controller and
+#       Dockerfile.launcher (the files a Docker user builds), FROM the local rust:1-bookworm and
+#       debian:bookworm-slim of images/base/. containerd stores them as docker.io/library/…:dev,
+#       which is what the manifests' short names resolve to.
+#   localhost/capk/{cluster-api-controller,kubeadm-bootstrap-controller,
+#       kubeadm-control-plane-controller}:$CAPI_VERSION   the static Go managers of
+#       hack/build-capi.sh at /manager, like upstream's distroless images.
+#   localhost/capk/test-guest:<sha256 prefix of the disk>   a node image: the test guest's bootable
+#       disk at /disk/image.qcow2, FROM scratch (the machine Pod's init container brings busybox).
+#
+# Idempotent and cheap when nothing changed: every image carries a label with the hash of its
+# inputs (for the Rust images: the git tree of the crates, Cargo files and Dockerfile, plus the ids
+# of the two base images); a build runs only when no image with that label exists, an import only
+# when containerd lacks the name with that label. Cargo's registry and target directory are
+# buildah cache mounts (/var/tmp/buildah-cache, outside the clone), so a rebuild compiles only
+# what changed, also in a fresh clone. Buildah storage: _output/buildah (vfs), as images/base/.
+set -euo pipefail
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+# shellcheck source=../versions.env
+source "$ROOT/hack/versions.env"
+
+IMPORT=1
+case ${1:-} in
+  --no-import) IMPORT=0 ;;
+  "") ;;
+  *) die "usage: $0 [--no-import]" ;;
+esac
+
+BUILDAH=(buildah --root "$OUT/buildah/storage" --runroot "$OUT/buildah/run" --storage-driver vfs)
+WORK=$OUT/images/dev
+IMAGES_ENV=$DEV/images.env
+LABEL=dev.capk.inputs
+# Part of the input hashes: a change of how this script builds an image rebuilds it. The Rust
+# images take a version of their build command instead (bump it when the buildah flags change),
+# so that editing this script does not cost two release builds.
+SCRIPT_SUM=$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-16)
+RUST_RECIPE=1
+
+CONTROLLER_IMAGE=capk-controller:dev
+LAUNCHER_IMAGE=capk-launcher:dev
+CAPI_CORE_IMAGE=localhost/capk/cluster-api-controller:$CAPI_VERSION
+CAPI_BOOTSTRAP_IMAGE=localhost/capk/kubeadm-bootstrap-controller:$CAPI_VERSION
+CAPI_CONTROL_PLANE_IMAGE=localhost/capk/kubeadm-control-plane-controller:$CAPI_VERSION
+
+t0=$SECONDS
+[[ $(id -u) == 0 ]] || die "needs root (buildah, containerd)"
+for tool in buildah ctr file git sha256sum; do
+  command -v "$tool" >/dev/null || die "'$tool' not found: apt-get install \$(grep -v '^#' hack/debian-packages.txt)"
+done
+if ((IMPORT)); then
+  ctr --address "$CONTAINERD_SOCK" version >/dev/null 2>&1 ||
+    die "the local MC's containerd does not answer on ${CONTAINERD_SOCK#"$ROOT"/}: make dev-up first (or --no-import)"
+fi
+mkdir -p "$WORK" "$DEV"
+HOST_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
+[[ -s $HOST_CA_BUNDLE ]] || die "$HOST_CA_BUNDLE missing: apt-get install ca-certificates"
+
+# --- inputs built elsewhere (each script skips what it already did) --------------------------------
+bash "$ROOT/images/base/build.sh"
+bash "$ROOT/images/base/rust.sh"
+bash "$ROOT/hack/build-capi.sh" capi-manager kubeadm-bootstrap-manager kubeadm-control-plane-manager >&2
+bash "$ROOT/hack/prepare.d/40-test-guest.sh" >&2
+
+# --- helpers --------------------------------------------------------------------------------------
+image_id() { "${BUILDAH[@]}" inspect --type image --format '{{.FromImageID}}' "$1"; }
+# The input label of a buildah image, empty when the image or the label is missing.
+image_label() { "${BUILDAH[@]}" inspect --type image --format "{{index .OCIv1.Config.Labels \"$LABEL\"}}" "$1" 2>/dev/null || true; }
+
+# drop_replaced OLD_ID NAME: after NAME was rebuilt, remove the image it named before (vfs storage
+# keeps full copies), unless another name still refers to it.
+drop_replaced() {
+  [[ -n $1 && $1 != "$(image_id "$2")" ]] || return 0
+  "${BUILDAH[@]}" rmi "$1" >/dev/null 2>&1 || true
+}
+
+# tree_hash PATH...: git tree id of these paths as they are in the work tree (tracked changes and
+# untracked files included, .gitignore'd ones not), via a throwaway index.
+tree_hash() {
+  local idx
+  idx=$(mktemp "$WORK/index.XXXXXX")
+  rm -f "$idx"
+  (cd "$ROOT" && GIT_INDEX_FILE=$idx git add -A -- "$@" && GIT_INDEX_FILE=$idx git write-tree)
+  rm -f "$idx"
+}
+
+# import BUILDAH_NAME CONTAINERD_NAME KEY: into containerd's k8s.io namespace unless it has the
+# name with this input label already.
+import() {
+  local src=$1 dst=$2 key=$3 archive
+  ((IMPORT)) || return 0
+  if ctr_k8s images ls -q "name==$dst,labels.\"$LABEL\"==$key" | grep -qxF "$dst"; then
+    log "containerd has $dst"
+    return 0
+  fi
+  local start=$SECONDS
+  archive=$WORK/import.tar
+  rm -f "$archive"
+  "${BUILDAH[@]}" push --quiet "$src" "docker-archive:$archive:$dst" >/dev/null
+  ctr_k8s images import "$archive" >/dev/null
+  rm -f "$archive"
+  # The archive also carries buildah's own name (localhost/NAME); containerd needs only DST.
+  [[ $src == "$dst" ]] || ctr_k8s images rm "$src" >/dev/null 2>&1 || true
+  ctr_k8s images label "$dst" "$LABEL=$key" >/dev/null
+  ctr_k8s images ls -q "name==$dst,labels.\"$LABEL\"==$key" | grep -qxF "$dst" || die "import did not produce $dst"
+  log "imported $dst into containerd in $((SECONDS - start))s"
+}
+
+# --- capk-controller and capk-launcher: buildah build of the Dockerfiles ----------------------------
+# rust_image NAME DOCKERFILE CRATE_DIR...: the crates the binary is built from; every workspace
+# member's Cargo.toml is an input too (cargo reads them all).
+rust_image() {
+  local name=$1 dockerfile=$2 key log start old
+  shift 2
+  local manifests=()
+  mapfile -t manifests < <(cd "$ROOT" && ls -- */Cargo.toml)
+  key=$(printf '%s\n' "tree $(tree_hash Cargo.toml Cargo.lock "${manifests[@]}" .dockerignore "$dockerfile" "$@")" \
+    "rust $(image_id rust:1-bookworm)" "base $(image_id debian:bookworm-slim)" "recipe $RUST_RECIPE" | sha256sum | cut -c1-32)
+  if [[ $(image_label "localhost/$name") == "$key" ]]; then
+    log "buildah has $name (inputs $key)"
+  else
+    log "building $name from $dockerfile (log ${WORK#"$ROOT"/}/${name%%:*}.build.log)"
+    start=$SECONDS
+    old=$(image_id "localhost/$name" 2>/dev/null || true)
+    log=$WORK/${name%%:*}.build.log
+    # chroot isolation shares the host's network: cargo reaches the crate registry and apt the Debian
+    # mirror of the base image's sources.list. The RUN steps see the host's CA bundle (read-only,
+    # not part of any layer): on a network that inspects TLS, the host trusts a CA that Debian's
+    # bundle in the image lacks. --pull=never: FROM names resolve to images/base/'s.
+    if ! "${BUILDAH[@]}" build --pull=never --isolation chroot --network host --layers=false --force-rm \
+      --volume "$HOST_CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt:ro" \
+      --label "$LABEL=$key" -f "$ROOT/$dockerfile" -t "localhost/$name" "$ROOT" >"$log" 2>&1; then
+      tail -n 30 "$log" >&2
+      die "buildah build of $dockerfile failed (log ${log#"$ROOT"/})"
+    fi
+    drop_replaced "$old" "localhost/$name"
+    log "built $name in $((SECONDS - start))s"
+  fi
+  import "localhost/$name" "docker.io/library/$name" "$key"
+}
+rust_image "$CONTROLLER_IMAGE" Dockerfile.controller api bootstrap controller
+rust_image "$LAUNCHER_IMAGE" Dockerfile.launcher bootstrap launcher
+
+# --- Cluster API managers: static binaries at /manager -----------------------------------------------
+# What upstream's gcr.io/distroless/static:nonroot image gives them: /etc/passwd and /etc/group with
+# nonroot (65532), a world-writable /tmp, the CA bundle (Debian's, from the base image's rootfs).
+capi_image() {
+  local name=$1 bin=$BIN/$2 key stage ctr old
+  [[ -x $bin ]] || die "$bin missing: bash hack/build-capi.sh $2"
+  file -L "$bin" | grep -q 'statically linked' || die "$bin is not statically linked (CGO_ENABLED=0 in hack/build-capi.sh)"
+  key=$(printf '%s\n' "bin $(sha256sum <"$bin" | cut -d' ' -f1)" "recipe $SCRIPT_SUM" | sha256sum | cut -c1-32)
+  if [[ $(image_label "$name") == "$key" ]]; then
+    log "buildah has $name"
+  else
+    old=$(image_id "$name" 2>/dev/null || true)
+    stage=$WORK/capi-rootfs
+    rm -rf "$stage"
+    mkdir -p "$stage/etc/ssl/certs" "$stage/tmp"
+    chmod 1777 "$stage/tmp"
+    printf 'root:x:0:0:root:/root:/sbin/nologin\nnonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n' >"$stage/etc/passwd"
+    printf 'root:x:0:\nnonroot:x:65532:\n' >"$stage/etc/group"
+    tar -xOf "$OUT/images/base/rootfs.tar" ./etc/ssl/certs/ca-certificates.crt >"$stage/etc/ssl/certs/ca-certificates.crt"
+    install -m 0755 "$bin" "$stage/manager"
+    tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$stage" -cf "$WORK/capi-layer.tar" .
+    ctr=$("${BUILDAH[@]}" from --pull=never scratch)
+    "${BUILDAH[@]}" add "$ctr" "$WORK/capi-layer.tar" / >/dev/null
+    "${BUILDAH[@]}" config --entrypoint '["/manager"]' --workingdir / --user 65532:65532 \
+      --label "$LABEL=$key" --label "org.opencontainers.image.version=$CAPI_VERSION" \
+      --label "org.opencontainers.image.description=Cluster API $2 $CAPI_VERSION, built by hack/build-capi.sh from the Go module proxy" "$ctr"
+    "${BUILDAH[@]}" commit --quiet --rm "$ctr" "$name" >/dev/null
+    rm -rf "$stage" "$WORK/capi-layer.tar"
+    drop_replaced "$old" "$name"
+    log "built $name"
+  fi
+  import "$name" "$name" "$key"
+}
+capi_image "$CAPI_CORE_IMAGE" capi-manager
+capi_image "$CAPI_BOOTSTRAP_IMAGE" kubeadm-bootstrap-manager
+capi_image "$CAPI_CONTROL_PLANE_IMAGE" kubeadm-control-plane-manager
+
+# --- the node image: the test guest's bootable disk --------------------------------------------------
+disk=$OUT/test-guest/boot.qcow2
+[[ -f $disk ]] || die "$disk missing: bash hack/prepare.d/40-test-guest.sh"
+disk_sum=$(sha256sum "$disk" | cut -d' ' -f1)
+TEST_GUEST_IMAGE=localhost/capk/test-guest:${disk_sum:0:12}
+key=$(printf '%s\n' "disk $disk_sum" "recipe $SCRIPT_SUM" | sha256sum | cut -c1-32)
+if [[ $(image_label "$TEST_GUEST_IMAGE") == "$key" ]]; then
+  log "buildah has $TEST_GUEST_IMAGE"
+else
+  old=$(image_id "$TEST_GUEST_IMAGE" 2>/dev/null || true)
+  ctr=$("${BUILDAH[@]}" from --pull=never scratch)
+  "${BUILDAH[@]}" copy --chown 0:0 --chmod 0644 "$ctr" "$disk" /disk/image.qcow2 >/dev/null
+  "${BUILDAH[@]}" config --label "$LABEL=$key" \
+    --label "org.opencontainers.image.description=CAPK test guest bootable disk (images/test-guest) at /disk/image.qcow2, sha256 $disk_sum" "$ctr"
+  "${BUILDAH[@]}" commit --quiet --rm "$ctr" "$TEST_GUEST_IMAGE" >/dev/null
+  drop_replaced "$old" "$TEST_GUEST_IMAGE"
+  log "built $TEST_GUEST_IMAGE"
+fi
+# Older test-guest tags in buildah storage go (containerd keeps its copies: Pods may use them).
+for old in $("${BUILDAH[@]}" images --format '{{.Name}}:{{.Tag}}'); do
+  [[ $old == localhost/capk/test-guest:* && $old != "$TEST_GUEST_IMAGE" ]] || continue
+  "${BUILDAH[@]}" rmi "$old" >/dev/null && log "removed $old from buildah storage"
+done
+import "$TEST_GUEST_IMAGE" "$TEST_GUEST_IMAGE" "$key"
+
+# --- names for manifests and clusterctl -------------------------------------------------------------
+tmp=$(mktemp "$IMAGES_ENV.XXXXXX")
+cat >"$tmp" <<EOF
+# Written by hack/dev/images.sh: images in the local MC's containerd (never pulled; use
+# imagePullPolicy IfNotPresent). The variable names are the ones the manifests substitute.
+CAPK_CONTROLLER_IMAGE=$CONTROLLER_IMAGE
+CAPK_LAUNCHER_IMAGE=$LAUNCHER_IMAGE
+CAPI_CORE_IMAGE=$CAPI_CORE_IMAGE
+CAPI_KUBEADM_BOOTSTRAP_IMAGE=$CAPI_BOOTSTRAP_IMAGE
+CAPI_KUBEADM_CONTROL_PLANE_IMAGE=$CAPI_CONTROL_PLANE_IMAGE
+CAPK_TEST_GUEST_IMAGE=$TEST_GUEST_IMAGE
+CAPK_TEST_GUEST_IMAGE_PATH=/disk/image.qcow2
+EOF
+if [[ -f $IMAGES_ENV ]] && cmp -s "$tmp" "$IMAGES_ENV"; then rm -f "$tmp"; else mv "$tmp" "$IMAGES_ENV"; fi
+log "images ready in $((SECONDS - t0))s; names in ${IMAGES_ENV#"$ROOT"/}"
