@@ -180,6 +180,34 @@ fn clusterctl(args: &[&str], env: &[(&str, &str)]) -> Result<String> {
     Ok(String::from_utf8(out.stdout)?)
 }
 
+/// `clusterctl init --infrastructure kvm` with no variables set: every variable of the
+/// components has a default clusterctl accepts (it calls `${VAR:=}` unset), and the optional
+/// settings come out empty, i.e. all namespaces and Flatcar.
+#[test]
+fn clusterctl_processes_the_components_with_no_variables_set() -> Result<()> {
+    let dir = release_dir()?;
+    let file = dir.join("infrastructure-components.yaml");
+    let objs = docs(&clusterctl(
+        &["generate", "yaml", "--from", &file.to_string_lossy()],
+        &[],
+    )?)?;
+    let deploy = objs
+        .iter()
+        .find(|o| o["kind"] == "Deployment")
+        .context("the manager Deployment")?;
+    let manager = &deploy["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(manager["image"], "capk-controller:dev");
+    let env = |name: &str| {
+        manager["env"]
+            .as_array()
+            .and_then(|e| e.iter().find(|v| v["name"] == name))
+            .map(|v| v["value"].clone())
+    };
+    assert_eq!(env("CAPK_NAMESPACE"), Some(json!("")));
+    assert_eq!(env("CAPK_DEFAULT_NODE_IMAGE"), Some(json!("")));
+    Ok(())
+}
+
 /// The variables `clusterctl generate cluster --list-variables` calls required.
 fn required_variables(listing: &str) -> Vec<String> {
     listing
