@@ -42,7 +42,11 @@ struct Cli {
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
     /// Container image of capk-launcher used for machine Pods (a concrete tag).
-    #[arg(long, env = "CAPK_LAUNCHER_IMAGE", default_value = "capk-launcher:dev")]
+    #[arg(
+        long,
+        env = "CAPK_LAUNCHER_IMAGE",
+        default_value = "localhost/capk/capk-launcher:dev"
+    )]
     launcher_image: String,
     /// Flatcar version for KVMMachines that name no image.
     #[arg(long, default_value = "current")]

@@ -277,7 +277,7 @@ async fn the_kvmmachine_follows_its_pod_from_pending_to_bootstrapped() -> Result
         json!({"status": {"phase": "Running", "podIP": "10.244.1.7",
             "conditions": [{"type": "PodScheduled", "status": "True"}],
             "containerStatuses": [{"name": "launcher", "ready": ready, "restartCount": 0,
-                "image": "capk-launcher:dev", "imageID": "",
+                "image": "localhost/capk/capk-launcher:dev", "imageID": "",
                 "state": {"running": {"startedAt": "2026-11-22T07:00:00Z"}}}]}})
     };
     pods.patch_status(

@@ -149,7 +149,7 @@ pub struct MachineDefaults {
 impl Default for MachineDefaults {
     fn default() -> Self {
         Self {
-            launcher_image: "capk-launcher:dev".into(),
+            launcher_image: "localhost/capk/capk-launcher:dev".into(),
             flatcar_version: "current".into(),
             default_node_image: None,
             docker_volume_bytes: 10 << 30,
@@ -1108,7 +1108,10 @@ mod tests {
         let plain = kvm_machine("plain", json!({"resources": resources}));
         assert_eq!(
             init_images(&plain),
-            ["capk-launcher:dev", "localhost/capk/test-guest:dev"],
+            [
+                "localhost/capk/capk-launcher:dev",
+                "localhost/capk/test-guest:dev"
+            ],
             "a machine without spec.image boots the default node image"
         );
         let flatcar = kvm_machine(
