@@ -7,10 +7,9 @@
 #   bash hack/dev/images.sh --no-import  build only (no running local MC needed)
 #
 # Images (names also written to _output/dev/images.env as shell variables):
-#   capk-controller:dev, capk-launcher:dev   `buildah build` of Dockerfile.controller and
+#   localhost/capk/capk-{controller,launcher}:dev   `buildah build` of Dockerfile.controller and
 #       Dockerfile.launcher (the files a Docker user builds), FROM the local rust:1-bookworm and
-#       debian:bookworm-slim of images/base/. containerd stores them as docker.io/library/…:dev,
-#       which is what the manifests' short names resolve to.
+#       debian:bookworm-slim of images/base/: the manifests' default (canonical) names.
 #   localhost/capk/{cluster-api-controller,kubeadm-bootstrap-controller,
 #       kubeadm-control-plane-controller}:$CAPI_VERSION   the static Go managers of
 #       hack/build-capi.sh at /manager, like upstream's distroless images.
@@ -46,8 +45,8 @@ LABEL=dev.capk.inputs
 SCRIPT_SUM=$(sha256sum "${BASH_SOURCE[0]}" | cut -c1-16)
 RUST_RECIPE=1
 
-CONTROLLER_IMAGE=capk-controller:dev
-LAUNCHER_IMAGE=capk-launcher:dev
+CONTROLLER_IMAGE=localhost/capk/capk-controller:dev
+LAUNCHER_IMAGE=localhost/capk/capk-launcher:dev
 CAPI_CORE_IMAGE=localhost/capk/cluster-api-controller:$CAPI_VERSION
 CAPI_BOOTSTRAP_IMAGE=localhost/capk/kubeadm-bootstrap-controller:$CAPI_VERSION
 CAPI_CONTROL_PLANE_IMAGE=localhost/capk/kubeadm-control-plane-controller:$CAPI_VERSION
@@ -108,44 +107,46 @@ import() {
   "${BUILDAH[@]}" push --quiet "$src" "docker-archive:$archive:$dst" >/dev/null
   ctr_k8s images import "$archive" >/dev/null
   rm -f "$archive"
-  # The archive also carries buildah's own name (localhost/NAME); containerd needs only DST.
-  [[ $src == "$dst" ]] || ctr_k8s images rm "$src" >/dev/null 2>&1 || true
   ctr_k8s images label "$dst" "$LABEL=$key" >/dev/null
   ctr_k8s images ls -q "name==$dst,labels.\"$LABEL\"==$key" | grep -qxF "$dst" || die "import did not produce $dst"
   log "imported $dst into containerd in $((SECONDS - start))s"
 }
 
 # --- capk-controller and capk-launcher: buildah build of the Dockerfiles ----------------------------
-# rust_image NAME DOCKERFILE CRATE_DIR...: the crates the binary is built from; every workspace
-# member's Cargo.toml is an input too (cargo reads them all).
+# rust_image NAME DOCKERFILE CRATE_DIR...: the crates the binary is built from, of which only src/
+# counts (tests, benches, fuzz targets and docs are not in a release binary; none of the crates has
+# a build script or includes a file from elsewhere); every workspace member's Cargo.toml is an input
+# too (cargo reads them all).
 rust_image() {
-  local name=$1 dockerfile=$2 key log start old
+  local name=$1 dockerfile=$2 key logfile start old crate
   shift 2
   local manifests=()
   mapfile -t manifests < <(cd "$ROOT" && ls -- */Cargo.toml)
-  key=$(printf '%s\n' "tree $(tree_hash Cargo.toml Cargo.lock "${manifests[@]}" .dockerignore "$dockerfile" "$@")" \
+  local sources=()
+  for crate in "$@"; do sources+=("$crate/src"); done
+  key=$(printf '%s\n' "tree $(tree_hash Cargo.toml Cargo.lock "${manifests[@]}" .dockerignore "$dockerfile" "${sources[@]}")" \
     "rust $(image_id rust:1-bookworm)" "base $(image_id debian:bookworm-slim)" "recipe $RUST_RECIPE" | sha256sum | cut -c1-32)
-  if [[ $(image_label "localhost/$name") == "$key" ]]; then
+  if [[ $(image_label "$name") == "$key" ]]; then
     log "buildah has $name (inputs $key)"
   else
-    log "building $name from $dockerfile (log ${WORK#"$ROOT"/}/${name%%:*}.build.log)"
+    logfile=$WORK/$(basename "${name%%:*}").build.log
+    log "building $name from $dockerfile (log ${logfile#"$ROOT"/})"
     start=$SECONDS
-    old=$(image_id "localhost/$name" 2>/dev/null || true)
-    log=$WORK/${name%%:*}.build.log
+    old=$(image_id "$name" 2>/dev/null || true)
     # chroot isolation shares the host's network: cargo reaches the crate registry and apt the Debian
     # mirror of the base image's sources.list. The RUN steps see the host's CA bundle (read-only,
     # not part of any layer): on a network that inspects TLS, the host trusts a CA that Debian's
     # bundle in the image lacks. --pull=never: FROM names resolve to images/base/'s.
     if ! "${BUILDAH[@]}" build --pull=never --isolation chroot --network host --layers=false --force-rm \
       --volume "$HOST_CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt:ro" \
-      --label "$LABEL=$key" -f "$ROOT/$dockerfile" -t "localhost/$name" "$ROOT" >"$log" 2>&1; then
-      tail -n 30 "$log" >&2
-      die "buildah build of $dockerfile failed (log ${log#"$ROOT"/})"
+      --label "$LABEL=$key" -f "$ROOT/$dockerfile" -t "$name" "$ROOT" >"$logfile" 2>&1; then
+      tail -n 30 "$logfile" >&2
+      die "buildah build of $dockerfile failed (log ${logfile#"$ROOT"/})"
     fi
-    drop_replaced "$old" "localhost/$name"
+    drop_replaced "$old" "$name"
     log "built $name in $((SECONDS - start))s"
   fi
-  import "localhost/$name" "docker.io/library/$name" "$key"
+  import "$name" "$name" "$key"
 }
 rust_image "$CONTROLLER_IMAGE" Dockerfile.controller api bootstrap controller
 rust_image "$LAUNCHER_IMAGE" Dockerfile.launcher bootstrap launcher
