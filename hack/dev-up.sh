@@ -8,7 +8,10 @@
 # locally built pause image, kubelet (cgroupfs, cgroup v1, image GC off), a bridge CNI and
 # kube-proxy (iptables mode), all as background processes with pid files in _output/dev/run and
 # logs in _output/dev/logs. Idempotent: what runs already is left alone; state (etcd, certificates)
-# is kept across dev-down/dev-up.
+# is kept across dev-down/dev-up. Then (unless CAPK_DEV_PROVIDERS=0) the images of this provider,
+# Cluster API and cert-manager built here (hack/dev/images.sh, hack/dev/cert-manager.sh), the real
+# `clusterctl init` of Cluster API and CAPK from a local repository (hack/dev/capi.sh), and a sample
+# cluster whose control-plane VM boots (hack/dev/sample.sh; CAPK_DEV_SAMPLE=0 skips it).
 #
 # Network: the apiserver and kubelet listen on the node bridge's address (capk0, 10.240.0.1), the
 # rest on loopback. Pods get routes to their own subnet and the service range only, the CNI does no
@@ -263,6 +266,17 @@ kc wait --for=condition=Ready pod/capk-dev-smoke --timeout=120s >/dev/null || {
 }
 pod_ip=$(kc get pod capk-dev-smoke -o 'jsonpath={.status.podIP}')
 log "smoke pod Running with IP $pod_ip"
+
+# --- Cluster API, this provider, a sample cluster ----------------------------------------------------
+# Images built here (never pulled), cert-manager, then the real `clusterctl init` from a local
+# repository, then a sample workload cluster whose control-plane VM boots. Each step skips what is
+# done. CAPK_DEV_PROVIDERS=0: the bare cluster only; CAPK_DEV_SAMPLE=0: no sample cluster.
+if [[ ${CAPK_DEV_PROVIDERS:-1} != 0 ]]; then
+  bash "$ROOT/hack/dev/images.sh"
+  bash "$ROOT/hack/dev/cert-manager.sh"
+  bash "$ROOT/hack/dev/capi.sh" >/dev/null
+  [[ ${CAPK_DEV_SAMPLE:-1} == 0 ]] || bash "$ROOT/hack/dev/sample.sh"
+fi
 
 cat <<EOF
 

@@ -10,7 +10,7 @@ use kube::{
 };
 use serde::{Serialize, de::DeserializeOwned};
 use serde_json::json;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::{
     context::{Context, FIELD_MANAGER},
@@ -56,8 +56,13 @@ where
     ctx.metrics.object(kind, obj.meta(), gone);
     if let Err(e) = &result {
         ctx.metrics.failed(kind, e.category());
-        warn!(error = %e, "reconcile failed");
-        publish(ctx, obj, EventType::Warning, e.category(), e.to_string()).await;
+        if e.is_conflict() {
+            // Someone else wrote the object first; the retry reads the new version.
+            debug!(error = %e, "reconcile lost a write race; retrying");
+        } else {
+            warn!(error = %e, "reconcile failed");
+            publish(ctx, obj, EventType::Warning, e.category(), e.to_string()).await;
+        }
     }
     result
 }

@@ -34,7 +34,7 @@ CAPI_SRC=$(GOFLAGS=-mod=mod go mod download -json "sigs.k8s.io/cluster-api@$CAPI
 [[ -f $DEV/images.env ]] || die "${DEV#"$ROOT"/}/images.env missing: run 'bash hack/dev/images.sh' first"
 # shellcheck source=/dev/null
 source "$DEV/images.env"
-for v in CAPI_CORE_IMAGE CAPI_BOOTSTRAP_IMAGE CAPI_CONTROL_PLANE_IMAGE CAPK_CONTROLLER_IMAGE CAPK_LAUNCHER_IMAGE CAPK_NODE_IMAGE; do
+for v in CAPI_CORE_IMAGE CAPI_KUBEADM_BOOTSTRAP_IMAGE CAPI_KUBEADM_CONTROL_PLANE_IMAGE CAPK_CONTROLLER_IMAGE CAPK_LAUNCHER_IMAGE CAPK_TEST_GUEST_IMAGE; do
   [[ -n ${!v:-} ]] || die "$v not set in ${DEV#"$ROOT"/}/images.env (hack/dev/images.sh writes it)"
 done
 
@@ -55,8 +55,8 @@ component() {
   cp "$CAPI_SRC/metadata.yaml" "$(dirname "$out")/metadata.yaml"
 }
 component core "cluster-api/$CAPI_VERSION/core-components.yaml" "$CAPI_CORE_IMAGE"
-component bootstrap/kubeadm "bootstrap-kubeadm/$CAPI_VERSION/bootstrap-components.yaml" "$CAPI_BOOTSTRAP_IMAGE"
-component controlplane/kubeadm "control-plane-kubeadm/$CAPI_VERSION/control-plane-components.yaml" "$CAPI_CONTROL_PLANE_IMAGE"
+component bootstrap/kubeadm "bootstrap-kubeadm/$CAPI_VERSION/bootstrap-components.yaml" "$CAPI_KUBEADM_BOOTSTRAP_IMAGE"
+component controlplane/kubeadm "control-plane-kubeadm/$CAPI_VERSION/control-plane-components.yaml" "$CAPI_KUBEADM_CONTROL_PLANE_IMAGE"
 rm -rf "$REPO/infrastructure-kvm"
 mkdir -p "$REPO/infrastructure-kvm"
 cp -r "$OUT/release/infrastructure-kvm/$CAPK_VERSION" "$REPO/infrastructure-kvm/"
@@ -90,7 +90,7 @@ EXP_KUBEADM_BOOTSTRAP_FORMAT_IGNITION: "true"
 CLUSTER_TOPOLOGY: "true"
 CAPK_CONTROLLER_IMAGE: "$CAPK_CONTROLLER_IMAGE"
 CAPK_LAUNCHER_IMAGE: "$CAPK_LAUNCHER_IMAGE"
-CAPK_DEFAULT_NODE_IMAGE: "$CAPK_NODE_IMAGE"
+CAPK_DEFAULT_NODE_IMAGE: "$CAPK_TEST_GUEST_IMAGE"
 EOF
 export CLUSTERCTL_DISABLE_VERSIONCHECK=true
 # The digest of what init would install; kept as an annotation-free stamp under _output/dev.

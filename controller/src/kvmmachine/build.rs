@@ -504,6 +504,12 @@ pub fn machine_pod(
             name: Some(pod_name(km)),
             namespace: km.meta().namespace.clone(),
             labels: Some(labels(km, facts)),
+            // `kubectl logs|exec POD` go to the launcher (the console, capk-launcher status)
+            // without `-c launcher` and without naming the init containers.
+            annotations: Some(BTreeMap::from([(
+                "kubectl.kubernetes.io/default-container".to_owned(),
+                "launcher".to_owned(),
+            )])),
             owner_references: km.controller_owner_ref(&()).map(|o| vec![o]),
             ..Default::default()
         },
