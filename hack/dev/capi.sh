@@ -121,6 +121,19 @@ else
   fi
   echo "$digest" >"$RUN/capi.digest"
 fi
+# Images rebuilt under the same tag (…:dev): the running managers still use the old ones, so a
+# change of any manager image's digest in containerd restarts the Deployments.
+image_digests=$(for i in "$CAPI_CORE_IMAGE" "$CAPI_KUBEADM_BOOTSTRAP_IMAGE" "$CAPI_KUBEADM_CONTROL_PLANE_IMAGE" "$CAPK_CONTROLLER_IMAGE"; do
+  ctr_k8s images ls "name==$i" | awk 'NR > 1 {print $1, $3}'
+done | sha256sum | cut -c1-16)
+if [[ -f $RUN/capi.images && $(<"$RUN/capi.images") != "$image_digests" ]]; then
+  log "manager images changed: restarting the Deployments"
+  for d in capi-system/capi-controller-manager capi-kubeadm-bootstrap-system/capi-kubeadm-bootstrap-controller-manager \
+    capi-kubeadm-control-plane-system/capi-kubeadm-control-plane-controller-manager capk-system/capk-controller-manager; do
+    kc -n "${d%/*}" rollout restart "deployment/${d#*/}" >/dev/null
+  done
+fi
+echo "$image_digests" >"$RUN/capi.images"
 for d in capi-system/capi-controller-manager capi-kubeadm-bootstrap-system/capi-kubeadm-bootstrap-controller-manager \
   capi-kubeadm-control-plane-system/capi-kubeadm-control-plane-controller-manager capk-system/capk-controller-manager; do
   kc -n "${d%/*}" rollout status "deployment/${d#*/}" --timeout=300s >/dev/null ||
