@@ -64,6 +64,11 @@ struct Cli {
     /// Require control-plane machine Pods of one cluster on different MC nodes (default: prefer).
     #[arg(long)]
     require_control_plane_anti_affinity: bool,
+    /// vCPUs per requested core of a machine Pod. 1 (default): a dedicated core per vCPU,
+    /// Guaranteed QoS. N > 1: each vCPU requests 1/N core and the CPU is not limited (overcommit,
+    /// like KubeVirt's cpuAllocationRatio), for dense test and development clusters.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    cpu_allocation_ratio: u32,
     /// How KVMMachines with `spec.image.containerImage` get their disk.
     #[arg(long, value_enum, default_value = "host-cache")]
     node_image_source: NodeImageSource,
@@ -154,6 +159,7 @@ async fn main() -> anyhow::Result<()> {
             default_node_image: Some(cli.default_node_image.trim().to_owned())
                 .filter(|i| !i.is_empty()),
             require_control_plane_anti_affinity: cli.require_control_plane_anti_affinity,
+            cpu_allocation_ratio: cli.cpu_allocation_ratio,
             node_image_source: match cli.node_image_source {
                 NodeImageSource::HostCache => build::NodeImageSource::HostCache,
                 NodeImageSource::ImageVolume => build::NodeImageSource::ImageVolume,

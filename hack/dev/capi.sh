@@ -91,6 +91,8 @@ CLUSTER_TOPOLOGY: "true"
 CAPK_CONTROLLER_IMAGE: "$CAPK_CONTROLLER_IMAGE"
 CAPK_LAUNCHER_IMAGE: "$CAPK_LAUNCHER_IMAGE"
 CAPK_DEFAULT_NODE_IMAGE: "$CAPK_TEST_GUEST_IMAGE"
+# One node with 2 cores: a vCPU requests a tenth of a core, or only one VM would fit.
+CAPK_CPU_ALLOCATION_RATIO: "10"
 EOF
 export CLUSTERCTL_DISABLE_VERSIONCHECK=true
 # The digest of what init would install; kept as an annotation-free stamp under _output/dev.

@@ -144,6 +144,9 @@ pub struct MachineDefaults {
     pub require_control_plane_anti_affinity: bool,
     /// How container-image node images reach the Pod.
     pub node_image_source: NodeImageSource,
+    /// vCPUs per requested core: 1 dedicates a core to each vCPU (Guaranteed QoS); N > 1
+    /// requests 1/N core per vCPU and sets no CPU limit.
+    pub cpu_allocation_ratio: u32,
 }
 
 impl Default for MachineDefaults {
@@ -157,6 +160,7 @@ impl Default for MachineDefaults {
             etcd_volume_bytes: 10 << 30,
             require_control_plane_anti_affinity: false,
             node_image_source: NodeImageSource::default(),
+            cpu_allocation_ratio: 1,
         }
     }
 }
@@ -443,14 +447,21 @@ pub fn machine_pod(
     }
 
     let overhead_bytes = overhead::memory_bytes(vcpus, memory);
-    let cpu_millis = vcpus * 1000 + overhead::CPU_MILLIS;
-    let resources = BTreeMap::from([
+    // One whole core per vCPU by default (Guaranteed QoS: requests = limits). With an allocation
+    // ratio N > 1 a vCPU requests 1/N of a core and the CPU is not limited (Burstable): vCPUs
+    // share the node's cores, as KubeVirt's cpuAllocationRatio does. Memory is never overcommitted.
+    let ratio = defaults.cpu_allocation_ratio.max(1) as u64;
+    let cpu_millis = (vcpus * 1000).div_ceil(ratio) + overhead::CPU_MILLIS;
+    let memory_quantity = Quantity((memory + overhead_bytes).to_string());
+    let requests = BTreeMap::from([
         ("cpu".to_owned(), Quantity(format!("{cpu_millis}m"))),
-        (
-            "memory".to_owned(),
-            Quantity((memory + overhead_bytes).to_string()),
-        ),
+        ("memory".to_owned(), memory_quantity.clone()),
     ]);
+    let limits = if ratio == 1 {
+        requests.clone()
+    } else {
+        BTreeMap::from([("memory".to_owned(), memory_quantity)])
+    };
 
     let probe = |kind: &str, initial: i32, period: i32, failures: i32| Probe {
         exec: Some(ExecAction {
@@ -474,8 +485,8 @@ pub fn machine_pod(
             ..Default::default()
         }),
         resources: Some(ResourceRequirements {
-            requests: Some(resources.clone()),
-            limits: Some(resources),
+            requests: Some(requests),
+            limits: Some(limits),
             ..Default::default()
         }),
         volume_mounts: Some(mounts),
@@ -1195,6 +1206,20 @@ mod tests {
         // 8 GiB + 256 MiB fixed + 4 x 16 MiB + 8 x 16 MiB
         assert_eq!(mem, (8 << 30) + ((256 + 64 + 128) << 20));
         assert_eq!(r.limits.as_ref().unwrap()["cpu"].0, "4250m");
+
+        // Overcommitted: 4 vCPUs at ratio 10 request 400m (+ overhead), no CPU limit; memory
+        // is still requested and limited in full.
+        let dense = MachineDefaults {
+            cpu_allocation_ratio: 10,
+            ..MachineDefaults::default()
+        };
+        let pod = machine_pod(&km, &facts, &dense).unwrap();
+        let c = &pod.spec.unwrap().containers[0];
+        let r = c.resources.as_ref().unwrap();
+        let (requests, limits) = (r.requests.as_ref().unwrap(), r.limits.as_ref().unwrap());
+        assert_eq!(requests["cpu"].0, "650m");
+        assert!(!limits.contains_key("cpu"), "Burstable: no CPU limit");
+        assert_eq!(requests["memory"], limits["memory"]);
     }
 
     #[test]
