@@ -1293,6 +1293,8 @@ struct BootTimes {
     booted_cpu: f64,
     /// 1-minute load average when the run started.
     load: f64,
+    /// Cores other processes kept busy during the run, on average (see [`CpuMeter`]).
+    others: f64,
     /// QEMU's QMP monitor answered (machine created, guest about to run): the launcher's
     /// `QMP connected` log line, or the bench's own connection to a bare QEMU's socket.
     qmp: f64,
@@ -1314,6 +1316,62 @@ fn cpu_secs(pid: u32) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// CPU used by processes outside this test during a run: all busy CPU time (`/proc/stat`)
+/// minus this test's own and that of its waited-for children (the launcher, which reaps QEMU,
+/// and bare QEMU). A run with other builds going is visible in the numbers.
+struct CpuMeter {
+    at: Instant,
+    busy: f64,
+    mine: f64,
+}
+
+impl CpuMeter {
+    fn busy_and_mine() -> (f64, f64) {
+        let busy = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| {
+                let f: Vec<f64> = s
+                    .lines()
+                    .next()?
+                    .split_whitespace()
+                    .skip(1)
+                    .map(|v| v.parse().unwrap_or(0.0))
+                    .collect();
+                // user nice system idle iowait irq softirq steal: all but idle and iowait.
+                Some((f.iter().take(8).sum::<f64>() - f.get(3)? - f.get(4)?) / 100.0)
+            })
+            .unwrap_or(f64::NAN);
+        let mine = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|s| {
+                let rest = s.rsplit_once(") ")?.1.to_string();
+                let f: Vec<f64> = rest
+                    .split_whitespace()
+                    .map(|v| v.parse().unwrap_or(f64::NAN))
+                    .collect();
+                // utime stime cutime cstime
+                Some(f.get(11..15)?.iter().sum::<f64>() / 100.0)
+            })
+            .unwrap_or(f64::NAN);
+        (busy, mine)
+    }
+
+    fn start() -> Self {
+        let (busy, mine) = Self::busy_and_mine();
+        Self {
+            at: Instant::now(),
+            busy,
+            mine,
+        }
+    }
+
+    /// Average cores used by others since `start` (call after the run's processes were reaped).
+    fn others(&self) -> f64 {
+        let (busy, mine) = Self::busy_and_mine();
+        ((busy - self.busy) - (mine - self.mine)).max(0.0) / self.at.elapsed().as_secs_f64()
+    }
+}
+
 fn load1() -> f64 {
     std::fs::read_to_string("/proc/loadavg")
         .ok()
@@ -1333,6 +1391,7 @@ fn uptime_in(line: &str) -> f64 {
 /// guest's DHCP is done); returns the timings and QEMU's exit is forced.
 fn bare_boot(program: &str, args: &[String], until_lease: bool) -> BootTimes {
     let load = load1();
+    let meter = CpuMeter::start();
     // The socket QMP listens on, when the argv has one: its greeting times QEMU's start.
     let qmp_sock = args
         .iter()
@@ -1419,6 +1478,7 @@ fn bare_boot(program: &str, args: &[String], until_lease: bool) -> BootTimes {
     t.qmp = qmp.map_or(f64::NAN, |h| h.join().unwrap_or(f64::NAN));
     let _ = child.kill();
     let _ = child.wait();
+    t.others = meter.others();
     t
 }
 
@@ -1489,8 +1549,8 @@ fn loadavg() -> String {
 /// Numbers for the benchmark (printed, not asserted):
 /// `cargo test -p capk-launcher --release --test vm_netns -- --ignored --nocapture bench`.
 ///
-/// Runs are interleaved (launcher, fair bare, minimal bare) so that load from other jobs on the
-/// machine hits all three alike. The fair bare run is the launcher's own QEMU argv, read from
+/// Runs are interleaved (launcher, fair bare, minimal bare; odd rounds boot the fair bare one
+/// first) so that load from other jobs on the machine hits all three alike. The fair bare run is the launcher's own QEMU argv, read from
 /// `/proc/<qemu>/cmdline` in the first round (see `bare_argv_from`); the minimal one is the old
 /// comparison (same kernel/initrd, no NIC, disks, fw_cfg or virtio-serial/rng, default cmdline).
 #[test]
@@ -1550,7 +1610,14 @@ fn bench_launcher_vs_bare_qemu() {
     .map(|s| s.to_string())
     .collect();
     for i in 0..rounds {
+        // Odd rounds boot the bare copy first, so neither side always runs first in a round.
+        if i % 2 == 1 {
+            let (program, args) = fair_argv.as_ref().expect("round 0 read the argv");
+            prepare_bare_dir(work.path(), bare_work.path());
+            fair.push(bare_boot(program, args, true));
+        }
         let load = load1();
+        let meter = CpuMeter::start();
         let mut l = Launcher::start_with_accel(&t, work.path(), &format!("b{i}"), "", "tcg", false);
         let started = l.wait_for("qemu started", Duration::from_secs(60));
         let ms: f64 = started
@@ -1606,6 +1673,7 @@ fn bench_launcher_vs_bare_qemu() {
             booted_cpu,
             load,
             qmp,
+            others: f64::NAN,
         });
         offer.push(l.wait_for_at("dhcp.reply=Offer", Duration::from_secs(5)).1);
         ack.push(l.wait_for_at("dhcp.reply=Ack", Duration::from_secs(5)).1);
@@ -1621,10 +1689,13 @@ fn bench_launcher_vs_bare_qemu() {
         qemu_rss.push(kib(qemu_pid) / 1024.0);
         l.signal("TERM");
         l.wait_exit(Duration::from_secs(30));
+        launcher.last_mut().unwrap().others = meter.others();
 
-        let (program, args) = fair_argv.as_ref().unwrap();
-        prepare_bare_dir(work.path(), bare_work.path());
-        fair.push(bare_boot(program, args, true));
+        if i % 2 == 0 {
+            let (program, args) = fair_argv.as_ref().unwrap();
+            prepare_bare_dir(work.path(), bare_work.path());
+            fair.push(bare_boot(program, args, true));
+        }
         minimal.push(bare_boot("qemu-system-x86_64", &minimal_args, false));
     }
     let col = |v: &[BootTimes], f: fn(&BootTimes) -> f64| v.iter().map(f).collect::<Vec<f64>>();
@@ -1649,9 +1720,16 @@ fn bench_launcher_vs_bare_qemu() {
         runs(&booted(&launcher)),
         runs(&booted(&fair))
     );
+    let paired: Vec<f64> = launcher
+        .iter()
+        .zip(&fair)
+        .map(|(l, f)| l.booted / f.booted)
+        .collect();
     println!(
-        "BENCH ratio launcher / fair bare qemu (same argv, user-mode NIC): {:.3}",
-        lb / fb
+        "BENCH ratio launcher / fair bare qemu (same argv, user-mode NIC): {:.3} (of the medians); per round {} median {:.3}",
+        lb / fb,
+        runs(&paired),
+        median(&paired)
     );
     println!(
         "BENCH ratio launcher / minimal bare qemu (old comparison: no NIC, disks, fw_cfg, virtio-serial/rng; default cmdline): {:.3} (minimal {mb:.2} {})",
@@ -1698,6 +1776,13 @@ fn bench_launcher_vs_bare_qemu() {
         runs(&col(&launcher, |b| b.load)),
         runs(&col(&fair, |b| b.load)),
         runs(&col(&minimal, |b| b.load)),
+    );
+    println!(
+        "BENCH   cores other processes kept busy during each run (of {}; near 0 = quiet machine): launcher {}, fair bare {}, minimal {}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        runs(&col(&launcher, |b| b.others)),
+        runs(&col(&fair, |b| b.others)),
+        runs(&col(&minimal, |b| b.others)),
     );
     println!(
         "BENCH guest DHCP lease (s from spawn): launcher {:.2} {}, fair bare (slirp) {:.2} {}",
