@@ -70,6 +70,13 @@ start_daemon() {
   log "$name started (pid $pid, log ${LOGS#"$ROOT"/}/$name.log)"
 }
 
+# running PID: the process exists and is not a zombie waiting for its (re)parent to reap it.
+running() {
+  local state
+  state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+  [[ -n $state && $state != Z ]]
+}
+
 # stop_daemon NAME [TIMEOUT]: SIGTERM, wait, then SIGKILL. Only the process of our pid file.
 stop_daemon() {
   local name=$1 timeout=${2:-20} pid i
@@ -77,10 +84,10 @@ stop_daemon() {
     pid=$(<"$RUN/$name.pid")
     kill -TERM "$pid" 2>/dev/null || true
     for ((i = 0; i < timeout * 10; i++)); do
-      [[ -d /proc/$pid ]] || break
+      running "$pid" || break
       sleep 0.1
     done
-    if [[ -d /proc/$pid ]]; then
+    if running "$pid"; then
       log "$name (pid $pid) did not stop in ${timeout}s; SIGKILL"
       kill -KILL "$pid" 2>/dev/null || true
       sleep 0.5

@@ -13,7 +13,7 @@
 //! Every step asserts with a timeout; on failure everything useful goes to `_output/e2e/`.
 
 use std::{
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::{Command, Stdio},
     thread::sleep,
     time::{Duration, Instant},
@@ -824,19 +824,22 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
     eprintln!("e2e: 4c. controller stopped during scale-up: {three:?}, one Pod each");
 
     // kube-apiserver restarted: the controller recovers on its own (its watches resume).
-    let pid_file = capk_tests::output_dir().join("dev/run/kube-apiserver.pid");
-    let pid = std::fs::read_to_string(&pid_file)?.trim().to_owned();
+    // dev-down's own stop (SIGTERM, then SIGKILL after 20 s), then dev-up starts it again.
     e.run(
         {
-            let mut c = Command::new("kill");
-            c.args(["-TERM", &pid]);
+            let mut c = Command::new("bash");
+            c.arg("-c")
+                .arg("source hack/dev/lib.sh && stop_daemon kube-apiserver")
+                .current_dir(&e.root);
             c
         },
         None,
-    )?;
-    wait("kube-apiserver stopped", Duration::from_secs(60), || {
-        Ok((!Path::new(&format!("/proc/{pid}")).exists()).then_some(()))
-    })?;
+    )
+    .context("stop kube-apiserver")?;
+    assert!(
+        e.kubectl(&["get", "--raw", "/readyz"]).is_err(),
+        "kube-apiserver is down"
+    );
     e.run(
         {
             let mut c = Command::new("bash");
