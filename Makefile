@@ -55,7 +55,7 @@ e2e: ## End to end on the local management cluster (make dev-up without the samp
 
 bench-e2e: ## Machine created -> guest up (P50/P95 over 10 machines) and machine Pod memory beyond guest RAM, on the local MC
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
-	$(CARGO) test -p capk-tests --release --test e2e -- --ignored --nocapture --exact bench_e2e_machine_boot_and_pod_overhead
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact bench_e2e_machine_boot_and_pod_overhead
 
 dev-down: ## Stop the local management cluster and everything it started
 	bash hack/dev-down.sh

@@ -222,8 +222,12 @@ impl E2e {
     }
 }
 
-/// Runs a scenario; on an error or a failed assertion, diagnostics go to `_output/e2e/` first.
-fn run_collecting(e: &E2e, scenario: fn(&E2e) -> Result<()>) {
+/// Runs a scenario in its namespace, one at a time; on an error or a failed assertion,
+/// diagnostics go to `_output/e2e/` first.
+fn run_scenario(namespace: &'static str, scenario: fn(&E2e) -> Result<()>) {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    NS.with(|n| n.set(namespace));
+    let e = &E2e::new().unwrap_or_else(|err| panic!("{err:#}"));
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scenario(e))) {
         Ok(Ok(())) => {}
         Ok(Err(err)) => {
@@ -942,10 +946,7 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
 #[test]
 #[ignore = "end to end on the local management cluster: `make e2e`"]
 fn cluster_journey_on_the_local_management_cluster() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    NS.with(|n| n.set("capk-e2e"));
-    let e = E2e::new().unwrap_or_else(|err| panic!("{err:#}"));
-    run_collecting(&e, the_journey);
+    run_scenario("capk-e2e", the_journey);
 }
 
 /// Resident KiB of QEMU's guest-RAM mapping: the anonymous mapping whose size is the guest's
@@ -1105,8 +1106,5 @@ fn bench(e: &E2e) -> Result<()> {
 #[test]
 #[ignore = "benchmark on the local management cluster: `make bench-e2e`"]
 fn bench_e2e_machine_boot_and_pod_overhead() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    NS.with(|n| n.set("capk-bench"));
-    let e = E2e::new().unwrap_or_else(|err| panic!("{err:#}"));
-    run_collecting(&e, bench);
+    run_scenario("capk-bench", bench);
 }
