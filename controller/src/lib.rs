@@ -135,11 +135,20 @@ pub async fn run_with_metrics(
         cached(api::<Machine>(&client, ns), Default::default(), |_| {});
     let (clusters, cluster_events) =
         cached(api::<Cluster>(&client, ns), Default::default(), |_| {});
-    // Of a machine Pod only its status and node are read; the spec is most of its size.
+    // Of a machine Pod only its status, node and whether its containers have a startup probe
+    // are read; the spec is most of its size.
     let (pods, pod_events) = cached(api::<Pod>(&client, ns), owned.clone(), |p: &mut Pod| {
         if let Some(spec) = p.spec.as_mut() {
             *spec = k8s_openapi::api::core::v1::PodSpec {
                 node_name: spec.node_name.take(),
+                containers: std::mem::take(&mut spec.containers)
+                    .into_iter()
+                    .map(|c| k8s_openapi::api::core::v1::Container {
+                        name: c.name,
+                        startup_probe: c.startup_probe,
+                        ..Default::default()
+                    })
+                    .collect(),
                 ..Default::default()
             };
         }

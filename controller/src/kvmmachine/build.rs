@@ -939,11 +939,29 @@ pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::conditions::DesiredCondit
             "the launcher container has not started",
         ),
     };
+    // The startup probe runs the readiness check every second until it first passes, and the
+    // kubelet marks the container `started` at once; `ready` follows only at the readiness
+    // probe's next period (up to 10 s later). A Pod built without a startup probe (by an older
+    // controller) is `started` as soon as it runs, so there only `ready` counts.
+    let has_startup_probe = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.iter().find(|c| c.name == "launcher"))
+        .is_some_and(|c| c.startup_probe.is_some());
+    let started = has_startup_probe
+        && state.is_some_and(|s| s.running.is_some())
+        && launcher.is_some_and(|c| c.started == Some(true));
     let bootstrapped = if launcher.is_some_and(|c| c.ready) {
         C::truthy(
             CONDITION_BOOTSTRAP_COMPLETED,
             "BootstrapSucceeded",
             "the guest reported bootstrap success and sends heartbeats",
+        )
+    } else if started {
+        C::truthy(
+            CONDITION_BOOTSTRAP_COMPLETED,
+            "BootstrapSucceeded",
+            "the guest reported bootstrap success (capk-launcher's startup probe passed)",
         )
     } else {
         C::falsy(
@@ -1395,6 +1413,29 @@ mod tests {
                 ("VMRunning", true, "LauncherRunning".into()),
                 ("BootstrapCompleted", true, "BootstrapSucceeded".into()),
             ]
+        );
+
+        // The startup probe passed (started) before the readiness probe's next period: the
+        // bootstrap is complete. Without a startup probe (a Pod of an older controller),
+        // `started` only means the container runs.
+        let started = |probe: bool| {
+            let mut p = pod(json!({"phase": "Running",
+                "conditions": [{"type": "PodScheduled", "status": "True"}],
+                "containerStatuses": [{"name": "launcher", "ready": false, "started": true,
+                    "restartCount": 0, "image": "i", "imageID": "", "state": {"running": {}}}]}));
+            if probe {
+                p.spec.as_mut().unwrap().containers[0].startup_probe = Some(Default::default());
+            }
+            let c = &pod_conditions(Some(&p))[2];
+            (c.type_, c.status, c.reason.to_string())
+        };
+        assert_eq!(
+            started(true),
+            ("BootstrapCompleted", true, "BootstrapSucceeded".into())
+        );
+        assert_eq!(
+            started(false),
+            ("BootstrapCompleted", false, "WaitingForBootstrap".into())
         );
 
         // A reason that is not a condition reason is replaced, not copied.
