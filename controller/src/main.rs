@@ -65,8 +65,8 @@ struct Cli {
     #[arg(long)]
     require_control_plane_anti_affinity: bool,
     /// vCPUs per requested core of a machine Pod. 1 (default): a dedicated core per vCPU,
-    /// Guaranteed QoS. N > 1: each vCPU requests 1/N core and the CPU is not limited (overcommit,
-    /// like KubeVirt's cpuAllocationRatio), for dense test and development clusters.
+    /// Guaranteed QoS. N > 1: the Pod requests 1/N of that and the CPU is not limited
+    /// (overcommit, like KubeVirt's cpuAllocationRatio), for dense test and development clusters.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     cpu_allocation_ratio: u32,
     /// How KVMMachines with `spec.image.containerImage` get their disk.

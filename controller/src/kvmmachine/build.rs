@@ -448,10 +448,11 @@ pub fn machine_pod(
 
     let overhead_bytes = overhead::memory_bytes(vcpus, memory);
     // One whole core per vCPU by default (Guaranteed QoS: requests = limits). With an allocation
-    // ratio N > 1 a vCPU requests 1/N of a core and the CPU is not limited (Burstable): vCPUs
-    // share the node's cores, as KubeVirt's cpuAllocationRatio does. Memory is never overcommitted.
+    // ratio N > 1 the Pod requests 1/N of that (vCPUs and overhead alike: requests are then the
+    // Pods' relative shares) and the CPU is not limited (Burstable): vCPUs share the node's
+    // cores, as KubeVirt's cpuAllocationRatio does. Memory is never overcommitted.
     let ratio = defaults.cpu_allocation_ratio.max(1) as u64;
-    let cpu_millis = (vcpus * 1000).div_ceil(ratio) + overhead::CPU_MILLIS;
+    let cpu_millis = (vcpus * 1000 + overhead::CPU_MILLIS).div_ceil(ratio);
     let memory_quantity = Quantity((memory + overhead_bytes).to_string());
     let requests = BTreeMap::from([
         ("cpu".to_owned(), Quantity(format!("{cpu_millis}m"))),
@@ -1225,8 +1226,8 @@ mod tests {
         assert_eq!(mem, (8 << 30) + ((256 + 64 + 128) << 20));
         assert_eq!(r.limits.as_ref().unwrap()["cpu"].0, "4250m");
 
-        // Overcommitted: 4 vCPUs at ratio 10 request 400m (+ overhead), no CPU limit; memory
-        // is still requested and limited in full.
+        // Overcommitted: 4 vCPUs and the overhead at ratio 10 request a tenth of 4250m, no CPU
+        // limit; memory is still requested and limited in full.
         let dense = MachineDefaults {
             cpu_allocation_ratio: 10,
             ..MachineDefaults::default()
@@ -1235,7 +1236,7 @@ mod tests {
         let c = &pod.spec.unwrap().containers[0];
         let r = c.resources.as_ref().unwrap();
         let (requests, limits) = (r.requests.as_ref().unwrap(), r.limits.as_ref().unwrap());
-        assert_eq!(requests["cpu"].0, "650m");
+        assert_eq!(requests["cpu"].0, "425m");
         assert!(!limits.contains_key("cpu"), "Burstable: no CPU limit");
         assert_eq!(requests["memory"], limits["memory"]);
     }
