@@ -965,8 +965,8 @@ fn guest_ram_rss_kib(pid: u32, guest_kib: u64) -> Result<u64> {
     bail!("no {guest_kib} KiB mapping in /proc/{pid}/smaps")
 }
 
-/// A machine Pod's memory from its cgroup (v1, cgroupfs driver: kubepods/pod<uid>; Guaranteed
-/// QoS pods sit directly under kubepods): working set (usage minus inactive file cache), and
+/// A machine Pod's memory from its cgroup (v1, cgroupfs driver: kubepods/[<qos>/]pod<uid>):
+/// working set (usage minus inactive file cache), and
 /// the processes in it with their RSS.
 struct PodMemory {
     working_set_kib: u64,
@@ -978,7 +978,13 @@ struct PodMemory {
 fn pod_memory(e: &E2e, pod: &str, guest_kib: u64) -> Result<PodMemory> {
     let p = e.json(&["-n", ns(), "get", "pod", pod])?;
     let uid = p["metadata"]["uid"].as_str().context("pod uid")?;
-    let dir = PathBuf::from(format!("/sys/fs/cgroup/memory/kubepods/pod{uid}"));
+    // Guaranteed Pods sit directly under kubepods, the others under their QoS class.
+    let qos = match p["status"]["qosClass"].as_str() {
+        Some("Burstable") => "burstable/",
+        Some("BestEffort") => "besteffort/",
+        _ => "",
+    };
+    let dir = PathBuf::from(format!("/sys/fs/cgroup/memory/kubepods/{qos}pod{uid}"));
     let read = |f: &str| {
         std::fs::read_to_string(dir.join(f)).with_context(|| format!("{}/{f}", dir.display()))
     };
