@@ -435,6 +435,23 @@ fn launcher_status(e: &E2e, pod: &str) -> Result<Value> {
     serde_json::from_str(&text).with_context(|| format!("capk-launcher status: {text}"))
 }
 
+/// Pauses or unpauses the Cluster (`spec.paused`), as a user does.
+fn set_paused(e: &E2e, paused: bool) -> Result<()> {
+    let patch = json!({"spec": {"paused": paused}}).to_string();
+    e.kubectl(&[
+        "-n",
+        ns(),
+        "patch",
+        "cluster",
+        CLUSTER,
+        "--type",
+        "merge",
+        "-p",
+        &patch,
+    ])?;
+    Ok(())
+}
+
 fn restart_count(e: &E2e, pod: &str) -> Result<i64> {
     let p = e.json(&["-n", ns(), "get", "pod", pod])?;
     Ok(p["status"]["containerStatuses"]
@@ -865,17 +882,7 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
 
     // --- 5. pause -------------------------------------------------------------------------------------
     let secret = format!("{}-ignition", kept[0]);
-    e.kubectl(&[
-        "-n",
-        ns(),
-        "patch",
-        "cluster",
-        CLUSTER,
-        "--type",
-        "merge",
-        "-p",
-        r#"{"spec":{"paused":true}}"#,
-    ])?;
+    set_paused(e, true)?;
     wait("KVMMachine reports Paused", Duration::from_secs(60), || {
         let km = e.json(&["-n", ns(), "get", "kvmmachine", &kept[0]])?;
         Ok(condition_true(&km, "Paused").then_some(()))
@@ -886,17 +893,7 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
         e.kubectl(&["-n", ns(), "get", "secret", &secret]).is_err(),
         "a paused cluster's machines are left alone: the Ignition Secret was recreated"
     );
-    e.kubectl(&[
-        "-n",
-        ns(),
-        "patch",
-        "cluster",
-        CLUSTER,
-        "--type",
-        "merge",
-        "-p",
-        r#"{"spec":{"paused":false}}"#,
-    ])?;
+    set_paused(e, false)?;
     wait(
         "Ignition Secret rendered again after unpause",
         Duration::from_secs(60),
