@@ -71,40 +71,51 @@ sysctl -qw net.bridge.bridge-nf-call-iptables=1
 sysctl -qw net.ipv4.ip_forward=1
 
 # --- etcd and the control plane -----------------------------------------------------------------
-start_daemon etcd "$DEV/etcd" "$BIN/etcd" --name=capk-dev --data-dir="$DEV/etcd" \
-  --listen-client-urls="http://127.0.0.1:$ETCD_CLIENT_PORT" --advertise-client-urls="http://127.0.0.1:$ETCD_CLIENT_PORT" \
-  --listen-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
-  --initial-cluster="capk-dev=http://127.0.0.1:$ETCD_PEER_PORT" --log-level=warn --unsafe-no-fsync
-wait_for "etcd health" 60 curl -fsS "http://127.0.0.1:$ETCD_CLIENT_PORT/health"
+start_etcd() {
+  start_daemon etcd "$DEV/etcd" "$BIN/etcd" --name=capk-dev --data-dir="$DEV/etcd" \
+    --listen-client-urls="http://127.0.0.1:$ETCD_CLIENT_PORT" --advertise-client-urls="http://127.0.0.1:$ETCD_CLIENT_PORT" \
+    --listen-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster="capk-dev=http://127.0.0.1:$ETCD_PEER_PORT" --log-level=warn --unsafe-no-fsync
+}
+serve etcd 60 start_etcd curl -fsS "http://127.0.0.1:$ETCD_CLIENT_PORT/health"
 
-start_daemon kube-apiserver "--cert-dir=$DEV/apiserver" "$BIN/kube-apiserver" \
-  --cert-dir="$DEV/apiserver" \
-  --etcd-servers="http://127.0.0.1:$ETCD_CLIENT_PORT" \
-  --bind-address="$NODE_IP" --advertise-address="$NODE_IP" --secure-port="$APISERVER_PORT" \
-  --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
-  --client-ca-file="$PKI/ca.crt" \
-  --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
-  --kubelet-preferred-address-types=InternalIP \
-  --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
-  --service-account-issuer=https://kubernetes.default.svc.cluster.local \
-  --service-cluster-ip-range="$SERVICE_CIDR" \
-  --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
-  --allow-privileged=true --profiling=false --v=1
-wait_for "kube-apiserver /readyz" 120 kc get --raw /readyz
+start_apiserver() {
+  start_daemon kube-apiserver "--cert-dir=$DEV/apiserver" "$BIN/kube-apiserver" \
+    --cert-dir="$DEV/apiserver" \
+    --etcd-servers="http://127.0.0.1:$ETCD_CLIENT_PORT" \
+    --bind-address="$NODE_IP" --advertise-address="$NODE_IP" --secure-port="$APISERVER_PORT" \
+    --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
+    --client-ca-file="$PKI/ca.crt" \
+    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
+    --kubelet-preferred-address-types=InternalIP \
+    --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
+    --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+    --service-cluster-ip-range="$SERVICE_CIDR" \
+    --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
+    --allow-privileged=true --profiling=false --v=1
+}
+serve kube-apiserver 120 start_apiserver kc get --raw /readyz
 
-start_daemon kube-controller-manager "--cert-dir=$DEV/controller-manager" "$BIN/kube-controller-manager" \
-  --cert-dir="$DEV/controller-manager" \
-  --kubeconfig="$DEV/controller-manager.kubeconfig" \
-  --authentication-kubeconfig="$DEV/controller-manager.kubeconfig" --authorization-kubeconfig="$DEV/controller-manager.kubeconfig" \
-  --bind-address=127.0.0.1 --leader-elect=false --use-service-account-credentials=true \
-  --service-account-private-key-file="$PKI/sa.key" --root-ca-file="$PKI/ca.crt" \
-  --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
-  --service-cluster-ip-range="$SERVICE_CIDR" --cluster-cidr="$CLUSTER_CIDR" --allocate-node-cidrs=false \
-  --cluster-name=capk-dev --profiling=false --v=1
-start_daemon kube-scheduler "--kubeconfig=$DEV/scheduler.kubeconfig" "$BIN/kube-scheduler" \
-  --kubeconfig="$DEV/scheduler.kubeconfig" \
-  --authentication-kubeconfig="$DEV/scheduler.kubeconfig" --authorization-kubeconfig="$DEV/scheduler.kubeconfig" \
-  --bind-address=127.0.0.1 --leader-elect=false --profiling=false --v=1
+start_controller_manager() {
+  start_daemon kube-controller-manager "--cert-dir=$DEV/controller-manager" "$BIN/kube-controller-manager" \
+    --cert-dir="$DEV/controller-manager" \
+    --kubeconfig="$DEV/controller-manager.kubeconfig" \
+    --authentication-kubeconfig="$DEV/controller-manager.kubeconfig" --authorization-kubeconfig="$DEV/controller-manager.kubeconfig" \
+    --bind-address=127.0.0.1 --leader-elect=false --use-service-account-credentials=true \
+    --service-account-private-key-file="$PKI/sa.key" --root-ca-file="$PKI/ca.crt" \
+    --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
+    --service-cluster-ip-range="$SERVICE_CIDR" --cluster-cidr="$CLUSTER_CIDR" --allocate-node-cidrs=false \
+    --cluster-name=capk-dev --profiling=false --v=1
+}
+serve kube-controller-manager 60 start_controller_manager curl -fsSk https://127.0.0.1:10257/healthz
+
+start_scheduler() {
+  start_daemon kube-scheduler "--kubeconfig=$DEV/scheduler.kubeconfig" "$BIN/kube-scheduler" \
+    --kubeconfig="$DEV/scheduler.kubeconfig" \
+    --authentication-kubeconfig="$DEV/scheduler.kubeconfig" --authorization-kubeconfig="$DEV/scheduler.kubeconfig" \
+    --bind-address=127.0.0.1 --leader-elect=false --profiling=false --v=1
+}
+serve kube-scheduler 60 start_scheduler curl -fsSk https://127.0.0.1:10259/healthz
 
 # --- containerd ---------------------------------------------------------------------------------
 mkdir -p "$DEV/containerd" "$DEV/cni/net.d" "$DEV/cni/ipam"
@@ -172,8 +183,10 @@ write_config "$DEV/cni/net.d/10-capk-dev.conflist" containerd <<EOF
   ]
 }
 EOF
-start_daemon containerd "$DEV/containerd/config.toml" containerd --config "$DEV/containerd/config.toml"
-wait_for "containerd socket" 60 ctr --address "$CONTAINERD_SOCK" version
+start_containerd() {
+  start_daemon containerd "$DEV/containerd/config.toml" containerd --config "$DEV/containerd/config.toml"
+}
+serve containerd 60 start_containerd ctr --address "$CONTAINERD_SOCK" version
 bash "$ROOT/hack/dev/pause-image.sh"
 
 # --- kubelet --------------------------------------------------------------------------------------
@@ -212,10 +225,13 @@ serializeImagePulls: false
 rotateCertificates: false
 serverTLSBootstrap: false
 EOF
-start_daemon kubelet "--config=$DEV/kubelet-config.yaml" "$BIN/kubelet" \
-  --config="$DEV/kubelet-config.yaml" --kubeconfig="$DEV/kubelet.kubeconfig" \
-  --root-dir="$DEV/kubelet" --cert-dir="$DEV/kubelet/pki" \
-  --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" --v=1
+start_kubelet() {
+  start_daemon kubelet "--config=$DEV/kubelet-config.yaml" "$BIN/kubelet" \
+    --config="$DEV/kubelet-config.yaml" --kubeconfig="$DEV/kubelet.kubeconfig" \
+    --root-dir="$DEV/kubelet" --cert-dir="$DEV/kubelet/pki" \
+    --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" --v=1
+}
+serve kubelet 120 start_kubelet curl -fsS http://127.0.0.1:10248/healthz
 
 # --- kube-proxy -----------------------------------------------------------------------------------
 write_config "$DEV/kube-proxy-config.yaml" kube-proxy <<EOF
@@ -235,10 +251,12 @@ iptables: {localhostNodePorts: false, masqueradeAll: false}
 # Leave the host's conntrack sysctls alone.
 conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
 EOF
-start_daemon kube-proxy "--config=$DEV/kube-proxy-config.yaml" "$BIN/kube-proxy" --config="$DEV/kube-proxy-config.yaml" --v=1
+start_kube_proxy() {
+  start_daemon kube-proxy "--config=$DEV/kube-proxy-config.yaml" "$BIN/kube-proxy" --config="$DEV/kube-proxy-config.yaml" --v=1
+}
+serve kube-proxy 60 start_kube_proxy curl -fsS http://127.0.0.1:10256/healthz
 
 # --- checks ---------------------------------------------------------------------------------------
-wait_for "kubelet healthz" 120 curl -fsS http://127.0.0.1:10248/healthz
 node_ready() { [[ $(kc get node "$NODE_NAME" -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}') == True ]]; }
 wait_for "node $NODE_NAME Ready" 180 node_ready
 wait_for "default service account" 60 kc -n default get serviceaccount default

@@ -46,28 +46,62 @@ pid_alive() {
   tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$(<"$RUN/$1.cmd")"
 }
 
-# start_daemon NAME MATCH BINARY ARGS...: background process with a pid file and a log file,
-# unless it already runs. MATCH is a string its command line contains (checked on later runs).
+# start_daemon NAME MATCH BINARY ARGS...: a supervised background process (hack/dev/supervise.sh:
+# restarted with back-off whenever it exits, like systemd's Restart=always) with a pid file and a
+# log file, unless it already runs. MATCH is a string its command line contains (checked on later
+# runs). The pid file names the supervisor, which leads a process group of its own.
 start_daemon() {
   local name=$1 match=$2
   shift 2
   if pid_alive "$name"; then
-    log "$name already running (pid $(<"$RUN/$name.pid"))"
+    log "$name already running (pid $(<"$RUN/$name.pid"), $(daemon_restarts "$name") restarts)"
     return 0
   fi
   mkdir -p "$RUN" "$LOGS"
   printf '%s' "$match" >"$RUN/$name.cmd"
-  # setsid: own session, so a Ctrl-C in the calling shell does not reach it.
-  setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
+  rm -f "$RUN/$name.child"
+  # setsid: own session and process group, so a Ctrl-C in the calling shell does not reach it and
+  # stop_daemon can signal the supervisor and its run together.
+  CAPK_DEV_RUN=$RUN setsid bash "$ROOT/hack/dev/supervise.sh" "$name" "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
   local pid=$!
   echo "$pid" >"$RUN/$name.pid"
   sleep 0.5
-  if ! kill -0 "$pid" 2>/dev/null; then
+  if ! kill -0 "$pid" 2>/dev/null || [[ $(daemon_restarts "$name") != 0 ]]; then
     tail -n 20 "$LOGS/$name.log" >&2
-    rm -f "$RUN/$name.pid"
+    stop_daemon "$name" 5
     die "$name exited at once (log ${LOGS#"$ROOT"/}/$name.log)"
   fi
   log "$name started (pid $pid, log ${LOGS#"$ROOT"/}/$name.log)"
+}
+
+# daemon_restarts NAME: how often the supervisor restarted NAME since it started.
+daemon_restarts() { cat "$RUN/$1.restarts" 2>/dev/null || echo 0; }
+
+# serve NAME TIMEOUT_S START_FN CHECK...: START_FN starts NAME (start_daemon, a no-op when it runs),
+# then wait until CHECK (its health check) succeeds. A daemon whose process runs but does not serve
+# (hung, or crash-looping under its supervisor) is stopped and started again once and given
+# TIMEOUT_S more; still failing is fatal, with the end of its log.
+serve() {
+  local name=$1 timeout=$2 start_fn=$3 attempt start
+  shift 3
+  for attempt in 1 2; do
+    "$start_fn"
+    start=$SECONDS
+    until "$@" >/dev/null 2>&1; do
+      ((SECONDS - start < timeout)) || break
+      sleep 0.5
+    done
+    if "$@" >/dev/null 2>&1; then
+      log "$name serving after $((SECONDS - start))s ($(daemon_restarts "$name") restarts)"
+      return 0
+    fi
+    tail -n 20 "$LOGS/$name.log" >&2
+    if ((attempt == 1)); then
+      log "$name is not serving after ${timeout}s ($(daemon_restarts "$name") restarts; check: $*): restarting it"
+      stop_daemon "$name" 30
+    fi
+  done
+  die "$name is not serving after a restart ($(daemon_restarts "$name") restarts; check: $*; log ${LOGS#"$ROOT"/}/$name.log)"
 }
 
 # running PID: the process exists and is not a zombie waiting for its (re)parent to reap it.
@@ -77,24 +111,27 @@ running() {
   [[ -n $state && $state != Z ]]
 }
 
-# stop_daemon NAME [TIMEOUT]: SIGTERM, wait, then SIGKILL. Only the process of our pid file.
+# stop_daemon NAME [TIMEOUT]: SIGTERM to the supervisor's process group (it and the daemon), wait,
+# then SIGKILL the group. Only the process group of our pid file.
 stop_daemon() {
-  local name=$1 timeout=${2:-20} pid i
+  local name=$1 timeout=${2:-20} pid child i
   if pid_alive "$name"; then
     pid=$(<"$RUN/$name.pid")
-    kill -TERM "$pid" 2>/dev/null || true
+    child=$(cat "$RUN/$name.child" 2>/dev/null || true)
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
     for ((i = 0; i < timeout * 10; i++)); do
-      running "$pid" || break
+      running "$pid" || { [[ -n $child ]] && running "$child"; } || break
       sleep 0.1
     done
-    if running "$pid"; then
+    if running "$pid" || { [[ -n $child ]] && running "$child"; }; then
       log "$name (pid $pid) did not stop in ${timeout}s; SIGKILL"
-      kill -KILL "$pid" 2>/dev/null || true
+      kill -KILL -- "-$pid" 2>/dev/null || true
+      if [[ -n $child ]]; then kill -KILL "$child" 2>/dev/null || true; fi
       sleep 0.5
     fi
     log "$name stopped"
   fi
-  rm -f "$RUN/$name.pid" "$RUN/$name.cmd"
+  rm -f "$RUN/$name.pid" "$RUN/$name.cmd" "$RUN/$name.child"
 }
 
 # wait_for DESCRIPTION TIMEOUT_S COMMAND...: poll until COMMAND succeeds.
