@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Builds the cluster add-ons from the Go module proxy into _output/bin (static, CGO off, except
+# flanneld: see below):
+#
+#   coredns               github.com/coredns/coredns@$COREDNS_VERSION
+#   flanneld              github.com/flannel-io/flannel@$FLANNEL_VERSION, without its Tencent Cloud VPC
+#                         backend (main.go imports every backend; that one's SDK module is not served
+#                         by the proxy here). VXLAN, host-gw, wireguard, ipip, ipsec, udp, extension
+#                         and alloc are all in. CGO on, as upstream builds it (its udp backend is C).
+#   flannel-cni-plugin    github.com/containernetworking/plugins/plugins/meta/flannel@$FLANNEL_CNI_PLUGIN_VERSION
+#
+#   hack/build-addons.sh [coredns] [flanneld] [flannel-cni-plugin]   (default: all three)
+#
+# CoreDNS and the CNI plugin have no replace directives, so `go install pkg@version` builds them
+# with the module's own go.sum; flanneld is built in a writable copy of its module (its go.sum
+# pins every dependency) with the one import line removed. A binary whose stamp (version + flags) matches is not rebuilt; Go's module
+# and build caches make a rebuild after `git clean` a link step.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=versions.env
+source "$ROOT/hack/versions.env"
+OUT=${CAPK_OUTPUT:-$ROOT/_output}
+BIN=$OUT/bin
+mkdir -p "$BIN"
+export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
+
+declare -A PKG=(
+  [coredns]=github.com/coredns/coredns@$COREDNS_VERSION
+  [flanneld]=github.com/flannel-io/flannel@$FLANNEL_VERSION
+  [flannel-cni-plugin]=github.com/containernetworking/plugins/plugins/meta/flannel@$FLANNEL_CNI_PLUGIN_VERSION
+)
+# Version strings the programs print (their Makefiles set the same variables).
+declare -A LDFLAGS=(
+  [coredns]="-X github.com/coredns/coredns/coremain.GitCommit=module-proxy-$COREDNS_VERSION"
+  [flanneld]="-X github.com/flannel-io/flannel/pkg/version.Version=$FLANNEL_VERSION"
+  [flannel-cni-plugin]="-X github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion=$FLANNEL_CNI_PLUGIN_VERSION"
+)
+
+# build_flanneld OUTFILE: flannel's module source with main.go's tencentvpc import dropped.
+build_flanneld() {
+  local dir src=$OUT/src/flannel-$FLANNEL_VERSION
+  dir=$(go mod download -json "github.com/flannel-io/flannel@$FLANNEL_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+  [[ -f $dir/main.go ]] || { echo "build-addons: go mod download of flannel $FLANNEL_VERSION gave no source" >&2; exit 1; }
+  rm -rf "$src"
+  mkdir -p "$(dirname "$src")"
+  cp -r "$dir" "$src"
+  chmod -R u+w "$src"
+  grep -q '"github.com/flannel-io/flannel/pkg/backend/tencentvpc"' "$src/main.go" ||
+    { echo "build-addons: flannel $FLANNEL_VERSION main.go no longer imports the tencentvpc backend; drop the workaround" >&2; exit 1; }
+  sed -i '/"github.com\/flannel-io\/flannel\/pkg\/backend\/tencentvpc"/d' "$src/main.go"
+  # CGO as upstream builds it (the udp backend is C); the image's Debian base has the glibc it links.
+  (cd "$src" && CGO_ENABLED=1 go build -trimpath -ldflags "-s -w ${LDFLAGS[flanneld]}" -o "$1" .)
+}
+
+targets=("$@")
+[[ ${#targets[@]} -gt 0 ]] || targets=(coredns flanneld flannel-cni-plugin)
+command -v go >/dev/null || { echo "build-addons: 'go' not found; install Go (Debian: apt-get install golang)" >&2; exit 1; }
+
+for t in "${targets[@]}"; do
+  [[ -n ${PKG[$t]:-} ]] || { echo "build-addons: unknown binary '$t' (known: ${!PKG[*]})" >&2; exit 2; }
+  stamp="${PKG[$t]} -s -w ${LDFLAGS[$t]}"
+  if [[ -x $BIN/$t && -f $BIN/.$t.version && $(cat "$BIN/.$t.version") == "$stamp" ]]; then
+    echo "build-addons: $t already built (${PKG[$t]})"
+    continue
+  fi
+  start=$SECONDS
+  echo "build-addons: building $t (${PKG[$t]})"
+  gobin=$(mktemp -d "$OUT/.gobin.XXXXXX")
+  if [[ $t == flanneld ]]; then
+    build_flanneld "$gobin/flanneld"
+  else
+    GOBIN=$gobin go install -trimpath -ldflags "-s -w ${LDFLAGS[$t]}" "${PKG[$t]}"
+  fi
+  built=("$gobin"/*)
+  [[ ${#built[@]} == 1 && -x ${built[0]} ]] || { rm -rf "$gobin"; echo "build-addons: go install of ${PKG[$t]} gave ${built[*]}" >&2; exit 1; }
+  mv "${built[0]}" "$BIN/$t"
+  rm -rf "$gobin"
+  echo "$stamp" >"$BIN/.$t.version"
+  echo "build-addons: $t built in $((SECONDS - start))s"
+done
