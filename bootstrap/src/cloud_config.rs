@@ -13,7 +13,7 @@ use serde_yaml_ng::Value;
 
 use crate::content;
 use crate::error::{ConvertError, KeyPath, ignored_path};
-use crate::systemd::{MountUnit, mount_unit_name, shell_quote};
+use crate::systemd::{JOURNAL_ONLY_OUTPUT, MountUnit, mount_unit_name, shell_quote};
 use crate::{MachineFacts, jinja, v3};
 
 /// The cloud-config keys this converter understands.
@@ -544,7 +544,8 @@ fn commands(value: Value, at: &KeyPath) -> Result<Vec<String>, ConvertError> {
 }
 
 /// `bootcmd` → a oneshot unit that runs the commands (with `set -e`) early on every boot, as
-/// cloud-init does, with `INSTANCE_ID` set. Ignition has already written the files by then.
+/// cloud-init does, with `INSTANCE_ID` set, output to the journal only. Ignition has already
+/// written the files by then.
 fn add_bootcmd_unit(lines: &[String], facts: &MachineFacts, out: &mut Config) {
     let script_path = format!("{SCRIPT_DIR}/bootcmd.sh");
     let script = script("bootcmd", lines);
@@ -563,8 +564,7 @@ fn add_bootcmd_unit(lines: &[String], facts: &MachineFacts, out: &mut Config) {
          RemainAfterExit=yes\n\
          Environment=INSTANCE_ID={}\n\
          ExecStart=/bin/bash {script_path}\n\
-         StandardOutput=journal+console\n\
-         StandardError=journal+console\n\n\
+         {JOURNAL_ONLY_OUTPUT}\n\
          [Install]\n\
          WantedBy=multi-user.target\n",
         facts.instance_id
@@ -577,7 +577,9 @@ fn add_bootcmd_unit(lines: &[String], facts: &MachineFacts, out: &mut Config) {
 /// instance, after the network is online and containerd is up. As with cloud-init, the success
 /// file exists only if kubeadm (and every command before it) succeeded; a failing command stops
 /// the script. When the unit finishes, a success file is copied to [`SUCCESS_FILE_PERSISTENT`]
-/// so the heartbeat can still report bootstrap success after a reboot.
+/// so the heartbeat can still report bootstrap success after a reboot. The commands' output goes
+/// to the journal only ([`JOURNAL_ONLY_OUTPUT`]): `kubeadm init` prints the join token, and the
+/// console is the machine Pod's log.
 fn add_runcmd_unit(lines: &[String], staged: bool, out: &mut Config) {
     let script_path = format!("{SCRIPT_DIR}/runcmd.sh");
     let script = script("runcmd", lines);
@@ -604,8 +606,7 @@ fn add_runcmd_unit(lines: &[String], staged: bool, out: &mut Config) {
          ExecStartPre=/usr/bin/touch {RUNCMD_DONE}\n\
          ExecStart=/bin/bash {script_path}\n\
          ExecStopPost=/bin/sh -c 'if [ -e {SUCCESS_FILE} ]; then cp {SUCCESS_FILE} {SUCCESS_FILE_PERSISTENT}; fi'\n\
-         StandardOutput=journal+console\n\
-         StandardError=journal+console\n\n\
+         {JOURNAL_ONLY_OUTPUT}\n\
          [Install]\n\
          WantedBy=multi-user.target\n"
     );

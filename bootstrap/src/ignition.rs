@@ -4,6 +4,9 @@
 //!
 //! The 2.3 types below mirror Flatcar's `config/v2_3/types` (which CABPK marshals) plus
 //! upstream's `proxy` and `httpHeaders`. Unknown keys are errors naming their path.
+//!
+//! Both paths get one addition: a drop-in that keeps [`KUBEADM_UNIT`]'s output off the serial
+//! console (see [`keep_kubeadm_output_off_console`]).
 
 use ignition_config::v3_4 as v3t;
 use serde::Deserialize;
@@ -11,10 +14,15 @@ use serde::de::DeserializeOwned;
 
 use crate::content;
 use crate::error::{ConvertError, KeyPath, ignored_path};
+use crate::systemd::{JOURNAL_ONLY_DROPIN, journal_only_dropin};
 use crate::v3;
 
 /// Input spec versions passed through (re-emitted as [`crate::OUTPUT_SPEC_VERSION`]).
 pub const PASSTHROUGH_VERSIONS: &[&str] = &["3.0.0", "3.1.0", "3.2.0", "3.3.0", "3.4.0", "3.5.0"];
+
+/// The unit CABPK's Ignition runs kubeadm in: `/etc/kubeadm.sh` with the pre-kubeadm commands,
+/// `kubeadm init|join --config /etc/kubeadm.yml` and the post-kubeadm commands.
+pub const KUBEADM_UNIT: &str = "kubeadm.service";
 
 /// Reads an Ignition config of spec 2.3.0 or 3.0.0–3.5.0 and returns it as 3.4.0.
 pub fn convert(text: &str) -> Result<v3t::Config, ConvertError> {
@@ -32,15 +40,43 @@ pub fn convert(text: &str) -> Result<v3t::Config, ConvertError> {
         .ignition
         .version
         .ok_or_else(|| ConvertError::ParseIgnition("`ignition.version` is missing".to_owned()))?;
-    if version == "2.3.0" {
+    let mut config = if version == "2.3.0" {
         let v2: Config = parse(text, "2.3.0")?;
-        translate(v2)
+        translate(v2)?
     } else if PASSTHROUGH_VERSIONS.contains(&version.as_str()) {
         let mut c: v3t::Config = parse(text, "3.4.0, the spec capk-bootstrap emits")?;
         c.ignition.version = crate::OUTPUT_SPEC_VERSION.to_owned();
-        Ok(c)
+        c
     } else {
-        Err(ConvertError::UnsupportedIgnitionVersion { version })
+        return Err(ConvertError::UnsupportedIgnitionVersion { version });
+    };
+    keep_kubeadm_output_off_console(&mut config);
+    Ok(config)
+}
+
+/// Adds the [`JOURNAL_ONLY_DROPIN`] drop-in to every (unmasked) [`KUBEADM_UNIT`] of `config`,
+/// replacing a drop-in of that name the input may carry.
+///
+/// CABPK's unit sets no `StandardOutput=`, so its output (`kubeadm init` prints the join token)
+/// follows systemd's `DefaultStandardOutput=`: `journal` in systemd's and Flatcar's defaults, and
+/// journald forwards nothing to the console unless told to. On stock Flatcar the token therefore
+/// stays off the console already; the drop-in makes that hold whatever the node image's
+/// `DefaultStandardOutput=` is (`journal+console` or `tty` would put the token in `kubectl logs`)
+/// and over a drop-in from `additionalConfig` that routes the output to the console. It cannot
+/// override journald's `ForwardToConsole=`, which copies the whole journal to the console by the
+/// node's own choice.
+fn keep_kubeadm_output_off_console(config: &mut v3t::Config) {
+    let units = config
+        .systemd
+        .iter_mut()
+        .flat_map(|s| s.units.iter_mut().flatten());
+    for unit in units.filter(|u| u.name == KUBEADM_UNIT && u.mask != Some(true)) {
+        let dropins = unit.dropins.get_or_insert_with(Vec::new);
+        dropins.retain(|d| d.name != JOURNAL_ONLY_DROPIN);
+        dropins.push(v3t::Dropin {
+            contents: Some(journal_only_dropin()),
+            name: JOURNAL_ONLY_DROPIN.to_owned(),
+        });
     }
 }
 

@@ -21,7 +21,7 @@
 //! | --- | --- |
 //! | `write_files` | `storage.files`; encodings `text/plain`, `b64`, `base64`, `gz`, `gzip`, `gz+b64`, `gz+base64`, `gzip+b64`, `gzip+base64`; `owner`, `permissions` (quoted octal), `append`; `/run`, `/var/run`, `/tmp` paths staged and copied by [`STAGE_UNIT`] |
 //! | `bootcmd` | [`BOOTCMD_UNIT`], every boot, `set -e` |
-//! | `runcmd` | [`RUNCMD_UNIT`], once per instance, after network-online and containerd, `set -e`, console output |
+//! | `runcmd` | [`RUNCMD_UNIT`], once per instance, after network-online and containerd, `set -e`, output to the journal only (`kubeadm init` prints the join token; the console is the Pod's log) |
 //! | `users` | `passwd.users` (`name`, `passwd`, `lock_passwd`, `gecos`, `groups`, `homedir`, `shell`, `primary_group`, `ssh_authorized_keys`), `sudo` → `/etc/sudoers.d/90-cloud-init-users`; the entry `default` is accepted |
 //! | `ntp` | systemd-timesyncd drop-in (`enabled`, `servers`, `pools`) |
 //! | `disk_setup` | `storage.disks` (GPT; `layout: true` or one 100% partition; `overwrite` → `wipeTable`) |

@@ -1,5 +1,30 @@
 //! systemd unit names and unit files, and POSIX shell quoting for generated scripts.
 
+/// `[Service]` lines that send a unit's output to the journal only, never to the console.
+///
+/// The serial console is the machine Pod's log (`kubectl logs`) and `capk-launcher console`,
+/// readable by anyone with `pods/log`; `kubeadm init` prints `kubeadm join … --token …` (and
+/// with `--upload-certs` the certificate key). systemd still writes boot progress and unit
+/// start/stop/failure to the console itself; journald forwards nothing there unless
+/// `ForwardToConsole=yes` (or `systemd.journald.forward_to_console=1`) is set, which neither
+/// Flatcar nor systemd does by default.
+pub const JOURNAL_ONLY_OUTPUT: &str = "StandardOutput=journal\nStandardError=journal\n";
+
+/// Name of the drop-in capk-bootstrap adds to CABPK's Ignition `kubeadm.service` (see
+/// [`journal_only_dropin`]). systemd applies the drop-ins of a unit in file-name order across all
+/// its drop-in directories, and `zz-` sorts after the numbered names CABPK and the Flatcar
+/// templates use (`10-flatcar.conf`), so its settings win.
+pub const JOURNAL_ONLY_DROPIN: &str = "zz-capk-output-journal-only.conf";
+
+/// The text of the [`JOURNAL_ONLY_DROPIN`] drop-in.
+pub fn journal_only_dropin() -> String {
+    format!(
+        "# Added by capk-bootstrap: kubeadm's output (the join token) stays off the serial\n\
+         # console, which is the machine Pod's log.\n\
+         [Service]\n{JOURNAL_ONLY_OUTPUT}"
+    )
+}
+
 /// Escapes an absolute path the way `systemd-escape --path` does (`/var/lib/etcd` →
 /// `var-lib-etcd`), for mount unit names. The path is normalised first: repeated and trailing
 /// slashes are dropped. Returns `None` for a relative path or one with `.`/`..` components,

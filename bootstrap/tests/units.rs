@@ -1,5 +1,6 @@
-//! Every unit file the converter or the overlay writes passes `systemd-analyze verify` (unknown
-//! keys, mount unit names that do not match `Where=`, missing executables, bad syntax).
+//! Every unit file and drop-in the converter or the overlay writes passes `systemd-analyze
+//! verify` (unknown keys, bad values, mount unit names that do not match `Where=`, missing
+//! executables, bad syntax).
 
 mod support;
 
@@ -79,7 +80,7 @@ fn generated_units_pass_systemd_analyze_verify() {
     let Some(bin) = systemd_analyze() else {
         return;
     };
-    let mut checked = 0;
+    let (mut checked, mut dropins) = (0, 0);
     for f in fixtures("handmade")
         .into_iter()
         .chain(fixtures("cabpk-templates"))
@@ -101,6 +102,15 @@ fn generated_units_pass_systemd_analyze_verify() {
             .iter()
             .flat_map(|s| s.units.iter().flatten())
         {
+            // Drop-ins go where systemd (and `verify`) look for them: `<unit>.d/*.conf` next to
+            // the unit file; findings about them name the unit's directory.
+            for d in u.dropins.iter().flatten() {
+                let Some(text) = &d.contents else { continue };
+                let dropin_dir = dir.join(format!("{}.d", u.name));
+                std::fs::create_dir_all(&dropin_dir).unwrap();
+                std::fs::write(dropin_dir.join(&d.name), text).unwrap();
+                dropins += 1;
+            }
             let Some(text) = &u.contents else { continue };
             let path = dir.join(&u.name);
             std::fs::write(&path, text).unwrap();
@@ -132,4 +142,5 @@ fn generated_units_pass_systemd_analyze_verify() {
         let _ = std::fs::remove_dir_all(&dir);
     }
     assert!(checked > 20, "only {checked} units checked");
+    assert!(dropins > 5, "only {dropins} drop-ins checked");
 }
