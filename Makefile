@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e testenv testenv-down dev-up dev-down e2e fuzz clean help
+.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e testenv testenv-down dev-up dev-down e2e fuzz clean help node-image test-node-image
 
 all: build
 
@@ -45,6 +45,12 @@ testenv: test-deps ## Start etcd + kube-apiserver with our CRDs in the backgroun
 
 testenv-down: ## Stop the environment started by `make testenv`
 	@bash hack/testenv.sh down
+
+node-image: ## Kubernetes node image (images/node): _output/node-image/node.qcow2 and localhost/capk/node:<version>-<hash>
+	bash images/node/build.sh
+
+test-node-image: node-image ## Boot the node image under QEMU: Ignition, preloaded images, kubeadm init with no registry
+	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture
 
 dev-up: ## The local management cluster with Cluster API and CAPK (clusterctl init) and a sample cluster
 	bash hack/dev-up.sh

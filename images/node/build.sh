@@ -1,0 +1,241 @@
+#!/usr/bin/env bash
+# Builds the Kubernetes node image (`make node-image`): a bootable qcow2 of Debian bookworm with
+# kubelet/kubeadm/kubectl at $KUBERNETES_VERSION, containerd, the control-plane and flannel images
+# preloaded, and upstream Ignition in the initramfs; and the same disk as a container-image node
+# image (FROM scratch, /disk/image.qcow2). See README.md for what is in it and why.
+#
+#   bash images/node/build.sh
+#
+# Outputs (under _output/node-image/):
+#   node-<k8s version>-<hash>.qcow2 and node.qcow2 (a link to it)   the disk
+#   node-image.env   CAPK_NODE_IMAGE=localhost/capk/node:<k8s version>-<hash>, its path in the
+#                    image, the qcow2 path, the preloaded image names
+# and the container image in buildah's storage (_output/buildah, as hack/dev/images.sh).
+#
+# Nothing is downloaded except Debian packages (debootstrap/apt) and Go modules (the proxy). The
+# hash covers every input (recipe files, the Debian root's stamp, every binary); when the qcow2 and
+# the container image of that hash exist, the build does nothing.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+# shellcheck source=../../hack/versions.env
+source "$ROOT/hack/versions.env"
+OUT=${CAPK_OUTPUT:-$ROOT/_output}
+BIN=$OUT/bin
+WORK=$OUT/node-image
+BUILDAH=(buildah --root "$OUT/buildah/storage" --runroot "$OUT/buildah/run" --storage-driver vfs)
+IGNITION_MODULE=github.com/coreos/ignition/v2
+IGNITION_VERSION=${IGNITION_VERSION:-v2.26.0}
+# Virtual size of the image's root partition; the guest grows it to the launcher's disk size.
+ROOT_MIB=4096
+LABEL=dev.capk.inputs
+
+log() { printf '%s node-image: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+[[ $(id -u) == 0 ]] || die "needs root (debootstrap, chroot for dracut, buildah)"
+export PATH=$PATH:/usr/sbin:/sbin
+for t in debootstrap:debootstrap buildah:buildah mke2fs:e2fsprogs mkfs.fat:dosfstools mcopy:mtools \
+  syslinux:syslinux sfdisk:fdisk qemu-img:qemu-utils zstd:zstd catatonit:catatonit file:file flock:util-linux go:golang; do
+  command -v "${t%%:*}" >/dev/null || die "${t%%:*} not found: apt-get install ${t#*:} (hack/debian-packages.txt)"
+done
+MBR=/usr/lib/syslinux/mbr/mbr.bin
+[[ -f $MBR ]] || die "no $MBR: apt-get install syslinux-common"
+t0=$SECONDS
+mkdir -p "$WORK"
+
+# --- 1. programs (each script skips what it already built) ---------------------------------------------
+# The Kubernetes binaries share build-upstream.sh's wrapper module with other builds: one at a time.
+flock "$OUT/.build-upstream.lock" bash "$ROOT/hack/build-upstream.sh" \
+  kubelet kubeadm kubectl kube-apiserver kube-controller-manager kube-scheduler kube-proxy etcd >&2
+bash "$ROOT/hack/build-addons.sh" >&2
+IGNITION_VERSION=$IGNITION_VERSION bash "$ROOT/images/test-guest/build-ignition.sh" "$BIN/ignition" >&2
+
+# --- 2. the Debian root and the iptables base layer -----------------------------------------------------
+bash "$HERE/rootfs.sh" "$WORK"
+
+# --- 3. the input hash --------------------------------------------------------------------------------
+ignition_src=$(cd "$WORK" && GOTOOLCHAIN=local GOFLAGS=-mod=mod go mod download -json "$IGNITION_MODULE@$IGNITION_VERSION" |
+  sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+[[ -d $ignition_src/dracut/30ignition ]] || die "no dracut/30ignition in $IGNITION_MODULE@$IGNITION_VERSION ($ignition_src)"
+programs=(kubelet kubeadm kubectl kube-apiserver kube-controller-manager kube-scheduler kube-proxy etcd coredns flanneld flannel-cni-plugin ignition)
+key=$(
+  {
+    (cd "$HERE" && find . -type f ! -name '*.md' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum)
+    cat "$ROOT/hack/versions.env" "$WORK/rootfs.stamp" "$WORK/iptables-base.stamp"
+    for p in "${programs[@]}"; do echo "$p $(sha256sum <"$BIN/$p" | cut -d' ' -f1)"; done
+    echo "catatonit $(sha256sum <"$(command -v catatonit)" | cut -d' ' -f1)"
+    (cd "$ignition_src/dracut/30ignition" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum)
+  } | sha256sum | cut -c1-12
+)
+TAG=$KUBERNETES_VERSION-$key
+IMAGE=localhost/capk/node:$TAG
+QCOW2=$WORK/node-$TAG.qcow2
+ENV_FILE=$WORK/node-image.env
+
+write_env() {
+  local tmp
+  tmp=$(mktemp "$ENV_FILE.XXXXXX")
+  cat >"$tmp" <<EOF
+# Written by images/node/build.sh (make node-image): the Kubernetes node image.
+CAPK_NODE_IMAGE=$IMAGE
+CAPK_NODE_IMAGE_PATH=/disk/image.qcow2
+CAPK_NODE_IMAGE_QCOW2=$QCOW2
+CAPK_NODE_KUBERNETES_VERSION=$KUBERNETES_VERSION
+CAPK_NODE_PRELOADED_IMAGES="$(tr '\n' ' ' <"$WORK/images/images.txt" | sed 's/ $//')"
+EOF
+  mv "$tmp" "$ENV_FILE"
+  ln -sfn "$(basename "$QCOW2")" "$WORK/node.qcow2"
+}
+
+if [[ -f $QCOW2 && -f $WORK/images/images.txt ]] &&
+  [[ $("${BUILDAH[@]}" inspect --type image --format "{{index .OCIv1.Config.Labels \"$LABEL\"}}" "$IMAGE" 2>/dev/null) == "$key" ]]; then
+  write_env
+  log "up to date: $IMAGE ($QCOW2) in $((SECONDS - t0))s"
+  exit 0
+fi
+log "building $IMAGE"
+
+# --- 4. the preloaded images ----------------------------------------------------------------------------
+"$BIN/kubeadm" config images list --kubernetes-version "$KUBERNETES_VERSION" >"$WORK/kubeadm-images.txt"
+bash "$HERE/images.sh" "$WORK" "$WORK/kubeadm-images.txt"
+PAUSE_IMAGE=$(grep -E '/pause:' "$WORK/images/images.txt") || die "no pause image in $WORK/images/images.txt"
+
+# --- 5. the root tree -------------------------------------------------------------------------------------
+R=$WORK/root
+mounted=()
+cleanup() {
+  local i
+  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount -l "${mounted[i]}" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+rm -rf "$R"
+mkdir -p "$R"
+tar --numeric-owner --xattrs --xattrs-include='*' -xf "$WORK/rootfs.tar" -C "$R"
+cp -a "$HERE/rootfs/." "$R/"
+chown -R 0:0 "$R/etc/modules-load.d" "$R/etc/sysctl.d" "$R/etc/systemd/network" "$R/usr/lib/capk" "$R/usr/lib/systemd/system"
+install -m 0755 "$BIN/kubelet" "$BIN/kubeadm" "$BIN/kubectl" "$R/usr/bin/"
+# CNI plugins where kubelet/containerd and flannel's DaemonSet look: Debian's, plus flannel's.
+mkdir -p "$R/opt/cni/bin" "$R/etc/cni/net.d"
+for p in "$R"/usr/lib/cni/*; do ln -sfn "/usr/lib/cni/$(basename "$p")" "$R/opt/cni/bin/$(basename "$p")"; done
+install -m 0755 "$BIN/flannel-cni-plugin" "$R/opt/cni/bin/flannel"
+mkdir -p "$R/usr/share/capk/images"
+cp "$WORK/images/k8s-images.oci.tar" "$WORK/images/images.txt" "$R/usr/share/capk/images/"
+# containerd as kubeadm expects: CRI v1 with the systemd cgroup driver (kubeadm's kubelet default)
+# and the sandbox image kubeadm names (preloaded, so nothing is pulled for a Pod sandbox).
+mkdir -p "$R/etc/containerd"
+cat >"$R/etc/containerd/config.toml" <<EOF
+# Written by images/node/build.sh.
+version = 2
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$PAUSE_IMAGE"
+
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = true
+
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/opt/cni/bin"
+    conf_dir = "/etc/cni/net.d"
+EOF
+# First boot: systemd applies presets (Ignition's 20-ignition.preset among them) when the machine
+# id is "uninitialized", and commits a new id once the boot succeeded.
+printf 'uninitialized\n' >"$R/etc/machine-id"
+rm -f "$R/var/lib/dbus/machine-id" "$R/etc/hostname"
+ln -sfn ../run/systemd/resolve/stub-resolv.conf "$R/etc/resolv.conf"
+# Ignition's dracut module as released, with the binary where its module-setup.sh takes it from.
+mkdir -p "$R/usr/lib/dracut/modules.d"
+cp -r "$ignition_src/dracut/30ignition" "$R/usr/lib/dracut/modules.d/30ignition"
+chmod -R u+w "$R/usr/lib/dracut/modules.d/30ignition"
+install -m 0755 "$BIN/ignition" "$R/usr/lib/dracut/modules.d/30ignition/ignition"
+cp -r "$HERE/dracut/50capk" "$R/usr/lib/dracut/modules.d/50capk"
+chown -R 0:0 "$R/usr/lib/dracut/modules.d"
+
+for d in proc sys dev; do
+  mount --bind "/$d" "$R/$d"
+  mounted+=("$R/$d")
+done
+in_root() { chroot "$R" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin "$@"; }
+in_root systemctl enable containerd.service kubelet.service capk-preload-images.service capk-firstboot-done.service \
+  capk-growroot.service systemd-networkd.service systemd-networkd-wait-online.service systemd-resolved.service \
+  systemd-timesyncd.service >/dev/null 2>&1
+# Groups that Flatcar has and CAPI templates name in passwd.users (Ignition's useradd fails on a
+# group that does not exist); Debian already has adm, sudo and systemd-journal.
+for g in docker wheel; do in_root getent group "$g" >/dev/null || in_root groupadd --system "$g"; done
+in_root systemctl disable apt-daily.timer apt-daily-upgrade.timer >/dev/null 2>&1 || true
+kver=$(ls "$R/lib/modules" | sort -V | tail -1)
+[[ -n $kver && -f $R/boot/vmlinuz-$kver ]] || die "no kernel in the root ($R/boot)"
+log "initramfs for $kver (dracut: systemd, Ignition's module, 50capk)"
+if ! in_root dracut --force --no-hostonly --no-hostonly-cmdline --no-early-microcode --no-compress \
+  --add "ignition capk" --omit "plymouth i18n resume lvm mdraid dmraid crypt multipath nfs iscsi nbd cifs fcoe fcoe-uefi" \
+  "/boot/initrd.cpio" "$kver" >"$WORK/dracut.log" 2>&1; then
+  tail -30 "$WORK/dracut.log" >&2
+  die "dracut failed (log $WORK/dracut.log)"
+fi
+for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount "${mounted[i]}"; done
+mounted=()
+lsinitrd_modules=$(grep -c 'Including module' "$WORK/dracut.log" || true)
+grep -q "Including module: ignition" "$WORK/dracut.log" || die "dracut did not include Ignition's module (log $WORK/dracut.log)"
+# zstd: a third of the size for SYSLINUX to read through BIOS calls, and fast to unpack under TCG.
+zstd -q -f -10 -T0 "$R/boot/initrd.cpio" -o "$WORK/initrd.img"
+rm -f "$R/boot/initrd.cpio" "$R/boot/initrd.img-"*
+cp "$R/boot/vmlinuz-$kver" "$WORK/vmlinuz"
+
+CMDLINE="root=LABEL=capk-root rw console=ttyS0,115200 net.ifnames=0 apparmor=0 ignition.platform.id=qemu"
+syslinux_cfg() { # extra kernel arguments
+  cat <<EOF
+SERIAL 0 115200
+DEFAULT capk
+PROMPT 0
+TIMEOUT 0
+LABEL capk
+  KERNEL vmlinuz
+  INITRD initrd.img
+  APPEND $CMDLINE$1
+EOF
+}
+syslinux_cfg "" >"$R/usr/lib/capk/syslinux.cfg"
+syslinux_cfg " ignition.firstboot" >"$WORK/syslinux.cfg"
+
+# --- 6. the disk: MBR + SYSLINUX on FAT32 (as images/test-guest/build-disk.sh) + ext4 root -----------
+log "disk: ext4 root ($ROOT_MIB MiB virtual) from the tree, FAT32 boot partition, MBR"
+rm -f "$WORK/root.img" "$WORK/boot.img" "$WORK/disk.img"
+mke2fs -q -t ext4 -L capk-root -d "$R" -E lazy_itable_init=1,lazy_journal_init=1 "$WORK/root.img" "${ROOT_MIB}M" ||
+  die "mke2fs -d failed"
+boot_mib=$(( ($(stat -c %s "$WORK/vmlinuz") + $(stat -c %s "$WORK/initrd.img")) / 1048576 + 32 ))
+((boot_mib >= 64)) || boot_mib=64
+truncate -s "${boot_mib}M" "$WORK/boot.img"
+mkfs.fat -F 32 -n CAPK-BOOT "$WORK/boot.img" >/dev/null
+export MTOOLS_SKIP_CHECK=1
+mcopy -i "$WORK/boot.img" "$WORK/vmlinuz" "$WORK/initrd.img" "$WORK/syslinux.cfg" ::/
+syslinux --install "$WORK/boot.img"
+truncate -s "$((1 + boot_mib + ROOT_MIB))M" "$WORK/disk.img"
+printf 'label: dos\nstart=2048, size=%s, type=c, bootable\nstart=%s, type=83\n' \
+  "$((boot_mib * 2048))" "$((2048 + boot_mib * 2048))" | sfdisk -q "$WORK/disk.img"
+dd if="$MBR" of="$WORK/disk.img" bs=440 count=1 conv=notrunc status=none
+dd if="$WORK/boot.img" of="$WORK/disk.img" bs=1M seek=1 conv=notrunc,sparse status=none
+dd if="$WORK/root.img" of="$WORK/disk.img" bs=1M seek=$((1 + boot_mib)) conv=notrunc,sparse status=none
+rm -f "$WORK"/node-*.qcow2.partial
+qemu-img convert -q -f raw -O qcow2 "$WORK/disk.img" "$QCOW2.partial"
+rm -f "$WORK/root.img" "$WORK/boot.img" "$WORK/disk.img"
+rm -rf "$R"
+# Older disks go; the new one replaces them.
+for old in "$WORK"/node-*.qcow2; do [[ $old == "$QCOW2" ]] || rm -f "$old"; done
+mv "$QCOW2.partial" "$QCOW2"
+
+# --- 7. the container-image node image ------------------------------------------------------------------
+old=$("${BUILDAH[@]}" images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/capk/node:' || true)
+ctr=$("${BUILDAH[@]}" from --pull=never scratch)
+"${BUILDAH[@]}" copy --chown 0:0 --chmod 0644 "$ctr" "$QCOW2" /disk/image.qcow2 >/dev/null
+"${BUILDAH[@]}" config --label "$LABEL=$key" --label "org.opencontainers.image.version=$KUBERNETES_VERSION" \
+  --label "org.opencontainers.image.description=CAPK Kubernetes $KUBERNETES_VERSION node image (images/node) at /disk/image.qcow2" "$ctr"
+"${BUILDAH[@]}" commit --quiet --rm "$ctr" "$IMAGE" >/dev/null
+for o in $old; do [[ $o == "$IMAGE" ]] || "${BUILDAH[@]}" rmi "$o" >/dev/null 2>&1 || true; done
+
+write_env
+log "built $IMAGE in $((SECONDS - t0))s: qcow2 $(du -h --apparent-size "$QCOW2" | cut -f1) (allocated $(du -h "$QCOW2" | cut -f1)), $lsinitrd_modules dracut modules, initrd $(du -h "$WORK/initrd.img" | cut -f1)"
