@@ -3,7 +3,9 @@
 //! turns machine facts into Ignition (the controller uses the same code).
 //!
 //! Plan, then apply: [`overlay`] is pure (attached disks, host volumes and the DHCP naming in, a
-//! [`MachineOverlay`] out) and [`prepare`] reads, merges and writes the file QEMU passes by fw_cfg.
+//! [`MachineOverlay`] out) and [`prepare`] reads, merges and writes the file QEMU serves by fw_cfg
+//! (under every name in [`argv::IGNITION_FW_CFG_NAMES`], so upstream's and Flatcar's Ignition both
+//! find it).
 
 use std::io::Write;
 use std::net::IpAddr;

@@ -6,8 +6,15 @@ use serde::Serialize;
 
 use crate::net::MacAddr;
 
-/// fw_cfg key Flatcar's Ignition reads its config from.
-pub const IGNITION_FW_CFG: &str = "opt/org.flatcar-linux/config";
+/// fw_cfg names the Ignition config is served under (the same file under each), so that every
+/// guest finds it without the user choosing a name: upstream Ignition's `qemu` platform reads
+/// `opt/com.coreos/config` (Fedora CoreOS, the node image of `images/node`, the test guest);
+/// Flatcar's Ignition reads `opt/org.flatcar-linux/config` (its current source falls back to
+/// upstream's name, but not every release need have had the fallback). QEMU reads each
+/// `file=` entry into its own buffer: the second name costs one more copy of the config (at most
+/// `capk_bootstrap::MAX_OUTPUT_BYTES`, 960 KiB) of QEMU's anonymous memory.
+pub const IGNITION_FW_CFG_NAMES: [&str; 2] =
+    ["opt/com.coreos/config", "opt/org.flatcar-linux/config"];
 /// virtio-serial port name the guest's heartbeat unit writes to.
 pub const HEARTBEAT_PORT: &str = "org.capk.heartbeat.0";
 /// TCG translation cache size, MiB (QEMU's default is 1 GiB; see `qemu_args`).
@@ -103,7 +110,7 @@ pub struct VmSpec {
     pub mtu: u32,
     /// Disks in boot order (root first).
     pub disks: Vec<DiskAttachment>,
-    /// Ignition config handed over fw_cfg.
+    /// Ignition config handed over fw_cfg (under each of [`IGNITION_FW_CFG_NAMES`]).
     pub ignition: Option<PathBuf>,
     /// QMP socket (QEMU listens).
     pub qmp_socket: PathBuf,
@@ -268,11 +275,9 @@ pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
     }
 
     if let Some(ign) = &spec.ignition {
-        push(
-            &mut a,
-            "-fw_cfg",
-            format!("name={IGNITION_FW_CFG},file={}", p(ign)),
-        );
+        for name in IGNITION_FW_CFG_NAMES {
+            push(&mut a, "-fw_cfg", format!("name={name},file={}", p(ign)));
+        }
     }
     if let Some(k) = &spec.direct_kernel {
         push(&mut a, "-kernel", k.kernel.display().to_string());
@@ -340,6 +345,25 @@ mod tests {
         assert!(
             !a.iter()
                 .any(|x| x.contains("host,pmu") || x.contains("vhost"))
+        );
+    }
+
+    /// One config, served under upstream Ignition's and Flatcar's fw_cfg names: a guest of
+    /// either kind finds it, and nobody has to choose the name.
+    #[test]
+    fn ignition_is_served_under_upstream_and_flatcar_names() {
+        let a = qemu_args(&spec(Accel::Kvm)).0;
+        let fw_cfg: Vec<&str> = a
+            .windows(2)
+            .filter(|w| w[0] == "-fw_cfg")
+            .map(|w| w[1].as_str())
+            .collect();
+        assert_eq!(
+            fw_cfg,
+            [
+                "name=opt/com.coreos/config,file=/run/capk/ignition.json",
+                "name=opt/org.flatcar-linux/config,file=/run/capk/ignition.json",
+            ]
         );
     }
 
