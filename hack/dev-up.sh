@@ -261,13 +261,18 @@ node_ready() { [[ $(kc get node "$NODE_NAME" -o 'jsonpath={.status.conditions[?(
 wait_for "node $NODE_NAME Ready" 180 node_ready
 wait_for "default service account" 60 kc -n default get serviceaccount default
 
-# A fresh smoke pod each time: a pod left from an earlier run may still show a stale Ready.
-kc -n default delete pod capk-dev-smoke --ignore-not-found --grace-period=0 --force >/dev/null 2>&1 || true
+# A fresh smoke pod each time, under a new name: a pod left from an earlier run may still show a
+# stale Ready. Never the same name twice: when the scheduler's watch was down (kube-apiserver
+# restarted) it misses the deletion, its relist then sees the old, bound pod "updated" into the new,
+# unbound one of the same name, and kube-scheduler v1.35 takes that for a pod moved between nodes
+# ("Scheduler cache is corrupted") and exits.
+kc -n default delete pod -l app.kubernetes.io/name=capk-dev-smoke --ignore-not-found --grace-period=0 --force >/dev/null 2>&1 || true
+smoke=capk-dev-smoke-$(date -u +%Y%m%d%H%M%S)
 kc apply -f - >/dev/null <<EOF
 apiVersion: v1
 kind: Pod
 metadata:
-  name: capk-dev-smoke
+  name: $smoke
   namespace: default
   labels: {app.kubernetes.io/name: capk-dev-smoke}
 spec:
@@ -278,11 +283,11 @@ spec:
     image: $PAUSE_IMAGE
     imagePullPolicy: Never
 EOF
-kc wait --for=condition=Ready pod/capk-dev-smoke --timeout=120s >/dev/null || {
-  kc describe pod capk-dev-smoke >&2
+kc wait --for=condition=Ready "pod/$smoke" --timeout=120s >/dev/null || {
+  kc describe pod "$smoke" >&2
   die "smoke pod did not become Ready"
 }
-pod_ip=$(kc get pod capk-dev-smoke -o 'jsonpath={.status.podIP}')
+pod_ip=$(kc get pod "$smoke" -o 'jsonpath={.status.podIP}')
 log "smoke pod Running with IP $pod_ip"
 
 # --- Cluster API, this provider, a sample cluster ----------------------------------------------------
