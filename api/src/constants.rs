@@ -46,6 +46,9 @@ pub const CONDITION_POD_SCHEDULED: &str = "PodScheduled";
 pub const CONDITION_VM_RUNNING: &str = "VMRunning";
 /// Condition: the guest wrote the bootstrap success file.
 pub const CONDITION_BOOTSTRAP_COMPLETED: &str = "BootstrapCompleted";
+/// Condition: the machine's Node in the workload cluster is Ready (what the machine Pod's
+/// readiness gate says, with its reason: a refused workload kubeconfig shows here).
+pub const CONDITION_NODE_READY: &str = "NodeReady";
 
 /// Scheme of provider IDs: `kvm://<namespace>/<kvmmachine>`.
 pub const PROVIDER_ID_SCHEME: &str = "kvm://";

@@ -5,10 +5,12 @@
 pub mod conditions;
 pub mod context;
 pub mod error;
+pub mod inline_kubeconfig;
 pub mod kvmcluster;
 pub mod kvmmachine;
 pub mod leader;
 pub mod metrics;
+pub mod redact;
 pub mod report;
 pub mod workload;
 

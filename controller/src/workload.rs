@@ -17,9 +17,8 @@ use k8s_openapi::{
     jiff::Timestamp,
 };
 use kube::{
-    Api, Client, Config, ResourceExt,
+    Api, Client, ResourceExt,
     api::{Patch, PatchParams},
-    config::{KubeConfigOptions, Kubeconfig},
     runtime::{
         WatchStreamExt,
         reflector::{self, ObjectRef, Store},
@@ -29,7 +28,15 @@ use kube::{
 use serde_json::json;
 use tracing::{debug, info};
 
-use crate::context::{Caches, FIELD_MANAGER};
+use crate::{
+    context::{Caches, FIELD_MANAGER},
+    inline_kubeconfig::{InlineKubeconfig, KubeconfigError},
+};
+
+/// Gate reason: the workload kubeconfig would run a command or read a file, and is not used.
+pub const REASON_KUBECONFIG_REFUSED: &str = "WorkloadKubeconfigRefused";
+/// Gate reason: the workload kubeconfig cannot be read or used.
+pub const REASON_KUBECONFIG_INVALID: &str = "WorkloadKubeconfigInvalid";
 
 /// What the readiness gate should say.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -284,7 +291,9 @@ fn has_provider_id(n: &Node) -> bool {
         .is_some_and(|p| !p.is_empty())
 }
 
-/// A client for the workload cluster of `cluster`, or why there is none.
+/// A client for the workload cluster of `cluster`, or why there is none. The kubeconfig is
+/// checked as data first ([`InlineKubeconfig`]): one that would run a command or read a file of
+/// the controller is refused before any client exists.
 pub async fn client(mc: &Client, ns: &str, cluster: &str) -> Result<Client, Gate> {
     let name = format!("{cluster}-kubeconfig");
     let secret = Api::<Secret>::namespaced(mc.clone(), ns)
@@ -301,28 +310,20 @@ pub async fn client(mc: &Client, ns: &str, cluster: &str) -> Result<Client, Gate
         .data
         .as_ref()
         .and_then(|d| d.get("value"))
-        .map(|v| v.0.clone())
+        .map(|v| v.0.as_slice())
         .unwrap_or_default();
-    let text = String::from_utf8(value).map_err(|_| {
-        Gate::not_ready(
-            "WorkloadClusterUnavailable",
-            format!("Secret {name}: value is not UTF-8"),
-        )
-    })?;
-    let kc = Kubeconfig::from_yaml(&text).map_err(|e| {
-        Gate::not_ready("WorkloadClusterUnavailable", format!("Secret {name}: {e}"))
-    })?;
-    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+    let refused = |e: KubeconfigError| {
+        let reason = match e {
+            KubeconfigError::Refused { .. } => REASON_KUBECONFIG_REFUSED,
+            _ => REASON_KUBECONFIG_INVALID,
+        };
+        Gate::not_ready(reason, format!("Secret {name} {e}"))
+    };
+    InlineKubeconfig::parse(value)
+        .map_err(refused)?
+        .client()
         .await
-        .map_err(|e| {
-            Gate::not_ready("WorkloadClusterUnavailable", format!("Secret {name}: {e}"))
-        })?;
-    Client::try_from(config).map_err(|e| {
-        Gate::not_ready(
-            "WorkloadClusterUnavailable",
-            format!("workload cluster client: {e}"),
-        )
-    })
+        .map_err(refused)
 }
 
 /// Sets the Node's providerID when it has none, and says what the gate should be.

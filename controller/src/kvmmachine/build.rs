@@ -974,6 +974,22 @@ pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::conditions::DesiredCondit
     vec![scheduled, running, bootstrapped]
 }
 
+/// The `NodeReady` condition: what the machine Pod's readiness gate says about the workload
+/// cluster's Node, or that there is no machine Pod to gate.
+pub fn node_condition(gate: Option<&crate::workload::Gate>) -> crate::conditions::DesiredCondition {
+    use crate::conditions::DesiredCondition as C;
+    use capk_api::constants::CONDITION_NODE_READY;
+    match gate {
+        Some(g) if g.ready => C::truthy(CONDITION_NODE_READY, g.reason, g.message.clone()),
+        Some(g) => C::falsy(CONDITION_NODE_READY, g.reason, g.message.clone()),
+        None => C::falsy(
+            CONDITION_NODE_READY,
+            "NoMachinePod",
+            "there is no running machine Pod, so no Node",
+        ),
+    }
+}
+
 /// The status the KVMMachine should have.
 pub fn status(
     km: &KVMMachine,

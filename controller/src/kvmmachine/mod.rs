@@ -204,7 +204,9 @@ async fn apply(
     let cached_pod = ctx.caches.pods.get(&ObjectRef::new(&pod_name).within(&ns));
     let waiting = |state: MachineState| async move {
         let fd = machine.and_then(|m| m.spec.failure_domain.as_deref());
-        write_status(api, km, &state, &build::pod_conditions(None), fd).await?;
+        let mut conditions = build::pod_conditions(None);
+        conditions.push(build::node_condition(None));
+        write_status(api, km, &state, &conditions, fd).await?;
         Ok(Action::await_change())
     };
     let Some(machine) = machine else {
@@ -285,14 +287,9 @@ async fn apply(
             )
             .await;
         }
-        write_status(
-            api,
-            km,
-            &MachineState::PodMissing,
-            &build::pod_conditions(existing.as_ref()),
-            fd,
-        )
-        .await?;
+        let mut conditions = build::pod_conditions(existing.as_ref());
+        conditions.push(build::node_condition(None));
+        write_status(api, km, &MachineState::PodMissing, &conditions, fd).await?;
         return Ok(Action::await_change());
     }
     // The KVMMachine as last written by this reconcile.
@@ -322,18 +319,6 @@ async fn apply(
     };
 
     let state = pod_state(&existing);
-    write_status(
-        api,
-        &current,
-        &state,
-        &build::pod_conditions(Some(&existing)),
-        fd,
-    )
-    .await?;
-    // The Pod exists and the status records it: clusterctl move may go (and providerID is set
-    // here if a restart came between the Pod's creation and the first patch).
-    patch_machine(api, &current, false).await?;
-
     // The readiness gate follows the workload cluster's Node; the Node watch wakes this
     // machine when it changes.
     let gate = ctx
@@ -347,10 +332,47 @@ async fn apply(
             &provider_id(&ns, &km.name_any()),
         )
         .await;
+    let node = build::node_condition(Some(&gate));
+    // A kubeconfig that is refused or unusable is the user's to fix: a Warning Event, once.
+    if [
+        crate::workload::REASON_KUBECONFIG_REFUSED,
+        crate::workload::REASON_KUBECONFIG_INVALID,
+    ]
+    .contains(&gate.reason)
+        && !has_condition(km, &node)
+    {
+        publish(
+            ctx,
+            km,
+            EventType::Warning,
+            gate.reason,
+            gate.message.clone(),
+        )
+        .await;
+    }
+    let mut conditions = build::pod_conditions(Some(&existing));
+    conditions.push(node);
+    write_status(api, &current, &state, &conditions, fd).await?;
+    // The Pod exists and the status records it: clusterctl move may go (and providerID is set
+    // here if a restart came between the Pod's creation and the first patch).
+    patch_machine(api, &current, false).await?;
+
     if let Err(e) = crate::workload::set_gate(&pods, &existing, &gate).await {
         warn!(error = %e, "cannot set the machine Pod's readiness gate");
     }
     Ok(Action::await_change())
+}
+
+/// Whether the KVMMachine already shows condition `c` (same status, reason and message).
+fn has_condition(km: &KVMMachine, c: &crate::conditions::DesiredCondition) -> bool {
+    let status = if c.status { "True" } else { "False" };
+    km.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
+        .and_then(|cs| crate::conditions::find(cs, c.type_))
+        .is_some_and(|cur| {
+            cur.status == status && cur.reason == c.reason && cur.message == c.message
+        })
 }
 
 /// Creates `obj` unless it exists; returns the stored object and whether it was created.
