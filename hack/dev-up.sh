@@ -290,6 +290,9 @@ kc wait --for=condition=Ready "pod/$smoke" --timeout=120s >/dev/null || {
 pod_ip=$(kc get pod "$smoke" -o 'jsonpath={.status.podIP}')
 log "smoke pod Running with IP $pod_ip"
 
+# --- cluster DNS: CoreDNS behind kube-dns (10.96.0.10), the cluster domain only ------------------
+bash "$ROOT/hack/dev/coredns.sh"
+
 # --- Cluster API, this provider, a sample cluster ----------------------------------------------------
 # Images built here (never pulled), cert-manager, then the real `clusterctl init` from a local
 # repository, then a sample workload cluster whose control-plane VM boots. Each step skips what is
