@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the clusterctl repository layout for this provider:
-#   _output/release/infrastructure-kvm/<version>/{infrastructure-components.yaml,metadata.yaml,cluster-template*.yaml}
+#   _output/release/infrastructure-kvm/<version>/{infrastructure-components.yaml,metadata.yaml,
+#   cluster-template*.yaml,clusterclass-*.yaml,vpa.yaml}
 # infrastructure-components.yaml = `kubectl kustomize manifests/default` (CRDs, RBAC, Deployment).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -13,6 +14,10 @@ kubectl=$OUT/bin/kubectl
 mkdir -p "$dest"
 "$kubectl" kustomize manifests/default >"$dest/infrastructure-components.yaml"
 cp manifests/metadata.yaml "$dest/metadata.yaml"
+# Every flavor (cluster-template*.yaml) and ClusterClass; copies of flavors removed since go.
+for f in "$dest"/cluster-template*.yaml "$dest"/clusterclass-*.yaml; do
+  if [[ -e $f && ! -e manifests/templates/${f##*/} ]]; then rm -f "$f"; fi
+done
 cp manifests/templates/cluster-template*.yaml manifests/templates/clusterclass-*.yaml "$dest/"
 # Optional, for clusters with the VerticalPodAutoscaler CRDs (not part of the clusterctl install).
 cp manifests/components/vpa/vpa.yaml "$dest/vpa.yaml"

@@ -1,6 +1,7 @@
-//! The shipped manifests against a real kube-apiserver: the clusterctl contract of
-//! infrastructure-components.yaml, the cluster template with real Cluster API CRDs, and the
-//! controller working with nothing but the shipped RBAC.
+//! The shipped manifests: the clusterctl contract of infrastructure-components.yaml, every
+//! flavor rendered by the real clusterctl and checked against the real Cluster API CRDs and, as
+//! the nodes boot it, through CABPK's own bootstrap code, our Ignition conversion and upstream
+//! `ignition-validate`; and the controller working with nothing but the shipped RBAC.
 
 mod support;
 
@@ -8,6 +9,7 @@ use std::{collections::BTreeMap, process::Command};
 
 use anyhow::{Context, Result, anyhow, bail};
 use capk_api::v1alpha1::{KVMCluster, KVMMachine};
+use capk_bootstrap::BootstrapFormat;
 use capk_tests::env::TestEnv;
 use k8s_openapi::api::core::v1::Pod;
 use kube::{
@@ -285,12 +287,42 @@ async fn clusterctl_generates_every_flavor_from_the_required_variables_only() ->
         "KubeadmControlPlane",
         "MachineDeployment",
     ];
-    let flavors: [(&str, &[&str]); 3] = [
-        ("cluster-template.yaml", KUBEADM),
-        ("cluster-template-ignition.yaml", KUBEADM),
-        ("cluster-template-topology.yaml", &["Cluster"]),
+    /// A flavor, the variables it requires besides KUBERNETES_VERSION, the kinds it renders and
+    /// the bootstrap format of its kubeadm configs (`None`: CABPK's default, cloud-config).
+    struct Flavor {
+        file: &'static str,
+        required: &'static [&'static str],
+        kinds: &'static [&'static str],
+        format: Option<&'static str>,
+    }
+    let flavors = [
+        Flavor {
+            file: "cluster-template.yaml",
+            required: &[],
+            kinds: KUBEADM,
+            format: Some("ignition"),
+        },
+        Flavor {
+            file: "cluster-template-node-image.yaml",
+            required: &["KVM_NODE_IMAGE"],
+            kinds: KUBEADM,
+            format: None,
+        },
+        Flavor {
+            file: "cluster-template-ignition.yaml",
+            required: &[],
+            kinds: KUBEADM,
+            format: Some("ignition"),
+        },
+        Flavor {
+            file: "cluster-template-topology.yaml",
+            required: &[],
+            kinds: &["Cluster"],
+            format: None,
+        },
     ];
-    for (i, (flavor, expected)) in flavors.iter().enumerate() {
+    for (i, f) in flavors.iter().enumerate() {
+        let (flavor, format) = (&f.file, f.format);
         let name = format!("tmpl-{i}");
         let listing = clusterctl(
             &[
@@ -305,11 +337,10 @@ async fn clusterctl_generates_every_flavor_from_the_required_variables_only() ->
             ],
             &[],
         )?;
-        assert_eq!(
-            required_variables(&listing),
-            ["KUBERNETES_VERSION"],
-            "{flavor}: {listing}"
-        );
+        let mut want = vec!["KUBERNETES_VERSION"];
+        want.extend(f.required.iter());
+        want.sort();
+        assert_eq!(required_variables(&listing), want, "{flavor}: {listing}");
         let objs = docs(&clusterctl(
             &[
                 "generate",
@@ -326,23 +357,18 @@ async fn clusterctl_generates_every_flavor_from_the_required_variables_only() ->
                 "--worker-machine-count",
                 "2",
             ],
-            &[],
+            &[("KVM_NODE_IMAGE", NODE_IMAGE)],
         )?)?;
-        assert_eq!(kinds(&objs), *expected, "{flavor}");
+        assert_eq!(kinds(&objs), f.kinds, "{flavor}");
         for o in &objs {
             assert_eq!(o["metadata"]["namespace"], ns, "{flavor}: {o}");
-            if *flavor == "cluster-template-ignition.yaml" {
-                match o["kind"].as_str() {
-                    Some("KubeadmControlPlane") => assert_eq!(
-                        o["spec"]["kubeadmConfigSpec"]["format"], "ignition",
-                        "{flavor}"
-                    ),
-                    Some("KubeadmConfigTemplate") => assert_eq!(
-                        o["spec"]["template"]["spec"]["format"], "ignition",
-                        "{flavor}"
-                    ),
-                    _ => {}
-                }
+            let spec_format = match o["kind"].as_str() {
+                Some("KubeadmControlPlane") => Some(&o["spec"]["kubeadmConfigSpec"]["format"]),
+                Some("KubeadmConfigTemplate") => Some(&o["spec"]["template"]["spec"]["format"]),
+                _ => None,
+            };
+            if let Some(found) = spec_format {
+                assert_eq!(found.as_str(), format, "{flavor}: {}", o["kind"]);
             }
             // Strict server-side dry-run against the real Cluster API CRDs: unknown fields and
             // schema violations fail.
@@ -495,5 +521,649 @@ async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
         Ok(gone.then_some(()))
     })
     .await?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The flavors as a node boots them: the objects clusterctl renders, the bootstrap data CABPK
+// makes from them (`cabpk-render`: CABPK's own code, see hack/cabpk-render/main.go), the
+// controller's conversion to Ignition v3 and the launcher's per-boot overlay, checked by
+// upstream `ignition-validate`.
+
+const CLUSTER: &str = "demo";
+const FLAVOR_NS: &str = "flavors";
+/// A node image reference for the node-image flavor (any concrete tag will do: nothing pulls it).
+const NODE_IMAGE: &str = "localhost/capk/node:v1.35.4";
+/// Where the upstream Flatcar CAPI templates download the Kubernetes sysext from.
+const UPSTREAM_SYSEXT: &str = "https://extensions.flatcar.org/extensions";
+/// An air-gapped mirror of it.
+const MIRROR_SYSEXT: &str = "https://sysext-mirror.example.internal/flatcar";
+
+fn kubernetes_version() -> String {
+    capk_tests::pinned_version("KUBERNETES_VERSION")
+}
+
+/// `clusterctl generate cluster demo --from <flavor>` with the pinned Kubernetes version, one
+/// control-plane machine and one worker.
+fn generate_flavor(flavor: &str, env: &[(&str, &str)]) -> Result<String> {
+    let path = release_dir()?.join(flavor);
+    clusterctl(
+        &[
+            "generate",
+            "cluster",
+            CLUSTER,
+            "--from",
+            &path.to_string_lossy(),
+            "--kubernetes-version",
+            &kubernetes_version(),
+            "--target-namespace",
+            FLAVOR_NS,
+            "--control-plane-machine-count",
+            "1",
+            "--worker-machine-count",
+            "1",
+        ],
+        env,
+    )
+}
+
+/// The machine a bootstrap Secret is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// The first control-plane machine (`kubeadm init`).
+    Init,
+    /// Another control-plane machine (`kubeadm join --control-plane`).
+    Join,
+    /// A MachineDeployment's machine (`kubeadm join`).
+    Worker,
+}
+
+const ROLES: [Role; 3] = [Role::Init, Role::Join, Role::Worker];
+
+impl Role {
+    fn arg(self) -> &'static str {
+        match self {
+            Role::Init => "init",
+            Role::Join => "join",
+            Role::Worker => "worker",
+        }
+    }
+
+    /// The KVMMachine's name, which the launcher gives the VM as its hostname.
+    fn hostname(self) -> &'static str {
+        match self {
+            Role::Init => "demo-control-plane-x7k2p",
+            Role::Join => "demo-control-plane-q9w4m",
+            Role::Worker => "demo-md-0-zt5vb-r8d2c",
+        }
+    }
+}
+
+/// Runs `bin args` with `input` on stdin; fails with its stderr.
+fn run_with_input(bin: &std::path::Path, args: &[&str], input: &[u8]) -> Result<Vec<u8>> {
+    use std::io::Write;
+    let mut child = Command::new(bin)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("run {}", bin.display()))?;
+    child.stdin.take().context("stdin")?.write_all(input)?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "{} {}: {}{}",
+            bin.display(),
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(out.stdout)
+}
+
+/// The bootstrap Secret (`format`, `value`) CABPK would write for `role` from the rendered
+/// objects, made by CABPK's own code (`cabpk-render`; the KVMCluster's endpoint is the
+/// control-plane Service's name).
+fn cabpk_bootstrap(objects: &str, role: Role) -> Result<(BootstrapFormat, String)> {
+    let bin = capk_tests::component("cabpk-render", "make test-deps")?;
+    let endpoint = format!("{CLUSTER}-apiserver.{FLAVOR_NS}.svc:6443");
+    let out = run_with_input(
+        &bin,
+        &["bootstrap", "--role", role.arg(), "--endpoint", &endpoint],
+        objects.as_bytes(),
+    )?;
+    let secret: Value = serde_json::from_slice(&out)?;
+    let format = BootstrapFormat::from_secret(secret["format"].as_str())?;
+    Ok((
+        format,
+        secret["value"].as_str().context("value")?.to_owned(),
+    ))
+}
+
+/// Upstream `ignition-validate` on `json`: errors and warnings both fail.
+fn ignition_validate(json: &[u8]) -> Result<()> {
+    let bin = capk_tests::component("ignition-validate", "make test-deps")?;
+    let out = Command::new(&bin)
+        .arg("-")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child.stdin.take().expect("stdin").write_all(json)?;
+            child.wait_with_output()
+        })
+        .context("run ignition-validate")?;
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !out.status.success() || !report.trim().is_empty() {
+        bail!("ignition-validate: {report}");
+    }
+    Ok(())
+}
+
+/// The Ignition the guest boots: the controller's conversion of the bootstrap data (the
+/// KVMMachine's Ignition Secret), then the launcher's per-boot overlay (hostname, data disks,
+/// heartbeat), validated by upstream `ignition-validate`.
+fn boot_ignition(format: BootstrapFormat, data: &str, role: Role) -> Result<Value> {
+    use capk_launcher::{
+        disk,
+        ignition::{BootInputs, overlay, prepare},
+        qemu::argv::{DiskAttachment, DiskFormat},
+    };
+    let hostname = role.hostname();
+    let facts = capk_bootstrap::MachineFacts {
+        hostname: hostname.into(),
+        instance_id: format!("kvm://{FLAVOR_NS}/{hostname}"),
+    };
+    let stored = capk_bootstrap::render_ignition(format, data.as_bytes(), &facts, None)
+        .context("the controller's conversion")?;
+    let dir = tempfile::tempdir()?;
+    let src = dir.path().join("ignition-secret.json");
+    std::fs::write(&src, &stored.json)?;
+    let attach = |serial: &str| DiskAttachment {
+        serial: serial.into(),
+        path: "/dev/null".into(),
+        format: DiskFormat::Raw,
+    };
+    let mut disks = vec![
+        attach(disk::ROOT_SERIAL),
+        attach(disk::DOCKER_SERIAL),
+        attach(disk::KUBELET_SERIAL),
+    ];
+    if role != Role::Worker {
+        disks.push(attach(disk::ETCD_SERIAL));
+    }
+    let boot = overlay(&BootInputs {
+        hostname: hostname.into(),
+        disks,
+        ..Default::default()
+    });
+    let dest = dir.path().join("fw_cfg.json");
+    prepare(&src, &dest, &boot).context("the launcher's overlay")?;
+    let json = std::fs::read(&dest)?;
+    ignition_validate(&json)?;
+    Ok(serde_json::from_slice(&json)?)
+}
+
+fn entry<'a>(config: &'a Value, list: &str, key: &str, name: &str) -> Option<&'a Value> {
+    let (section, field) = list.split_once('.').expect("section.field");
+    config[section][field]
+        .as_array()?
+        .iter()
+        .find(|e| e[key] == name)
+}
+
+fn file<'a>(config: &'a Value, path: &str) -> Option<&'a Value> {
+    entry(config, "storage.files", "path", path)
+}
+
+fn unit<'a>(config: &'a Value, name: &str) -> Option<&'a Value> {
+    entry(config, "systemd.units", "name", name)
+}
+
+/// The text of an inline (`data:` URL) file.
+fn inline_text(file: &Value) -> Result<String> {
+    let source = file["contents"]["source"].as_str().context("no source")?;
+    if !file["contents"]["compression"].is_null() {
+        bail!("{} is compressed", file["path"]);
+    }
+    let url = data_url::DataUrl::process(source).map_err(|e| anyhow!("{source}: {e:?}"))?;
+    let (bytes, _) = url
+        .decode_to_vec()
+        .map_err(|e| anyhow!("{source}: {e:?}"))?;
+    Ok(String::from_utf8(bytes)?)
+}
+
+/// The values of `key=` in a unit and its drop-ins, each space-separated word once.
+fn unit_values(unit: &Value, key: &str) -> Vec<String> {
+    let mut texts = vec![unit["contents"].as_str().unwrap_or_default().to_owned()];
+    for d in unit["dropins"].as_array().into_iter().flatten() {
+        texts.push(d["contents"].as_str().unwrap_or_default().to_owned());
+    }
+    let prefix = format!("{key}=");
+    texts
+        .iter()
+        .flat_map(|t| t.lines())
+        .filter_map(|l| l.trim().strip_prefix(&prefix))
+        .flat_map(|v| v.split_whitespace().map(str::to_owned))
+        .collect()
+}
+
+/// Every file's remote (http, https) source.
+fn remote_sources(config: &Value) -> Vec<String> {
+    config["storage"]["files"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f["contents"]["source"].as_str())
+        .filter(|s| s.starts_with("http://") || s.starts_with("https://"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// What a stock Flatcar node needs to run kubeadm: the Kubernetes sysext of `version`
+/// downloaded from `base` by Ignition, linked into /etc/extensions (merged by
+/// systemd-sysext.service at boot), and kubeadm.service ordered after the merge, Flatcar's
+/// unit reload and containerd. Nothing else is downloaded; Flatcar's own updates stay off.
+fn assert_kubernetes_sysext(config: &Value, base: &str, version: &str, what: &str) {
+    let raw = format!("/opt/extensions/kubernetes/kubernetes-{version}-x86-64.raw");
+    let sysext = file(config, &raw).unwrap_or_else(|| panic!("{what}: Ignition writes no {raw}"));
+    let url = format!("{base}/kubernetes-{version}-x86-64.raw");
+    assert_eq!(sysext["contents"]["source"], url, "{what}: {sysext}");
+    assert_eq!(remote_sources(config), [url], "{what}: other downloads");
+    let link = entry(
+        config,
+        "storage.links",
+        "path",
+        "/etc/extensions/kubernetes.raw",
+    )
+    .unwrap_or_else(|| panic!("{what}: no /etc/extensions/kubernetes.raw"));
+    assert_eq!(link["target"], raw, "{what}: {link}");
+    assert_ne!(link["hard"], true, "{what}: {link}");
+
+    let kubeadm =
+        unit(config, "kubeadm.service").unwrap_or_else(|| panic!("{what}: no kubeadm.service"));
+    assert_eq!(kubeadm["enabled"], true, "{what}: {kubeadm}");
+    let after = unit_values(kubeadm, "After");
+    for dep in [
+        "systemd-sysext.service",
+        "ensure-sysext.service",
+        "containerd.service",
+    ] {
+        assert!(
+            after.iter().any(|a| a == dep),
+            "{what}: kubeadm.service is not After={dep}: {after:?}"
+        );
+    }
+    let requires = unit_values(kubeadm, "Requires");
+    assert!(
+        requires.iter().any(|r| r == "systemd-sysext.service"),
+        "{what}: kubeadm.service does not require the sysext merge: {requires:?}"
+    );
+    for masked in ["update-engine.service", "locksmithd.service"] {
+        let u = unit(config, masked).unwrap_or_else(|| panic!("{what}: no {masked}"));
+        assert_eq!(u["mask"], true, "{what}: {u}");
+    }
+}
+
+/// The kubeadm configuration documents CABPK's Ignition writes (`/etc/kubeadm.yml`), by kind.
+fn kubeadm_documents(config: &Value) -> Result<BTreeMap<String, Value>> {
+    let text = inline_text(file(config, "/etc/kubeadm.yml").context("no /etc/kubeadm.yml")?)?;
+    Ok(docs(&text)?
+        .into_iter()
+        .map(|d| (d["kind"].as_str().unwrap_or_default().to_owned(), d))
+        .collect())
+}
+
+/// kubeadm's timeouts as the flavors set them, in kubeadm's own notation.
+fn assert_timeouts(kubeadm: &BTreeMap<String, Value>, role: Role, want: &[(&str, &str)]) {
+    let kind = match role {
+        Role::Init => "InitConfiguration",
+        Role::Join | Role::Worker => "JoinConfiguration",
+    };
+    let timeouts = &kubeadm[kind]["timeouts"];
+    for (field, value) in want {
+        assert_eq!(
+            timeouts[field], *value,
+            "{role:?}: {kind}.timeouts.{field}: {timeouts}"
+        );
+    }
+}
+
+/// The timeouts a joining worker uses (the control-plane ones do not apply to it).
+const WORKER_TIMEOUTS: [&str; 4] = [
+    "kubeletHealthCheck",
+    "kubernetesAPICall",
+    "tlsBootstrap",
+    "discovery",
+];
+
+fn default_timeouts(role: Role) -> Vec<(&'static str, &'static str)> {
+    let all = [
+        ("controlPlaneComponentHealthCheck", "10m0s"),
+        ("kubeletHealthCheck", "10m0s"),
+        ("kubernetesAPICall", "3m0s"),
+        ("etcdAPICall", "6m0s"),
+        ("tlsBootstrap", "10m0s"),
+        ("discovery", "10m0s"),
+    ];
+    all.into_iter()
+        .filter(|(f, _)| role != Role::Worker || WORKER_TIMEOUTS.contains(f))
+        .collect()
+}
+
+/// The default flavor on stock Flatcar: every machine's Ignition brings Kubernetes through the
+/// sysext of the cluster's version, and kubeadm gets the timeouts and the cluster's ranges.
+#[test]
+fn default_flavor_brings_kubernetes_to_flatcar_through_the_sysext() -> Result<()> {
+    let version = kubernetes_version();
+    let rendered = generate_flavor("cluster-template.yaml", &[])?;
+    for o in docs(&rendered)? {
+        if o["kind"] == "KVMMachineTemplate" {
+            assert!(
+                o["spec"]["template"]["spec"]["image"].is_null(),
+                "Flatcar is the management cluster's default node image: {o}"
+            );
+        }
+    }
+    for role in ROLES {
+        let (format, data) = cabpk_bootstrap(&rendered, role)?;
+        assert_eq!(format, BootstrapFormat::Ignition, "{role:?}");
+        let config = boot_ignition(format, &data, role).with_context(|| format!("{role:?}"))?;
+        assert_kubernetes_sysext(&config, UPSTREAM_SYSEXT, &version, &format!("{role:?}"));
+        let kubeadm = kubeadm_documents(&config)?;
+        assert_timeouts(&kubeadm, role, &default_timeouts(role));
+        if role == Role::Init {
+            let networking = &kubeadm["ClusterConfiguration"]["networking"];
+            assert_eq!(networking["podSubnet"], "172.24.0.0/16", "{networking}");
+            assert_eq!(networking["serviceSubnet"], "172.31.0.0/16", "{networking}");
+        }
+    }
+    Ok(())
+}
+
+/// An air-gapped installation: FLATCAR_SYSEXT_BASE_URL moves the only download to the mirror,
+/// and the kubeadm timeout variables reach kubeadm.
+#[test]
+fn sysext_mirror_and_timeout_variables_reach_the_node() -> Result<()> {
+    let version = kubernetes_version();
+    let rendered = generate_flavor(
+        "cluster-template.yaml",
+        &[
+            ("FLATCAR_SYSEXT_BASE_URL", MIRROR_SYSEXT),
+            (
+                "KUBEADM_CONTROL_PLANE_COMPONENT_HEALTH_CHECK_SECONDS",
+                "900",
+            ),
+            ("KUBEADM_DISCOVERY_SECONDS", "1200"),
+        ],
+    )?;
+    for role in ROLES {
+        let (format, data) = cabpk_bootstrap(&rendered, role)?;
+        let config = boot_ignition(format, &data, role)?;
+        assert_kubernetes_sysext(&config, MIRROR_SYSEXT, &version, &format!("{role:?}"));
+        let all = config.to_string();
+        assert!(
+            !all.contains("flatcar.org"),
+            "{role:?}: the upstream location is still named: {all}"
+        );
+        let kubeadm = kubeadm_documents(&config)?;
+        let mut want = vec![("discovery", "20m0s")];
+        if role != Role::Worker {
+            want.push(("controlPlaneComponentHealthCheck", "15m0s"));
+        }
+        assert_timeouts(&kubeadm, role, &want);
+    }
+    Ok(())
+}
+
+/// RFC 6902 `add` of an object member, as the topology controller applies a ClusterClass's
+/// inline patch: the parent must exist.
+fn json_patch_add(target: &mut Value, path: &str, value: Value) -> Result<()> {
+    let (parent_path, key) = path.rsplit_once('/').context("JSON pointer")?;
+    let key = key.replace("~1", "/").replace("~0", "~");
+    target
+        .pointer_mut(parent_path)
+        .and_then(Value::as_object_mut)
+        .with_context(|| format!("{parent_path} is not an existing object"))?
+        .insert(key, value);
+    Ok(())
+}
+
+/// What the topology controller makes of the ClusterClass `kvm` for the topology flavor's
+/// Cluster: the class's templates with its inline patches applied (each `valueFrom.template`
+/// rendered by `cabpk-render patch-template`, CAPI's own template code), as the
+/// KubeadmControlPlane, KubeadmConfigTemplate and MachineDeployment it creates.
+fn topology_objects(class: &[Value], cluster: &Value, version: &str) -> Result<String> {
+    let bin = capk_tests::component("cabpk-render", "make test-deps")?;
+    let by_kind = |kind: &str| {
+        class
+            .iter()
+            .find(|o| o["kind"] == kind)
+            .cloned()
+            .with_context(|| format!("no {kind} in the class"))
+    };
+    let mut kcp_template = by_kind("KubeadmControlPlaneTemplate")?;
+    let mut kct = by_kind("KubeadmConfigTemplate")?;
+    let cc = by_kind("ClusterClass")?;
+    let variables = json!({"builtin": {
+        "cluster": {"name": CLUSTER, "namespace": FLAVOR_NS},
+        "controlPlane": {"version": version, "replicas": 1},
+        "machineDeployment": {"version": version, "class": "default-worker", "replicas": 1},
+    }});
+    for patch in cc["spec"]["patches"].as_array().into_iter().flatten() {
+        for def in patch["definitions"].as_array().into_iter().flatten() {
+            let target = match def["selector"]["kind"].as_str() {
+                Some("KubeadmControlPlaneTemplate") => &mut kcp_template,
+                Some("KubeadmConfigTemplate") => &mut kct,
+                other => bail!("patch {} selects {other:?}", patch["name"]),
+            };
+            for p in def["jsonPatches"].as_array().into_iter().flatten() {
+                assert_eq!(p["op"], "add", "{p}");
+                let template = p["valueFrom"]["template"].as_str().context("template")?;
+                let input = json!({"template": template, "variables": variables});
+                let value: Value = serde_json::from_slice(&run_with_input(
+                    &bin,
+                    &["patch-template"],
+                    input.to_string().as_bytes(),
+                )?)?;
+                json_patch_add(target, p["path"].as_str().context("path")?, value)?;
+            }
+        }
+    }
+    let kcp = json!({
+        "apiVersion": "controlplane.cluster.x-k8s.io/v1beta2", "kind": "KubeadmControlPlane",
+        "metadata": {"name": format!("{CLUSTER}-x2k9d"), "namespace": FLAVOR_NS},
+        "spec": {
+            "replicas": 1, "version": version,
+            "machineTemplate": {"spec": {"infrastructureRef": {
+                "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMMachineTemplate",
+                "name": format!("{CLUSTER}-control-plane-f7h2k")}}},
+            "kubeadmConfigSpec": kcp_template["spec"]["template"]["spec"]["kubeadmConfigSpec"],
+        },
+    });
+    let md = json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineDeployment",
+        "metadata": {"name": format!("{CLUSTER}-md-0-p4x7z"), "namespace": FLAVOR_NS},
+        "spec": {"clusterName": CLUSTER, "template": {"spec": {
+            "clusterName": CLUSTER, "version": version,
+            "bootstrap": {"configRef": {"apiGroup": "bootstrap.cluster.x-k8s.io",
+                "kind": "KubeadmConfigTemplate", "name": kct["metadata"]["name"]}},
+            "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
+                "kind": "KVMMachineTemplate", "name": "kvm-default-worker"}}}},
+    });
+    let mut out = String::new();
+    for o in [cluster, &kcp, &kct, &md] {
+        out.push_str("---\n");
+        out.push_str(&serde_yaml_ng::to_string(o)?);
+    }
+    Ok(out)
+}
+
+/// The topology flavor: the ClusterClass's patch brings the sysext of the Cluster's version
+/// (and the mirror chosen when the class was generated) to every machine.
+#[test]
+fn topology_class_brings_the_sysext_of_the_cluster_version() -> Result<()> {
+    let version = kubernetes_version();
+    let dir = release_dir()?;
+    let cluster = docs(&generate_flavor("cluster-template-topology.yaml", &[])?)?
+        .into_iter()
+        .next()
+        .context("the Cluster")?;
+    for (base, env) in [
+        (UPSTREAM_SYSEXT, vec![("NAMESPACE", FLAVOR_NS)]),
+        (
+            MIRROR_SYSEXT,
+            vec![
+                ("NAMESPACE", FLAVOR_NS),
+                ("FLATCAR_SYSEXT_BASE_URL", MIRROR_SYSEXT),
+            ],
+        ),
+    ] {
+        let class = docs(&clusterctl(
+            &[
+                "generate",
+                "yaml",
+                "--from",
+                &dir.join("clusterclass-kvm.yaml").to_string_lossy(),
+            ],
+            &env,
+        )?)?;
+        let objects = topology_objects(&class, &cluster, &version)?;
+        for role in ROLES {
+            let what = format!("{base} {role:?}");
+            let (format, data) = cabpk_bootstrap(&objects, role).context(what.clone())?;
+            assert_eq!(format, BootstrapFormat::Ignition, "{what}");
+            let config = boot_ignition(format, &data, role).context(what.clone())?;
+            assert_kubernetes_sysext(&config, base, &version, &what);
+            assert_timeouts(&kubeadm_documents(&config)?, role, &default_timeouts(role));
+        }
+    }
+    Ok(())
+}
+
+/// The flavors for a node image that already holds Kubernetes download nothing: the node-image
+/// flavor (cloud-config, the image named per cluster by KVM_NODE_IMAGE) and the ignition flavor
+/// (the management cluster's default node image).
+#[test]
+fn node_image_flavors_boot_the_image_and_download_nothing() -> Result<()> {
+    // node-image: the image on both KVMMachineTemplates, cloud-config with the node's name and
+    // providerID filled in by the controller.
+    let rendered = generate_flavor(
+        "cluster-template-node-image.yaml",
+        &[("KVM_NODE_IMAGE", NODE_IMAGE)],
+    )?;
+    let templates: Vec<Value> = docs(&rendered)?
+        .into_iter()
+        .filter(|o| o["kind"] == "KVMMachineTemplate")
+        .collect();
+    assert_eq!(templates.len(), 2);
+    for t in &templates {
+        assert_eq!(
+            t["spec"]["template"]["spec"]["image"],
+            json!({"containerImage": {"image": NODE_IMAGE}}),
+            "{t}"
+        );
+    }
+    for role in ROLES {
+        let (format, data) = cabpk_bootstrap(&rendered, role)?;
+        assert_eq!(format, BootstrapFormat::CloudConfig, "{role:?}");
+        let config = boot_ignition(format, &data, role).with_context(|| format!("{role:?}"))?;
+        assert_eq!(remote_sources(&config), Vec::<String>::new(), "{role:?}");
+        assert!(
+            config["storage"]["links"].is_null(),
+            "{role:?}: {}",
+            config["storage"]["links"]
+        );
+        let kubeadm_yaml = config["storage"]["files"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|f| {
+                f["path"]
+                    .as_str()
+                    // kubeadm.yaml (init), kubeadm-join-config.yaml (join), staged from /run.
+                    .is_some_and(|p| p.contains("/run/kubeadm/kubeadm"))
+            })
+            .context("no /run/kubeadm/kubeadm*.yaml")?;
+        let kubeadm: BTreeMap<String, Value> = docs(&inline_text(kubeadm_yaml)?)?
+            .into_iter()
+            .map(|d| (d["kind"].as_str().unwrap_or_default().to_owned(), d))
+            .collect();
+        assert_timeouts(&kubeadm, role, &default_timeouts(role));
+        let kind = if role == Role::Init {
+            "InitConfiguration"
+        } else {
+            "JoinConfiguration"
+        };
+        let registration = &kubeadm[kind]["nodeRegistration"];
+        assert_eq!(registration["name"], role.hostname(), "{registration}");
+        assert_eq!(
+            registration["kubeletExtraArgs"],
+            json!([{"name": "provider-id", "value": format!("kvm://{FLAVOR_NS}/{}", role.hostname())}]),
+            "{registration}"
+        );
+    }
+
+    // ignition: CABPK's Ignition as it is, on the default node image.
+    let rendered = generate_flavor("cluster-template-ignition.yaml", &[])?;
+    for role in ROLES {
+        let (format, data) = cabpk_bootstrap(&rendered, role)?;
+        assert_eq!(format, BootstrapFormat::Ignition, "{role:?}");
+        let config = boot_ignition(format, &data, role)?;
+        assert_eq!(remote_sources(&config), Vec::<String>::new(), "{role:?}");
+        assert_timeouts(&kubeadm_documents(&config)?, role, &default_timeouts(role));
+    }
+    Ok(())
+}
+
+/// Every flavor as clusterctl renders it for fixed inputs (and the ClusterClass as `clusterctl
+/// generate yaml` does): a change to a template shows up here for review.
+#[test]
+fn rendered_flavors() -> Result<()> {
+    let dir = release_dir()?;
+    for (name, flavor) in [
+        ("default", "cluster-template.yaml"),
+        ("node-image", "cluster-template-node-image.yaml"),
+        ("ignition", "cluster-template-ignition.yaml"),
+        ("topology", "cluster-template-topology.yaml"),
+    ] {
+        let rendered = clusterctl(
+            &[
+                "generate",
+                "cluster",
+                CLUSTER,
+                "--from",
+                &dir.join(flavor).to_string_lossy(),
+                "--kubernetes-version",
+                "v1.35.4",
+                "--target-namespace",
+                FLAVOR_NS,
+                "--control-plane-machine-count",
+                "3",
+                "--worker-machine-count",
+                "2",
+            ],
+            &[("KVM_NODE_IMAGE", NODE_IMAGE)],
+        )?;
+        insta::assert_snapshot!(format!("flavor-{name}"), rendered);
+    }
+    let class = clusterctl(
+        &[
+            "generate",
+            "yaml",
+            "--from",
+            &dir.join("clusterclass-kvm.yaml").to_string_lossy(),
+        ],
+        &[("NAMESPACE", FLAVOR_NS)],
+    )?;
+    insta::assert_snapshot!("clusterclass-kvm", class);
     Ok(())
 }
