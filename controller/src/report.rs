@@ -25,7 +25,11 @@ pub fn capi_owner<K: Resource>(obj: &K, kind: &str) -> Option<String> {
         .map(|o| o.name.clone())
 }
 
-/// Publishes an Event about `obj` (best effort: Events never fail a reconcile).
+/// The longest Event note the apiserver accepts, in bytes.
+pub const MAX_EVENT_NOTE_BYTES: usize = 1024;
+
+/// Publishes an Event about `obj` (best effort: Events never fail a reconcile). The note is cut
+/// to what the apiserver accepts, so a long error still makes an Event.
 pub async fn publish<K>(ctx: &Context, obj: &K, type_: EventType, reason: &str, note: String)
 where
     K: Resource<DynamicType = ()>,
@@ -33,7 +37,7 @@ where
     let ev = Event {
         type_,
         reason: reason.into(),
-        note: Some(note),
+        note: Some(crate::redact::cap(&note, MAX_EVENT_NOTE_BYTES)),
         action: "Reconcile".into(),
         secondary: None,
     };

@@ -266,6 +266,28 @@ pub fn ignition_secret(
     }
 }
 
+/// The machine's Ignition config (compact JSON) from its bootstrap data and the Secret's
+/// `format`. The error is in words safe to show in a condition and an Event: the converter
+/// quotes the values it rejects, and bootstrap data holds join tokens and keys, so quoted values
+/// and token-shaped words are replaced and the message is bounded ([`crate::redact`]).
+pub fn render_ignition(
+    km: &KVMMachine,
+    format: Option<&str>,
+    data: &[u8],
+) -> Result<Vec<u8>, String> {
+    let facts = capk_bootstrap::MachineFacts {
+        hostname: hostname(km),
+        instance_id: capk_api::constants::provider_id(
+            km.meta().namespace.as_deref().unwrap_or_default(),
+            &pod_name(km),
+        ),
+    };
+    capk_bootstrap::BootstrapFormat::from_secret(format)
+        .and_then(|f| capk_bootstrap::render_ignition(f, data, &facts, None))
+        .map(|r| r.json)
+        .map_err(|e| crate::redact::untrusted_message(&e.to_string()))
+}
+
 fn bytes(
     q: Option<&capk_api::quantity::SizeQuantity>,
     field: &'static str,
@@ -1459,6 +1481,61 @@ mod tests {
         let odd = pod(json!({"phase": "Pending", "conditions": [{
             "type": "PodScheduled", "status": "False", "reason": "no good"}]}));
         assert_eq!(pod_conditions(Some(&odd))[0].reason, "Unschedulable");
+    }
+
+    #[test]
+    fn bootstrap_errors_never_quote_the_bootstrap_data() {
+        let token = "abcdef.0123456789abcdef";
+        let key = "c2VjcmV0LWtleS1tYXRlcmlhbC0xMjM0NTY3ODkw";
+        let km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
+        );
+        let cloud = |body: String| (None, format!("#cloud-config\n{body}"));
+        let cases = [
+            cloud(format!(
+                "write_files:\n- path: /etc/x\n  content: a\n  encoding: {token}\n"
+            )),
+            cloud(format!(
+                "write_files:\n- path: /etc/x\n  content: a\n  permissions: {token}\n"
+            )),
+            cloud(format!("{token}: 1\n")),
+            cloud(format!(
+                "write_files:\n- path: /etc/x\n  content: a\n  encoding: {key}\n"
+            )),
+            (
+                None,
+                format!("## template: jinja\n#cloud-config\nruncmd:\n- echo {{{{ {token} }}}}\n"),
+            ),
+            (
+                Some("ignition"),
+                format!(
+                    r#"{{"ignition":{{"version":"2.3.0"}},"storage":{{"files":[{{"path":"/x","filesystem":"root","mode":"{token}"}}]}}}}"#
+                ),
+            ),
+            (
+                Some("ignition"),
+                format!(r#"{{"ignition":{{"version":"{token}"}}}}"#),
+            ),
+            (Some(token), "#cloud-config\n".to_owned()),
+            // Many bad entries: a long message, still bounded.
+            cloud(format!("runcmd:\n{}", "- [a, {b: c}]\n".repeat(5000))),
+        ];
+        for (format, data) in cases {
+            let msg = render_ignition(&km, format, data.as_bytes()).unwrap_err();
+            assert!(!msg.contains(token) && !msg.contains(key), "{msg}");
+            assert!(
+                msg.len() <= crate::redact::MAX_MESSAGE_BYTES,
+                "{}",
+                msg.len()
+            );
+        }
+        // What is wrong is still said: the key path of the bad value.
+        let (_, data) = cloud(format!(
+            "write_files:\n- path: /etc/x\n  content: a\n  encoding: {token}\n"
+        ));
+        let msg = render_ignition(&km, None, data.as_bytes()).unwrap_err();
+        assert!(msg.contains("`write_files[0].encoding`"), "{msg}");
     }
 
     #[test]

@@ -13,7 +13,6 @@ use capk_api::{
     },
     v1alpha1::KVMMachine,
 };
-use capk_bootstrap::{BootstrapFormat, MachineFacts as BootFacts};
 use k8s_openapi::{
     api::core::v1::{PersistentVolumeClaim, Pod, Secret},
     jiff::Timestamp,
@@ -155,20 +154,13 @@ async fn ensure_ignition(
     let format = data
         .get("format")
         .map(|b| String::from_utf8_lossy(&b.0).into_owned());
-    let boot_facts = BootFacts {
-        hostname: build::hostname(km),
-        instance_id: provider_id(&ns, &km.name_any()),
-    };
-    let rendered = BootstrapFormat::from_secret(format.as_deref())
-        .and_then(|f| capk_bootstrap::render_ignition(f, &value, &boot_facts, None));
-    match rendered {
-        Ok(r) => {
-            let secret = build::ignition_secret(km, facts, r.json, &source);
+    match build::render_ignition(km, format.as_deref(), &value) {
+        Ok(json) => {
+            let secret = build::ignition_secret(km, facts, json, &source);
             apply_object(&secrets, &secret, "Secret").await?;
             Ok(Ok(()))
         }
-        Err(e) => {
-            let msg = e.to_string();
+        Err(msg) => {
             let reported = km
                 .status
                 .as_ref()
