@@ -3,8 +3,12 @@
 //! finalizers, conditions) everything else shares. No I/O.
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "kube")]
 pub mod capi;
 pub mod constants;
+#[cfg(feature = "kube")]
 pub mod crd;
+pub mod mount_tag;
 pub mod quantity;
+#[cfg(feature = "kube")]
 pub mod v1alpha1;

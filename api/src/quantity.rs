@@ -3,10 +3,13 @@
 //! The CRD accepts an integer or a string (like `resource.Quantity`), so `disk: 20Gi` and
 //! `disk: 21474836480` both work; CEL rules in the schema check the value is a quantity and large
 //! enough. [`SizeQuantity::bytes`] turns it into a byte count for the launcher.
+//!
+//! [`parse_bytes`] is the project's only quantity parser: the controller reads spec sizes with
+//! it and the launcher its `--memory` and disk size flags, so a size one accepts the other does
+//! too.
 
-use std::{borrow::Cow, fmt};
+use std::fmt;
 
-use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A size in bytes, written as a Kubernetes quantity (e.g. `1Gi`, `512Mi`, `20G`).
@@ -71,8 +74,9 @@ impl<'de> Deserialize<'de> for SizeQuantity {
     }
 }
 
-impl JsonSchema for SizeQuantity {
-    fn schema_name() -> Cow<'static, str> {
+#[cfg(feature = "kube")]
+impl schemars::JsonSchema for SizeQuantity {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
         "SizeQuantity".into()
     }
 
@@ -80,8 +84,8 @@ impl JsonSchema for SizeQuantity {
         true
     }
 
-    fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        json_schema!({
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
             "description": "A size as a Kubernetes quantity, e.g. 1Gi, 512Mi or 20G.",
             "x-kubernetes-int-or-string": true,
         })
@@ -114,6 +118,8 @@ pub fn parse_bytes(input: &str) -> Result<u64, QuantityError> {
         "Ti" => (1 << 40, 0),
         "Pi" => (1 << 50, 0),
         "Ei" => (1 << 60, 0),
+        "n" => (1, -9),
+        "u" => (1, -6),
         "m" => (1, -3),
         "k" => (1, 3),
         "M" => (1, 6),
@@ -167,6 +173,11 @@ mod tests {
         assert_eq!(parse_bytes("+2k"), Ok(2000));
         // Kubernetes rounds sub-unit quantities up.
         assert_eq!(parse_bytes("1500m"), Ok(2));
+        // Every suffix Kubernetes knows (CEL's isQuantity admits them all).
+        assert_eq!(parse_bytes("1u"), Ok(1));
+        assert_eq!(parse_bytes("5n"), Ok(1));
+        assert_eq!(parse_bytes("1Pi"), Ok(1 << 50));
+        assert_eq!(parse_bytes("2E"), Ok(2_000_000_000_000_000_000));
     }
 
     #[test]

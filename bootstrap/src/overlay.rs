@@ -280,7 +280,13 @@ impl MachineOverlay {
         }
 
         for v in &self.host_volumes {
-            check_token("9p mount tag", &v.tag, 31)?;
+            capk_api::mount_tag::check(&v.tag).map_err(|_| {
+                invalid(
+                    "9p mount tag",
+                    &v.tag,
+                    format!("must be {}", capk_api::mount_tag::RULE),
+                )
+            })?;
             let path = v
                 .mount_path
                 .clone()

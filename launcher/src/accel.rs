@@ -3,15 +3,26 @@
 #![allow(unsafe_code)]
 
 use std::num::NonZeroUsize;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::{Kvm, VcpuExit};
 use nix::sys::mman::{MapFlags, ProtFlags, mmap_anonymous, munmap};
 
-use crate::cli::AccelChoice;
 use crate::qemu::argv::Accel;
+
+/// Which accelerator the user asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AccelChoice {
+    /// KVM when a probe vCPU really runs, else TCG with a warning.
+    Auto,
+    /// KVM or fail.
+    Kvm,
+    /// Software emulation.
+    Tcg,
+}
 
 /// Why KVM cannot be used.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -72,37 +83,125 @@ pub fn decide(
 /// that needs more than a second for a million iterations is slower than TCG and hangs guests.
 pub const DEFAULT_PROBE_TIMEOUT: Duration = Duration::from_millis(1000);
 
-extern "C" fn interrupt_kvm_run(_: nix::libc::c_int) {}
+thread_local! {
+    /// The `immediate_exit` byte of the probe vCPU's `kvm_run`, while the vCPU exists on this
+    /// thread; null otherwise. Const-initialised without a destructor, so the signal handler can
+    /// read it (no lazy initialisation, no allocation).
+    static IMMEDIATE_EXIT: AtomicPtr<u8> = const { AtomicPtr::new(std::ptr::null_mut()) };
+}
+
+/// SIGUSR1 on the probe thread: makes a running `KVM_RUN` return (any signal does), and one the
+/// thread is about to enter return at once (`immediate_exit`), so no stop request is lost.
+extern "C" fn interrupt_kvm_run(_: nix::libc::c_int) {
+    let flag = IMMEDIATE_EXIT.with(|f| f.load(Ordering::SeqCst));
+    if !flag.is_null() {
+        // SAFETY: a non-null pointer is the `immediate_exit` byte of the kvm_run mapping of the
+        // vCPU on this very thread, published after the vCPU was created and withdrawn before it
+        // is dropped (`ImmediateExitSlot`); the handler runs on this thread, so the mapping is
+        // alive. A single byte write is async-signal-safe, and KVM reads the byte on entry to
+        // KVM_RUN, as the KVM API documents for exactly this use.
+        unsafe { flag.write_volatile(1) };
+    }
+}
+
+/// Publishes a vCPU's `immediate_exit` byte to this thread's signal handler until dropped.
+struct ImmediateExitSlot;
+
+impl ImmediateExitSlot {
+    fn publish(flag: *mut u8) -> Self {
+        IMMEDIATE_EXIT.with(|f| f.store(flag, Ordering::SeqCst));
+        ImmediateExitSlot
+    }
+}
+
+impl Drop for ImmediateExitSlot {
+    fn drop(&mut self) {
+        IMMEDIATE_EXIT.with(|f| f.store(std::ptr::null_mut(), Ordering::SeqCst));
+    }
+}
+
+/// How the probe thread ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    /// The vCPU ran (or setup failed): the probe's verdict.
+    Ran(Result<(), KvmUnusable>),
+    /// Stopped by the caller's timeout before or while in `KVM_RUN`.
+    Cancelled,
+}
+
+/// Points on the probe thread where tests hold it to open a race window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// The thread started; nothing is set up.
+    Started,
+    /// The vCPU is set up, the stop flag was checked; `KVM_RUN` comes next.
+    BeforeRun,
+}
+
+/// How long the caller waits for the interrupted probe thread to end.
+const STOP_GRACE: Duration = Duration::from_millis(500);
 
 /// Runs the real KVM probe on a helper thread and waits at most `timeout`; on timeout the
-/// thread is interrupted with SIGUSR1 so KVM_RUN returns and it stops burning a CPU.
+/// thread is stopped (stop flag, then SIGUSR1 with `immediate_exit`) so it never burns a CPU.
 pub fn probe_kvm(timeout: Duration) -> Result<(), KvmUnusable> {
+    probe_with(timeout, |_| {}).0
+}
+
+/// [`probe_kvm`] with a hook the probe thread calls at each [`Stage`]; also returns the channel
+/// the thread reports its [`Outcome`] on, for a result that arrives after the timeout.
+fn probe_with(
+    timeout: Duration,
+    hook: impl Fn(Stage) + Send + 'static,
+) -> (Result<(), KvmUnusable>, mpsc::Receiver<Outcome>) {
     use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
+    let (tx, rx) = mpsc::channel();
     let action = SigAction::new(
         SigHandler::Handler(interrupt_kvm_run),
         SaFlags::empty(),
         SigSet::empty(),
     );
-    // SAFETY: the handler is an empty extern "C" function, trivially async-signal-safe; no
-    // other part of the launcher uses SIGUSR1.
-    unsafe { sigaction(Signal::SIGUSR1, &action) }
-        .map_err(|e| KvmUnusable::Setup(format!("sigaction: {e}")))?;
-    let (tx, rx) = mpsc::channel();
-    let handle = std::thread::Builder::new()
+    // SAFETY: the handler only reads a const-initialised thread-local and writes one byte,
+    // both async-signal-safe; no other part of the launcher uses SIGUSR1.
+    if let Err(e) = unsafe { sigaction(Signal::SIGUSR1, &action) } {
+        return (Err(KvmUnusable::Setup(format!("sigaction: {e}"))), rx);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread_stop = stop.clone();
+    let spawned = std::thread::Builder::new()
         .name("kvm-probe".into())
         .spawn(move || {
-            let _ = tx.send(run_probe_guest());
-        })
-        .map_err(|e| KvmUnusable::Setup(e.to_string()))?;
+            hook(Stage::Started);
+            let _ = tx.send(run_probe_guest(&thread_stop, &hook));
+        });
+    let handle = match spawned {
+        Ok(h) => h,
+        Err(e) => return (Err(KvmUnusable::Setup(e.to_string())), rx),
+    };
     let start = Instant::now();
-    match rx.recv_timeout(timeout) {
-        Ok(r) => r,
+    let result = match rx.recv_timeout(timeout) {
+        Ok(Outcome::Ran(r)) => r,
+        Ok(Outcome::Cancelled) => unreachable!("only a stop request cancels the probe"),
         Err(_) => {
+            // The flag is seen by a thread that has not reached its check before KVM_RUN yet;
+            // the signal (with immediate_exit) by one past it, in KVM_RUN or about to enter it.
+            stop.store(true, Ordering::SeqCst);
             let thread = std::os::unix::thread::JoinHandleExt::as_pthread_t(&handle);
             let _ = nix::sys::pthread::pthread_kill(thread, Signal::SIGUSR1);
             Err(KvmUnusable::Timeout(start.elapsed().max(timeout)))
         }
+    };
+    if result.is_err() && !handle.is_finished() {
+        let waited = Instant::now();
+        while !handle.is_finished() && waited.elapsed() < STOP_GRACE {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if !handle.is_finished() {
+            tracing::warn!(
+                "KVM probe thread still busy {STOP_GRACE:?} after it was stopped (stuck in VM setup)"
+            );
+        }
     }
+    (result, rx)
 }
 
 /// Guest-physical layout of the probe: code, 4-level page tables, a counter; all in 6 pages.
@@ -126,8 +225,18 @@ fn probe_code() -> Vec<u8> {
 }
 
 /// Runs a vCPU in 64-bit long mode with paging (what a real kernel needs, and what hangs on
-/// machines where a bare real-mode HLT still works) through a counting loop, then HLT.
-fn run_probe_guest() -> Result<(), KvmUnusable> {
+/// machines where a bare real-mode HLT still works) through a counting loop, then HLT; unless
+/// `stop` is set first.
+fn run_probe_guest(stop: &AtomicBool, hook: &dyn Fn(Stage)) -> Outcome {
+    match run_probe_vcpu(stop, hook) {
+        Ok(true) => Outcome::Ran(Ok(())),
+        Ok(false) => Outcome::Cancelled,
+        Err(e) => Outcome::Ran(Err(e)),
+    }
+}
+
+/// The probe itself: Ok(true) when the vCPU counted and halted, Ok(false) when stopped.
+fn run_probe_vcpu(stop: &AtomicBool, hook: &dyn Fn(Stage)) -> Result<bool, KvmUnusable> {
     let setup = |e: kvm_ioctls::Error| KvmUnusable::Setup(e.to_string());
     let kvm = Kvm::new().map_err(|e| KvmUnusable::Open(e.to_string()))?;
     let vm = kvm.create_vm().map_err(setup)?;
@@ -202,9 +311,17 @@ fn run_probe_guest() -> Result<(), KvmUnusable> {
             regs.rip = CODE;
             regs.rflags = 2;
             vcpu.set_regs(&regs).map_err(setup)?;
+            // Publish the flag, then check the stop request: a stop before this check is seen
+            // here, one after it finds the flag published (SeqCst on both sides).
+            let _slot = ImmediateExitSlot::publish(&raw mut vcpu.get_kvm_run().immediate_exit);
+            if stop.load(Ordering::SeqCst) {
+                return Ok(false);
+            }
+            hook(Stage::BeforeRun);
             match vcpu.run() {
-                Ok(VcpuExit::Hlt) => Ok(()),
+                Ok(VcpuExit::Hlt) => Ok(true),
                 Ok(other) => Err(KvmUnusable::UnexpectedExit(format!("{other:?}"))),
+                Err(e) if e.errno() == nix::libc::EINTR && stop.load(Ordering::SeqCst) => Ok(false),
                 Err(e) => Err(KvmUnusable::UnexpectedExit(e.to_string())),
             }
         });
@@ -219,13 +336,15 @@ fn run_probe_guest() -> Result<(), KvmUnusable> {
     drop(vm);
     // SAFETY: `mem` came from mmap with length MEM_SIZE; the VM using it has been dropped.
     let _ = unsafe { munmap(mem, MEM_SIZE) };
-    result?;
+    if !result? {
+        return Ok(false);
+    }
     if counted != u64::from(ITERATIONS) {
         return Err(KvmUnusable::UnexpectedExit(format!(
             "HLT after counting to {counted} instead of {ITERATIONS}"
         )));
     }
-    Ok(())
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -267,6 +386,58 @@ mod tests {
         );
         let d = decide(AccelChoice::Tcg, || panic!("tcg must not probe")).unwrap();
         assert_eq!(d.accel, Accel::Tcg);
+    }
+
+    /// /dev/kvm openable here: under `CI` its absence fails the test.
+    fn kvm_device() -> bool {
+        match std::fs::File::open("/dev/kvm") {
+            Ok(_) => true,
+            Err(e) if std::env::var_os("CI").is_some() => {
+                panic!("open /dev/kvm: {e} (run on a host with KVM: modprobe kvm_intel or kvm_amd)")
+            }
+            Err(e) => {
+                eprintln!("skipping: open /dev/kvm: {e}");
+                false
+            }
+        }
+    }
+
+    /// Holds the probe thread at `at` until the probe timed out and sent its stop request,
+    /// then lets it go on and returns how it ended.
+    fn stop_while_held_at(at: Stage) -> Option<Outcome> {
+        let (release, held) = mpsc::channel::<()>();
+        let held = std::sync::Mutex::new(held);
+        let (result, outcome) = probe_with(Duration::from_millis(50), move |stage| {
+            if stage == at {
+                let _ = held.lock().unwrap().recv();
+            }
+        });
+        assert!(matches!(result, Err(KvmUnusable::Timeout(_))), "{result:?}");
+        release.send(()).unwrap();
+        outcome.recv_timeout(Duration::from_secs(2)).ok()
+    }
+
+    /// The stop request arrives before the probe thread set anything up (the signal meets no
+    /// KVM_RUN): the thread still stops instead of running the guest, or hanging in it.
+    #[test]
+    fn a_stop_before_the_vcpu_exists_is_not_lost() {
+        if !kvm_device() {
+            return;
+        }
+        assert_eq!(stop_while_held_at(Stage::Started), Some(Outcome::Cancelled));
+    }
+
+    /// The narrowest window: the thread checked the stop flag, then the stop request (and
+    /// signal) arrive before it enters KVM_RUN. immediate_exit makes KVM_RUN return at once.
+    #[test]
+    fn a_stop_just_before_kvm_run_is_not_lost() {
+        if !kvm_device() {
+            return;
+        }
+        assert_eq!(
+            stop_while_held_at(Stage::BeforeRun),
+            Some(Outcome::Cancelled)
+        );
     }
 
     /// The real probe on this machine: it must come back within its timeout either way.

@@ -16,7 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
-use crate::control::SharedState;
+use crate::health::SharedState;
 
 /// Seconds between two checks.
 pub const CHECK_INTERVAL: Duration = Duration::from_secs(5);

@@ -6,6 +6,10 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::accel::AccelChoice;
+use crate::control::ProbeKind;
+use crate::qemu::qmp::SimpleCommand;
+use crate::run::{Role, RunConfig};
 use crate::size::ByteSize;
 
 /// PID 1 of a machine Pod: turns the Pod into a VM host that owns the Pod's IP and MAC.
@@ -49,7 +53,7 @@ pub enum Command {
     Qmp {
         /// The command.
         #[arg(value_enum)]
-        command: crate::qemu::qmp::SimpleCommand,
+        command: QmpCommandArg,
         #[command(flatten)]
         socket: SocketArgs,
     },
@@ -74,25 +78,59 @@ pub struct SocketArgs {
 pub struct ProbeArgs {
     /// Which probe.
     #[arg(value_enum)]
-    pub kind: ProbeKind,
+    pub kind: ProbeKindArg,
     #[command(flatten)]
     pub socket: SocketArgs,
 }
 
 /// Kinds of exec probe.
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ProbeKind {
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum ProbeKindArg {
     /// QEMU alive, QMP answers, guest not shut down or panicked.
     Liveness,
     /// Guest heartbeat seen recently and bootstrap succeeded.
     Readiness,
 }
 
+impl From<ProbeKindArg> for ProbeKind {
+    fn from(k: ProbeKindArg) -> Self {
+        match k {
+            ProbeKindArg::Liveness => ProbeKind::Liveness,
+            ProbeKindArg::Readiness => ProbeKind::Readiness,
+        }
+    }
+}
+
+/// QMP commands `capk-launcher qmp` may send (no arguments, nothing that reads guest memory).
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum QmpCommandArg {
+    /// `query-status`.
+    QueryStatus,
+    /// `system_powerdown` (ACPI power button).
+    SystemPowerdown,
+    /// `system_reset` (hard reset).
+    SystemReset,
+    /// `stop` (pause vCPUs).
+    Stop,
+    /// `cont` (resume vCPUs).
+    Cont,
+}
+
+impl From<QmpCommandArg> for SimpleCommand {
+    fn from(c: QmpCommandArg) -> Self {
+        match c {
+            QmpCommandArg::QueryStatus => SimpleCommand::QueryStatus,
+            QmpCommandArg::SystemPowerdown => SimpleCommand::SystemPowerdown,
+            QmpCommandArg::SystemReset => SimpleCommand::SystemReset,
+            QmpCommandArg::Stop => SimpleCommand::Stop,
+            QmpCommandArg::Cont => SimpleCommand::Cont,
+        }
+    }
+}
+
 /// Hardware accelerator choice.
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum AccelChoice {
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum AccelArg {
     /// KVM when a probe vCPU really runs, else TCG with a warning.
     Auto,
     /// KVM or fail.
@@ -101,22 +139,30 @@ pub enum AccelChoice {
     Tcg,
 }
 
+impl From<AccelArg> for AccelChoice {
+    fn from(a: AccelArg) -> Self {
+        match a {
+            AccelArg::Auto => AccelChoice::Auto,
+            AccelArg::Kvm => AccelChoice::Kvm,
+            AccelArg::Tcg => AccelChoice::Tcg,
+        }
+    }
+}
+
 /// Role of the machine in its cluster.
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Role {
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum RoleArg {
     /// Runs etcd and the apiserver.
     ControlPlane,
     /// Runs workloads.
     Worker,
 }
 
-impl Role {
-    /// The name used in flags, logs and status.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::ControlPlane => "control-plane",
-            Role::Worker => "worker",
+impl From<RoleArg> for Role {
+    fn from(r: RoleArg) -> Self {
+        match r {
+            RoleArg::ControlPlane => Role::ControlPlane,
+            RoleArg::Worker => Role::Worker,
         }
     }
 }
@@ -163,8 +209,8 @@ pub struct RunArgs {
     #[arg(long, env = "CAPK_IGNITION_FILE")]
     pub ignition: Option<PathBuf>,
     /// Accelerator.
-    #[arg(long, env = "CAPK_ACCEL", value_enum, default_value_t = AccelChoice::Auto)]
-    pub accel: AccelChoice,
+    #[arg(long, env = "CAPK_ACCEL", value_enum, default_value_t = AccelArg::Auto)]
+    pub accel: AccelArg,
     /// DNS servers for the guest (default: the Pod's resolv.conf).
     #[arg(long = "dns", env = "CAPK_DNS_SERVERS", value_delimiter = ',')]
     pub dns_servers: Vec<Ipv4Addr>,
@@ -181,8 +227,8 @@ pub struct RunArgs {
     #[arg(long, env = "CAPK_ISCSI_INITIATOR_NAME")]
     pub iscsi_initiator_name: Option<String>,
     /// Machine role.
-    #[arg(long, env = "CAPK_ROLE", value_enum, default_value_t = Role::Worker)]
-    pub role: Role,
+    #[arg(long, env = "CAPK_ROLE", value_enum, default_value_t = RoleArg::Worker)]
+    pub role: RoleArg,
     /// The Pod's interface whose identity the VM takes.
     #[arg(long, env = "CAPK_POD_INTERFACE", default_value = "eth0")]
     pub interface: String,
@@ -218,4 +264,157 @@ pub struct RunArgs {
     /// How long the KVM probe vCPU may take for its loop (real KVM needs about 1 ms).
     #[arg(long, env = "CAPK_KVM_PROBE_TIMEOUT_MS", default_value_t = 1000)]
     pub kvm_probe_timeout_ms: u64,
+}
+
+impl From<RunArgs> for RunConfig {
+    fn from(a: RunArgs) -> Self {
+        RunConfig {
+            vcpus: a.vcpus,
+            memory: a.memory,
+            image: a.image,
+            image_format: a.image_format,
+            disk_size: a.disk_size,
+            docker_disk_size: a.docker_disk_size,
+            kubelet_disk_size: a.kubelet_disk_size,
+            etcd_disk: a.etcd_disk,
+            etcd_disk_size: a.etcd_disk_size,
+            host_volumes: a.host_volumes,
+            state_dir: a.state_dir,
+            runtime_dir: a.socket.runtime_dir,
+            ignition: a.ignition,
+            accel: a.accel.into(),
+            dns_servers: a.dns_servers,
+            dns_search: a.dns_search,
+            ntp_servers: a.ntp_servers,
+            hostname: a.hostname,
+            iscsi_initiator_name: a.iscsi_initiator_name,
+            role: a.role.into(),
+            interface: a.interface,
+            resolv_conf: a.resolv_conf,
+            grace_period_seconds: a.grace_period_seconds,
+            apiserver_readyz_port: a.apiserver_readyz_port,
+            heartbeat_timeout_seconds: a.heartbeat_timeout_seconds,
+            qemu: a.qemu,
+            qemu_img: a.qemu_img,
+            kernel: a.kernel,
+            initrd: a.initrd,
+            kernel_cmdline: a.kernel_cmdline,
+            kvm_probe_timeout_ms: a.kvm_probe_timeout_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use super::*;
+    use crate::run::{guest_naming, validate};
+
+    fn config(extra: &[&str]) -> RunConfig {
+        let mut v = vec!["capk-launcher", "run", "--image", "/img.qcow2"];
+        v.extend_from_slice(extra);
+        match Cli::try_parse_from(v).unwrap().command {
+            Command::Run(r) => RunConfig::from(*r),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn bad_flags_get_one_line_causes() {
+        let cases: &[(&[&str], &str)] = &[
+            (
+                &["--vcpus", "0"],
+                "invalid --vcpus: must be between 1 and 255",
+            ),
+            (
+                &["--memory", "64Mi"],
+                "invalid --memory: must be at least 128Mi",
+            ),
+            (
+                &["--image-format", "vmdk"],
+                "invalid --image-format: must be qcow2 or raw",
+            ),
+            (
+                &["--host-volume", "data"],
+                "invalid --host-volume: \"data\" is not TAG=PATH",
+            ),
+            (
+                &["--host-volume", "d=rel/path"],
+                "invalid --host-volume: path \"rel/path\" must be absolute",
+            ),
+            (
+                &["--host-volume", "a.b=/srv"],
+                "invalid --host-volume: mount tag \"a.b\" must be 1-31 characters long (the virtio-9p tag limit), of letters, digits, '_' and '-' only",
+            ),
+            (
+                &["--iscsi-initiator-name", "node 1"],
+                "invalid --iscsi-initiator-name: must be an iqn. or eui. name without spaces, at most 223 bytes",
+            ),
+            (
+                &["--hostname", "Bad_Name"],
+                "invalid --hostname: must be a DNS name of labels [a-z0-9-], at most 253 characters",
+            ),
+        ];
+        for (flags, msg) in cases {
+            assert_eq!(validate(&config(flags)).unwrap_err().to_string(), *msg);
+        }
+        assert!(
+            validate(&config(&[
+                "--host-volume",
+                "data=/srv/data",
+                "--memory",
+                "8Gi"
+            ]))
+            .is_ok()
+        );
+    }
+
+    /// The launcher takes exactly the mount tags the CRD and the bootstrap overlay take.
+    #[test]
+    fn host_volume_tags_follow_the_shared_rule() {
+        for tag in capk_api::mount_tag::EXAMPLES {
+            let flag = format!("{tag}=/srv");
+            let got = validate(&config(&["--host-volume", &flag]));
+            assert_eq!(
+                got.is_ok(),
+                capk_api::mount_tag::check(tag).is_ok(),
+                "{tag:?}: {got:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn sizes_that_do_not_parse_are_refused_by_the_cli() {
+        let e = Cli::try_parse_from(["capk-launcher", "run", "--image", "/i", "--memory", "lots"])
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("invalid size: \"lots\" is not a Kubernetes quantity"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn dns_flags_override_resolv_conf() {
+        let resolv = "search ns.svc.cluster.local\nnameserver 10.96.0.10\n";
+        let n = guest_naming(&config(&[]), resolv, "m1".into());
+        assert_eq!(n.dns_servers, vec![Ipv4Addr::new(10, 96, 0, 10)]);
+        assert_eq!(n.dns_search, ["ns.svc.cluster.local"]);
+        let n = guest_naming(
+            &config(&[
+                "--dns",
+                "1.1.1.1",
+                "--dns-search",
+                "example.org",
+                "--ntp",
+                "10.0.0.1",
+            ]),
+            resolv,
+            "m1".into(),
+        );
+        assert_eq!(n.dns_servers, vec![Ipv4Addr::new(1, 1, 1, 1)]);
+        assert_eq!(n.dns_search, ["example.org"]);
+        assert_eq!(n.ntp_servers, vec![Ipv4Addr::new(10, 0, 0, 1)]);
+    }
 }

@@ -6,16 +6,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, Semaphore};
 
-use crate::cli::ProbeKind;
-use crate::health::{self, LauncherState, ProbeResult};
+use crate::health::{self, ProbeResult, SharedState};
+use crate::line::{Frame, LineReader};
 use crate::qemu::qmp::{QapiQmp, Qmp, SimpleCommand};
 
-/// State shared by the tasks of a running launcher.
-pub type SharedState = Arc<Mutex<LauncherState>>;
 /// The QMP client once connected.
 pub type SharedQmp = Arc<Mutex<Option<QapiQmp>>>;
 
@@ -24,6 +22,35 @@ pub const CONTROL_SOCKET: &str = "control.sock";
 
 /// How long a probe waits for QMP.
 const QMP_PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Longest request line (a request is under 100 bytes).
+pub const REQUEST_LINE_MAX: usize = 4096;
+/// Longest answer `call` reads (a status report is a few KiB).
+pub const ANSWER_LINE_MAX: usize = 1 << 20;
+/// How long a client has to send its request line.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once; more wait in the listen backlog.
+pub const MAX_CONNECTIONS: usize = 16;
+
+/// Kinds of exec probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProbeKind {
+    /// QEMU alive, QMP answers, guest not shut down or panicked.
+    Liveness,
+    /// Guest heartbeat seen recently and bootstrap succeeded.
+    Readiness,
+}
+
+impl ProbeKind {
+    /// The name in probe output.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProbeKind::Liveness => "liveness",
+            ProbeKind::Readiness => "readiness",
+        }
+    }
+}
 
 /// A request on the control socket (one JSON line).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -60,6 +87,28 @@ pub enum ControlError {
     /// Binding the socket.
     #[error("listen on {0}")]
     Bind(PathBuf, #[source] std::io::Error),
+    /// The answer did not end or was too long.
+    #[error("launcher sent no complete answer (at most {ANSWER_LINE_MAX} bytes)")]
+    Truncated,
+}
+
+/// Why a request line is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// Longer than [`REQUEST_LINE_MAX`].
+    #[error("request longer than {REQUEST_LINE_MAX} bytes")]
+    TooLong,
+    /// Not a request.
+    #[error("bad request: {0}")]
+    Decode(#[from] serde_json::Error),
+}
+
+/// Parses one request line as the server reads it (pure; what the fuzz target drives).
+pub fn parse_request(frame: &Frame) -> Result<Request, RequestError> {
+    match frame {
+        Frame::Line(bytes) => Ok(serde_json::from_slice(bytes)?),
+        Frame::TooLong(_) => Err(RequestError::TooLong),
+    }
 }
 
 /// Sends one request and returns the raw JSON answer.
@@ -72,9 +121,14 @@ pub async fn call(runtime_dir: &Path, req: &Request) -> Result<serde_json::Value
     let mut line = serde_json::to_vec(req)?;
     line.push(b'\n');
     w.write_all(&line).await?;
-    let mut answer = String::new();
-    BufReader::new(r).read_line(&mut answer).await?;
-    Ok(serde_json::from_str(&answer)?)
+    let capped = r.take(ANSWER_LINE_MAX as u64 + 1);
+    match LineReader::new(BufReader::new(capped), ANSWER_LINE_MAX)
+        .next_frame()
+        .await?
+    {
+        Some(Frame::Line(answer)) => Ok(serde_json::from_slice(&answer)?),
+        _ => Err(ControlError::Truncated),
+    }
 }
 
 async fn answer(req: Request, state: &SharedState, qmp: &SharedQmp) -> serde_json::Value {
@@ -136,25 +190,35 @@ pub fn bind(runtime_dir: &Path) -> Result<UnixListener, ControlError> {
     UnixListener::bind(&path).map_err(|e| ControlError::Bind(path, e))
 }
 
-/// Serves requests until the task is dropped.
+/// Serves requests until the task is dropped: one request line per connection, read with a
+/// length cap and a deadline, at most [`MAX_CONNECTIONS`] at once, so a client that floods the
+/// socket or never finishes its line costs a bounded amount of memory and time.
 pub async fn serve(listener: UnixListener, state: SharedState, qmp: SharedQmp) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return;
+        };
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
         let (state, qmp) = (state.clone(), qmp.clone());
         tokio::spawn(async move {
+            let _permit = permit;
             let (r, mut w) = stream.into_split();
-            let mut line = String::new();
-            if BufReader::new(r).read_line(&mut line).await.is_err() {
-                return;
-            }
-            let reply = match serde_json::from_str::<Request>(&line) {
-                Ok(req) => answer(req, &state, &qmp).await,
-                Err(e) => json(&ProbeResult {
-                    ok: false,
-                    reason: format!("bad request: {e}"),
-                }),
+            // One line per connection: reading stops one byte past the cap.
+            let capped = r.take(REQUEST_LINE_MAX as u64 + 1);
+            let mut lines = LineReader::new(BufReader::new(capped), REQUEST_LINE_MAX);
+            let reply = match tokio::time::timeout(REQUEST_TIMEOUT, lines.next_frame()).await {
+                Ok(Ok(Some(frame))) => match parse_request(&frame) {
+                    Ok(req) => answer(req, &state, &qmp).await,
+                    Err(e) => refusal(e.to_string()),
+                },
+                Ok(Ok(None) | Err(_)) => return,
+                Err(_) => refusal(format!(
+                    "no request line within {}s",
+                    REQUEST_TIMEOUT.as_secs()
+                )),
             };
             let mut out = serde_json::to_vec(&reply).unwrap_or_default();
             out.push(b'\n');
@@ -163,10 +227,14 @@ pub async fn serve(listener: UnixListener, state: SharedState, qmp: SharedQmp) {
     }
 }
 
+fn refusal(reason: String) -> serde_json::Value {
+    json(&ProbeResult { ok: false, reason })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::health::Phase;
+    use crate::health::{LauncherState, Phase};
 
     #[tokio::test]
     async fn probe_and_status_over_the_socket() {
@@ -203,6 +271,54 @@ mod tests {
         assert_eq!(s["phase"], "running");
         assert_eq!(s["ip"], "10.244.1.5/32");
         assert_eq!(s["role"], "control-plane");
+        server.abort();
+    }
+
+    /// A client that sends 8 MiB without a newline is refused after the cap (not read to its
+    /// end), and the next client is served as usual.
+    #[tokio::test]
+    async fn an_endless_request_is_refused_and_the_next_one_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let state: SharedState = Arc::new(Mutex::new(LauncherState::new(
+            "worker",
+            Duration::from_secs(90),
+        )));
+        let qmp: SharedQmp = Arc::new(Mutex::new(None));
+        let server = tokio::spawn(serve(bind(dir.path()).unwrap(), state, qmp));
+
+        let (mut r, mut w) = UnixStream::connect(dir.path().join(CONTROL_SOCKET))
+            .await
+            .unwrap()
+            .into_split();
+        let flood = tokio::spawn(async move {
+            let junk = vec![b'{'; 64 * 1024];
+            let mut sent = 0usize;
+            // The server stops reading once the line is over the cap: writing then fails.
+            while sent < 8 << 20 && w.write_all(&junk).await.is_ok() {
+                sent += junk.len();
+            }
+            sent
+        });
+        let reply = LineReader::new(BufReader::new(&mut r), 1024)
+            .next_frame()
+            .await
+            .unwrap();
+        let Some(Frame::Line(reply)) = reply else {
+            panic!("no answer: {reply:?}")
+        };
+        let reply: serde_json::Value = serde_json::from_slice(&reply).unwrap();
+        assert_eq!(reply["ok"], false);
+        assert_eq!(
+            reply["reason"],
+            format!("request longer than {REQUEST_LINE_MAX} bytes")
+        );
+        assert!(
+            flood.await.unwrap() < 8 << 20,
+            "the server read the whole flood"
+        );
+
+        let s = call(dir.path(), &Request::Status).await.unwrap();
+        assert_eq!(s["role"], "worker");
         server.abort();
     }
 

@@ -1,13 +1,23 @@
 //! Launcher state, guest heartbeat and the pure probe verdicts.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use capk_bootstrap::heartbeat::{BootstrapState, HeartbeatLine};
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::BufReader;
+use tokio::sync::Mutex;
 
+use crate::line::{Frame, LineReader};
 use crate::qemu::argv::{Accel, DiskAttachment};
 use crate::qemu::qmp::VmStatus;
+
+/// State shared by the tasks of a running launcher.
+pub type SharedState = Arc<Mutex<LauncherState>>;
+
+/// Longest line read from the guest's heartbeat port (a heartbeat is about 50 bytes); longer
+/// lines are dropped and counted, so a guest flooding the port cannot grow the launcher.
+pub const HEARTBEAT_LINE_MAX: usize = 4096;
 
 /// Lifecycle phase of the machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -56,6 +66,8 @@ pub struct LauncherState {
     pub disks: Vec<DiskAttachment>,
     /// The guest apiserver's `/readyz`, when readiness requires it (control-plane machines).
     pub apiserver: Option<ApiserverReadyz>,
+    /// Heartbeat-port lines longer than [`HEARTBEAT_LINE_MAX`], dropped.
+    pub heartbeat_lines_too_long: u64,
 }
 
 /// The apiserver check of a control-plane machine.
@@ -85,6 +97,7 @@ impl LauncherState {
             heartbeat_timeout,
             disks: Vec::new(),
             apiserver: None,
+            heartbeat_lines_too_long: 0,
         }
     }
 }
@@ -188,6 +201,8 @@ pub struct StatusReport {
     pub bootstrap_succeeded: bool,
     /// Disks.
     pub disks: Vec<DiskAttachment>,
+    /// Heartbeat-port lines dropped for being too long (a misbehaving guest).
+    pub heartbeat_lines_too_long: u64,
 }
 
 /// Builds the status report.
@@ -206,6 +221,7 @@ pub fn status_report(state: &LauncherState, vm: Option<&VmStatus>, now: Instant)
             .map(|b| now.saturating_duration_since(b).as_secs()),
         bootstrap_succeeded: state.bootstrap_succeeded,
         disks: state.disks.clone(),
+        heartbeat_lines_too_long: state.heartbeat_lines_too_long,
     }
 }
 
@@ -227,15 +243,38 @@ pub fn record_heartbeat(state: &mut LauncherState, line: &str, now: Instant) -> 
     true
 }
 
+/// Applies one frame read from the heartbeat port: a line as [`record_heartbeat`] does, an
+/// over-long one is counted (and logged at 1, 2, 4, 8, ... so a flood does not flood the log).
+pub fn record_frame(state: &mut LauncherState, frame: &Frame, now: Instant) {
+    match frame {
+        Frame::Line(bytes) => {
+            let line = String::from_utf8_lossy(bytes);
+            if !record_heartbeat(state, &line, now) {
+                tracing::debug!(line = %line.chars().take(120).collect::<String>(), "ignored heartbeat port line");
+            }
+        }
+        Frame::TooLong(bytes) => {
+            state.heartbeat_lines_too_long += 1;
+            let n = state.heartbeat_lines_too_long;
+            if n.is_power_of_two() {
+                tracing::warn!(
+                    line.bytes = bytes,
+                    lines_dropped = n,
+                    max = HEARTBEAT_LINE_MAX,
+                    "dropped an over-long line from the guest's heartbeat port"
+                );
+            }
+        }
+    }
+}
+
 /// Reads the heartbeat socket QEMU serves, reconnecting, and records what the guest says.
-pub async fn follow_heartbeat(path: std::path::PathBuf, state: crate::control::SharedState) {
+pub async fn follow_heartbeat(path: std::path::PathBuf, state: SharedState) {
     loop {
         if let Ok(stream) = tokio::net::UnixStream::connect(&path).await {
-            let mut lines = BufReader::new(stream).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                if !record_heartbeat(&mut *state.lock().await, &line, Instant::now()) {
-                    tracing::debug!(line = %line.chars().take(120).collect::<String>(), "ignored heartbeat port line");
-                }
+            let mut lines = LineReader::new(BufReader::new(stream), HEARTBEAT_LINE_MAX);
+            while let Ok(Some(frame)) = lines.next_frame().await {
+                record_frame(&mut *state.lock().await, &frame, Instant::now());
             }
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -346,5 +385,38 @@ mod tests {
             now
         ));
         assert!(s.bootstrap_succeeded);
+    }
+
+    /// A guest that floods the heartbeat port with a 16 MiB line: the launcher reads through it
+    /// with a bounded buffer, counts it, and still takes the heartbeat on the next line.
+    #[tokio::test]
+    async fn an_endless_line_on_the_heartbeat_port_is_dropped_and_the_next_beat_counts() {
+        use tokio::io::AsyncWriteExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("heartbeat.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let state: SharedState = Arc::new(Mutex::new(running()));
+        let follower = tokio::spawn(follow_heartbeat(path, state.clone()));
+        let (mut guest, _) = listener.accept().await.unwrap();
+        let junk = vec![b'#'; 64 * 1024];
+        for _ in 0..256 {
+            guest.write_all(&junk).await.unwrap();
+        }
+        guest
+            .write_all(b"\ncapk-heartbeat/1 bootstrap=done uptime=7.0\n")
+            .await
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !state.lock().await.bootstrap_succeeded {
+            assert!(
+                Instant::now() < deadline,
+                "the heartbeat after the flood was lost"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let report = status_report(&*state.lock().await, None, Instant::now());
+        assert_eq!(report.heartbeat_lines_too_long, 1);
+        assert!(report.last_heartbeat_seconds_ago.is_some());
+        follower.abort();
     }
 }

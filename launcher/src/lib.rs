@@ -9,6 +9,7 @@ pub mod control;
 pub mod disk;
 pub mod health;
 pub mod ignition;
+pub mod line;
 pub mod net;
 pub mod qemu;
 pub mod run;

@@ -4,8 +4,8 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use capk_launcher::cli::{Cli, Command, LogFormat, ProbeKind};
-use capk_launcher::control::{self, Request};
+use capk_launcher::cli::{Cli, Command, LogFormat};
+use capk_launcher::control::{self, ProbeKind, Request};
 use capk_launcher::{accel, run};
 use clap::Parser;
 
@@ -71,7 +71,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Run(args) => {
             init_tracing(cli.log_format);
-            match rt.block_on(run::run(*args)) {
+            match rt.block_on(run::run((*args).into())) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("capk-launcher: {}", one_line(&e));
@@ -80,17 +80,13 @@ fn main() -> ExitCode {
             }
         }
         Command::Probe(p) => {
-            let req = Request::Probe { kind: p.kind };
+            let kind = ProbeKind::from(p.kind);
+            let req = Request::Probe { kind };
             match rt.block_on(control::call(&p.socket.runtime_dir, &req)) {
                 Ok(v) => {
                     let ok = v["ok"].as_bool().unwrap_or(false);
                     let reason = v["reason"].as_str().unwrap_or("no reason given");
-                    let kind = if p.kind == ProbeKind::Liveness {
-                        "liveness"
-                    } else {
-                        "readiness"
-                    };
-                    println!("{kind}: {reason}");
+                    println!("{}: {reason}", kind.as_str());
                     if ok {
                         ExitCode::SUCCESS
                     } else {
@@ -128,7 +124,9 @@ fn main() -> ExitCode {
         Command::Qmp { command, socket } => {
             match rt.block_on(control::call(
                 &socket.runtime_dir,
-                &Request::Qmp { command },
+                &Request::Qmp {
+                    command: command.into(),
+                },
             )) {
                 Ok(v) => {
                     println!("{v}");

@@ -9,22 +9,108 @@ use std::time::{Duration, Instant};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::Mutex;
 
-use crate::accel::{self, KvmUnusable};
+use crate::accel::{self, AccelChoice, KvmUnusable};
 use crate::apiserver;
-use crate::cli::{Role, RunArgs};
-use crate::control::{self, SharedQmp, SharedState};
+use crate::control::{self, SharedQmp};
 use crate::disk::{self, DiskError, DiskRequest};
-use crate::health::{self, LauncherState, Phase};
+use crate::health::{self, LauncherState, Phase, SharedState};
 use crate::ignition::{self, IgnitionError};
 use crate::net::observe::NetlinkError;
 use crate::net::plan::{GuestNaming, PlanError};
 use crate::net::{MacAddr, apply, dhcp, observe, plan, resolv, tap};
 use crate::qemu::argv::{self, DirectKernel, DiskFormat, HostVolume, VmSpec};
 use crate::qemu::qmp::{QapiQmp, Qmp};
+use crate::size::ByteSize;
 use crate::supervise::{QemuExit, Reaper};
 
 /// File name of the console copy in the runtime directory.
 pub const CONSOLE_LOG: &str = "console.log";
+
+/// Role of the machine in its cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Runs etcd and the apiserver.
+    ControlPlane,
+    /// Runs workloads.
+    Worker,
+}
+
+impl Role {
+    /// The name used in flags, logs and status.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::ControlPlane => "control-plane",
+            Role::Worker => "worker",
+        }
+    }
+}
+
+/// What `run` is asked to do (the `run` flags, converted at the command line's edge).
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// Number of vCPUs.
+    pub vcpus: u32,
+    /// Guest memory.
+    pub memory: ByteSize,
+    /// Node image (read-only base of the root disk's qcow2 overlay).
+    pub image: PathBuf,
+    /// Format of the node image (`qcow2` or `raw`).
+    pub image_format: String,
+    /// Size the root disk is grown to.
+    pub disk_size: ByteSize,
+    /// containerd ("docker") disk size; 0 leaves it out.
+    pub docker_disk_size: ByteSize,
+    /// kubelet disk size; 0 leaves it out.
+    pub kubelet_disk_size: ByteSize,
+    /// etcd disk file on persistent storage.
+    pub etcd_disk: Option<PathBuf>,
+    /// Size of the etcd disk when it is created.
+    pub etcd_disk_size: ByteSize,
+    /// Host directories shared into the guest, as `TAG=PATH`.
+    pub host_volumes: Vec<String>,
+    /// Directory for the root overlay and the data disks.
+    pub state_dir: PathBuf,
+    /// Directory holding the launcher's sockets (control, QMP, heartbeat) and console log.
+    pub runtime_dir: PathBuf,
+    /// Ignition config file.
+    pub ignition: Option<PathBuf>,
+    /// Accelerator.
+    pub accel: AccelChoice,
+    /// DNS servers for the guest (empty: the Pod's resolv.conf).
+    pub dns_servers: Vec<Ipv4Addr>,
+    /// DNS search domains for the guest (empty: the Pod's resolv.conf).
+    pub dns_search: Vec<String>,
+    /// NTP servers for the guest.
+    pub ntp_servers: Vec<Ipv4Addr>,
+    /// Guest hostname (default: this Pod's hostname).
+    pub hostname: Option<String>,
+    /// iSCSI initiator name written into the guest.
+    pub iscsi_initiator_name: Option<String>,
+    /// Machine role.
+    pub role: Role,
+    /// The Pod's interface whose identity the VM takes.
+    pub interface: String,
+    /// resolv.conf to read DNS servers and search domains from.
+    pub resolv_conf: PathBuf,
+    /// Seconds between ACPI powerdown and killing QEMU on SIGTERM.
+    pub grace_period_seconds: u64,
+    /// Port of the guest apiserver's `/readyz` on control-plane machines; 0 turns it off.
+    pub apiserver_readyz_port: u16,
+    /// Seconds without a guest heartbeat before readiness fails.
+    pub heartbeat_timeout_seconds: u64,
+    /// QEMU system emulator.
+    pub qemu: PathBuf,
+    /// qemu-img.
+    pub qemu_img: PathBuf,
+    /// Kernel booted directly instead of the disk's bootloader.
+    pub kernel: Option<PathBuf>,
+    /// Initramfs for `kernel`.
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line for `kernel`.
+    pub kernel_cmdline: Option<String>,
+    /// How long the KVM probe vCPU may take for its loop.
+    pub kvm_probe_timeout_ms: u64,
+}
 
 /// Why `run` stopped or could not start. Each message is one line and says what to do.
 #[derive(Debug, thiserror::Error)]
@@ -103,7 +189,7 @@ pub struct Validated {
 }
 
 /// Pure validation of the flags.
-pub fn validate(a: &RunArgs) -> Result<Validated, RunError> {
+pub fn validate(a: &RunConfig) -> Result<Validated, RunError> {
     let invalid = |flag, reason: &str| RunError::Invalid {
         flag,
         reason: reason.to_string(),
@@ -149,16 +235,8 @@ pub fn validate(a: &RunArgs) -> Result<Validated, RunError> {
         let Some((tag, path)) = v.split_once('=') else {
             return Err(invalid("host-volume", &format!("{v:?} is not TAG=PATH")));
         };
-        if tag.is_empty()
-            || tag.len() > 31
-            || !tag
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-        {
-            return Err(invalid(
-                "host-volume",
-                &format!("tag {tag:?} must be 1-31 characters of [A-Za-z0-9_-]"),
-            ));
+        if let Err(e) = capk_api::mount_tag::check(tag) {
+            return Err(invalid("host-volume", &e.to_string()));
         }
         if !path.starts_with('/') {
             return Err(invalid(
@@ -202,7 +280,7 @@ fn require_file(what: &'static str, path: &Path) -> Result<(), RunError> {
 }
 
 /// Checks files and devices before anything is changed.
-fn preflight(a: &RunArgs) -> Result<(), RunError> {
+fn preflight(a: &RunConfig) -> Result<(), RunError> {
     require_file("node image", &a.image)?;
     if let Some(i) = &a.ignition {
         require_file("Ignition config", i)?;
@@ -231,7 +309,7 @@ fn preflight(a: &RunArgs) -> Result<(), RunError> {
 }
 
 /// Naming facts for DHCP: flags win over the Pod's resolv.conf.
-pub fn guest_naming(a: &RunArgs, resolv_text: &str, hostname: String) -> GuestNaming {
+pub fn guest_naming(a: &RunConfig, resolv_text: &str, hostname: String) -> GuestNaming {
     let r = resolv::parse(resolv_text);
     GuestNaming {
         hostname,
@@ -250,7 +328,7 @@ pub fn guest_naming(a: &RunArgs, resolv_text: &str, hostname: String) -> GuestNa
 }
 
 /// Runs the machine until QEMU ends. Ok means a requested, clean stop.
-pub async fn run(a: RunArgs) -> Result<(), RunError> {
+pub async fn run(a: RunConfig) -> Result<(), RunError> {
     let t0 = Instant::now();
     let mut signals = StopSignals::install()?;
     tracing::info!(
@@ -279,15 +357,15 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
         "accelerator chosen"
     );
 
-    std::fs::create_dir_all(&a.socket.runtime_dir)
-        .map_err(|e| RunError::Runtime(format!("create {}", a.socket.runtime_dir.display()), e))?;
+    std::fs::create_dir_all(&a.runtime_dir)
+        .map_err(|e| RunError::Runtime(format!("create {}", a.runtime_dir.display()), e))?;
     let state: SharedState = Arc::new(Mutex::new(LauncherState::new(
         a.role.as_str(),
         Duration::from_secs(a.heartbeat_timeout_seconds),
     )));
     state.lock().await.accel = Some(decision.accel);
     let qmp_slot: SharedQmp = Arc::new(Mutex::new(None));
-    let listener = control::bind(&a.socket.runtime_dir)?;
+    let listener = control::bind(&a.runtime_dir)?;
     let control_task = tokio::spawn(control::serve(listener, state.clone(), qmp_slot.clone()));
 
     // Network: observe → plan → apply (apply undoes itself on failure).
@@ -364,10 +442,10 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
         None
     };
     let hb_task = tokio::spawn(health::follow_heartbeat(
-        a.socket.runtime_dir.join("heartbeat.sock"),
+        a.runtime_dir.join("heartbeat.sock"),
         state.clone(),
     ));
-    let qmp_path = a.socket.runtime_dir.join("qmp.sock");
+    let qmp_path = a.runtime_dir.join("qmp.sock");
     let qmp_task = {
         let (slot, state) = (qmp_slot.clone(), state.clone());
         tokio::spawn(async move {
@@ -402,7 +480,7 @@ pub async fn run(a: RunArgs) -> Result<(), RunError> {
 type Started = (u32, tokio::task::JoinHandle<()>, Reaper);
 
 async fn start_vm(
-    a: &RunArgs,
+    a: &RunConfig,
     v: &Validated,
     net_plan: &plan::NetworkPlan,
     accel: argv::Accel,
@@ -445,7 +523,7 @@ async fn start_vm(
                 disks: disk_plan.attachments.clone(),
                 host_volumes: v.host_volumes.clone(),
             };
-            let dest = a.socket.runtime_dir.join("ignition.json");
+            let dest = a.runtime_dir.join("ignition.json");
             let report = ignition::prepare(src, &dest, &ignition::overlay(&inputs))?;
             for r in &report.replaced {
                 tracing::info!(
@@ -473,9 +551,9 @@ async fn start_vm(
         mtu: net_plan.mtu,
         disks: disk_plan.attachments,
         ignition,
-        qmp_socket: a.socket.runtime_dir.join("qmp.sock"),
-        heartbeat_socket: a.socket.runtime_dir.join("heartbeat.sock"),
-        console_log: a.socket.runtime_dir.join(CONSOLE_LOG),
+        qmp_socket: a.runtime_dir.join("qmp.sock"),
+        heartbeat_socket: a.runtime_dir.join("heartbeat.sock"),
+        console_log: a.runtime_dir.join(CONSOLE_LOG),
         host_volumes: v.host_volumes.clone(),
         direct_kernel: a.kernel.clone().map(|kernel| DirectKernel {
             kernel,
@@ -526,7 +604,7 @@ impl StopSignals {
 
 async fn supervise(
     signals: &mut StopSignals,
-    a: &RunArgs,
+    a: &RunConfig,
     pid: u32,
     reaper: &mut Reaper,
     state: &SharedState,
@@ -585,97 +663,5 @@ async fn request_stop(
         && let Err(e) = q.system_powerdown().await
     {
         tracing::warn!(error = %e, "system_powerdown failed");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cli::{Cli, Command};
-    use clap::Parser;
-
-    fn args(extra: &[&str]) -> RunArgs {
-        let mut v = vec!["capk-launcher", "run", "--image", "/img.qcow2"];
-        v.extend_from_slice(extra);
-        match Cli::try_parse_from(v).unwrap().command {
-            Command::Run(r) => *r,
-            _ => unreachable!(),
-        }
-    }
-
-    #[test]
-    fn bad_flags_get_one_line_causes() {
-        let cases: &[(&[&str], &str)] = &[
-            (
-                &["--vcpus", "0"],
-                "invalid --vcpus: must be between 1 and 255",
-            ),
-            (
-                &["--memory", "64Mi"],
-                "invalid --memory: must be at least 128Mi",
-            ),
-            (
-                &["--image-format", "vmdk"],
-                "invalid --image-format: must be qcow2 or raw",
-            ),
-            (
-                &["--host-volume", "data"],
-                "invalid --host-volume: \"data\" is not TAG=PATH",
-            ),
-            (
-                &["--host-volume", "d=rel/path"],
-                "invalid --host-volume: path \"rel/path\" must be absolute",
-            ),
-            (
-                &["--iscsi-initiator-name", "node 1"],
-                "invalid --iscsi-initiator-name: must be an iqn. or eui. name without spaces, at most 223 bytes",
-            ),
-            (
-                &["--hostname", "Bad_Name"],
-                "invalid --hostname: must be a DNS name of labels [a-z0-9-], at most 253 characters",
-            ),
-        ];
-        for (flags, msg) in cases {
-            assert_eq!(validate(&args(flags)).unwrap_err().to_string(), *msg);
-        }
-        assert!(
-            validate(&args(&[
-                "--host-volume",
-                "data=/srv/data",
-                "--memory",
-                "8Gi"
-            ]))
-            .is_ok()
-        );
-    }
-
-    #[test]
-    fn sizes_that_do_not_parse_are_refused_by_the_cli() {
-        let e = Cli::try_parse_from(["capk-launcher", "run", "--image", "/i", "--memory", "lots"])
-            .unwrap_err();
-        assert!(e.to_string().contains("invalid size \"lots\""), "{e}");
-    }
-
-    #[test]
-    fn dns_flags_override_resolv_conf() {
-        let resolv = "search ns.svc.cluster.local\nnameserver 10.96.0.10\n";
-        let n = guest_naming(&args(&[]), resolv, "m1".into());
-        assert_eq!(n.dns_servers, vec![Ipv4Addr::new(10, 96, 0, 10)]);
-        assert_eq!(n.dns_search, ["ns.svc.cluster.local"]);
-        let n = guest_naming(
-            &args(&[
-                "--dns",
-                "1.1.1.1",
-                "--dns-search",
-                "example.org",
-                "--ntp",
-                "10.0.0.1",
-            ]),
-            resolv,
-            "m1".into(),
-        );
-        assert_eq!(n.dns_servers, vec![Ipv4Addr::new(1, 1, 1, 1)]);
-        assert_eq!(n.dns_search, ["example.org"]);
-        assert_eq!(n.ntp_servers, vec![Ipv4Addr::new(10, 0, 0, 1)]);
     }
 }

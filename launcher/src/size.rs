@@ -1,20 +1,19 @@
-//! Sizes as the controller writes them: Kubernetes quantities (`8Gi`, `40G`) or plain bytes.
+//! Sizes as the controller writes them: Kubernetes quantities (`8Gi`, `40G`) or plain bytes,
+//! parsed by capk-api's quantity parser (the one the controller reads the spec with).
 
 use std::fmt;
 use std::str::FromStr;
 
-/// A size in bytes, parsed from a Kubernetes-style quantity.
+use capk_api::quantity::{QuantityError, parse_bytes};
+
+/// A size in bytes, parsed from a Kubernetes quantity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
 pub struct ByteSize(pub u64);
 
 /// Why a size could not be parsed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error(
-    "invalid size {input:?}: expected a number with an optional unit (Ki, Mi, Gi, Ti, K, M, G, T, KB, MB, GB, TB)"
-)]
-pub struct ParseSizeError {
-    input: String,
-}
+#[error("invalid size: {0}")]
+pub struct ParseSizeError(#[from] QuantityError);
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -45,29 +44,7 @@ impl FromStr for ByteSize {
     type Err = ParseSizeError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = || ParseSizeError {
-            input: s.to_string(),
-        };
-        let t = s.trim();
-        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-        let (num, unit) = t.split_at(split);
-        if num.is_empty() {
-            return Err(err());
-        }
-        let n: u64 = num.parse().map_err(|_| err())?;
-        let mult: u64 = match unit.trim() {
-            "" => 1,
-            "Ki" => 1 << 10,
-            "Mi" => 1 << 20,
-            "Gi" => 1 << 30,
-            "Ti" => 1 << 40,
-            "K" | "KB" | "k" => 1_000,
-            "M" | "MB" => 1_000_000,
-            "G" | "GB" => 1_000_000_000,
-            "T" | "TB" => 1_000_000_000_000,
-            _ => return Err(err()),
-        };
-        n.checked_mul(mult).map(ByteSize).ok_or_else(err)
+        Ok(ByteSize(parse_bytes(s)?))
     }
 }
 
@@ -93,13 +70,47 @@ mod tests {
         assert_eq!("8Gi".parse(), Ok(ByteSize::gib(8)));
         assert_eq!("512Mi".parse(), Ok(ByteSize::mib(512)));
         assert_eq!("40G".parse(), Ok(ByteSize(40_000_000_000)));
-        assert_eq!("8GB".parse(), Ok(ByteSize(8_000_000_000)));
         assert_eq!("1048576".parse(), Ok(ByteSize::mib(1)));
+    }
+
+    /// What the CRD admits (and the controller reads with capk-api) the launcher takes with the
+    /// same value; what Kubernetes refuses it refuses with capk-api's message. Before, `1.5Gi`
+    /// passed the CRD and crash-looped the launcher, and `1GB` passed only the launcher.
+    #[test]
+    fn agrees_with_the_api_on_every_form() {
+        for s in [
+            "1.5Gi",
+            "0.5Gi",
+            "1e3",
+            "+2k",
+            "1500m",
+            "1Pi",
+            "8Gi",
+            "40G",
+            "1GB",
+            "8 gigs",
+            "K",
+            "2K",
+            "-1Gi",
+            "",
+            "99999999999999Ti",
+        ] {
+            assert_eq!(
+                s.parse::<ByteSize>().ok().map(|b| b.0),
+                parse_bytes(s).ok(),
+                "{s:?}"
+            );
+        }
+        assert_eq!("1.5Gi".parse(), Ok(ByteSize::mib(1536)));
+        assert_eq!(
+            "1GB".parse::<ByteSize>().unwrap_err().to_string(),
+            "invalid size: \"1GB\" is not a Kubernetes quantity (examples: 1Gi, 512Mi, 20G)"
+        );
     }
 
     #[test]
     fn rejects_garbage_and_overflow() {
-        for bad in ["", "Gi", "-1Gi", "1.5Gi", "8 gigs", "99999999999999Ti"] {
+        for bad in ["", "Gi", "-1Gi", "8 gigs", "99999999999999Ti"] {
             assert!(bad.parse::<ByteSize>().is_err(), "{bad} should be rejected");
         }
     }

@@ -522,3 +522,31 @@ async fn kubectl_get_kvmmachines_shows_the_story() -> Result<()> {
     assert_eq!(cells[5], "10.244.0.7");
     Ok(())
 }
+
+/// The CRD admits exactly the mount tags the bootstrap overlay and the launcher admit (capk-api's
+/// `mount_tag` rule): before, `a.b` passed here and crash-looped the machine Pod.
+#[tokio::test]
+async fn mount_tags_follow_the_launchers_rule() -> Result<()> {
+    let ns = "mount-tags";
+    let client = client_with_namespace(ns).await?;
+    for (i, tag) in capk_api::mount_tag::EXAMPLES.iter().enumerate() {
+        let obj = machine_with(
+            &format!("tag-{i}"),
+            json!({"hostVolumes": [{"mountTag": tag, "hostPath": "/srv"}]}),
+        );
+        match (
+            capk_api::mount_tag::check(tag),
+            apply(&client, ns, &obj).await,
+        ) {
+            (Ok(()), Ok(_)) => {}
+            (Ok(()), Err(e)) => panic!("{tag:?}: the launcher takes it, the CRD refused: {e}"),
+            (Err(_), Ok(_)) => panic!("{tag:?}: the launcher refuses it, the CRD accepted it"),
+            (Err(_), Err(e)) => assert!(
+                e.contains("spec.hostVolumes[0].mountTag")
+                    && e.contains(capk_api::mount_tag::CEL_MESSAGE),
+                "{tag:?}: {e}"
+            ),
+        }
+    }
+    Ok(())
+}

@@ -321,10 +321,10 @@ pub enum EtcdStorageType {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct HostVolume {
-    /// virtio-9p mount tag, 1-31 characters; the guest mounts it at `/data/<mountTag>`.
+    /// virtio-9p mount tag: 1-31 letters, digits, '_' or '-'; the guest mounts it at
+    /// `/data/<mountTag>`.
     #[schemars(length(max = 64))]
-    #[x_kube(validation = Rule::new("self.size() >= 1 && self.size() <= 31").message("mountTag must be 1-31 characters long (the virtio-9p tag limit)"))]
-    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9_.-]*$')").message("mountTag may contain only letters, digits, '_', '.' and '-'"))]
+    #[x_kube(validation = Rule::new(crate::mount_tag::CEL_RULE).message(crate::mount_tag::CEL_MESSAGE))]
     pub mount_tag: String,
     /// Absolute path of the directory on the MC node.
     #[schemars(length(max = 4096))]

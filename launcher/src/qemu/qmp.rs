@@ -52,7 +52,7 @@ pub enum QmpError {
 }
 
 /// QMP commands `capk-launcher qmp` may send (no arguments, nothing that reads guest memory).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum SimpleCommand {
     /// `query-status`.
