@@ -5,30 +5,15 @@ use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
+use nix::errno::Errno;
+use nix::libc::{self, IFF_NO_PI, IFF_TAP, IFF_VNET_HDR, IFNAMSIZ, TUNSETIFF, TUNSETPERSIST};
+
 /// Where the tun/tap clone device lives.
 pub const TUN_DEVICE: &str = "/dev/net/tun";
 
-const IFF_TAP: libc_short = 0x0002;
-const IFF_NO_PI: libc_short = 0x1000;
-const IFF_VNET_HDR: libc_short = 0x4000;
-const IFNAMSIZ: usize = 16;
-
-#[allow(non_camel_case_types)]
-type libc_short = i16;
-
-/// `struct ifreq` as TUNSETIFF reads it: the name and the flags union member.
-#[repr(C)]
-struct IfReq {
-    name: [u8; IFNAMSIZ],
-    flags: libc_short,
-    _pad: [u8; 22],
-}
-
-nix::ioctl_write_int!(tun_set_persist, b'T', 203);
-nix::ioctl_write_ptr!(tun_set_iff, b'T', 202, libc_int);
-
-#[allow(non_camel_case_types)]
-type libc_int = i32;
+/// The flags the tap is created with: a tap (Ethernet frames), no packet-info header, and the
+/// virtio-net header QEMU's vhost/offloads use.
+const TAP_FLAGS: libc::c_int = IFF_TAP | IFF_NO_PI | IFF_VNET_HDR;
 
 /// Tap creation failures.
 #[derive(Debug, thiserror::Error)]
@@ -65,20 +50,80 @@ pub fn create_persistent_tap(name: &str) -> Result<(), TapError> {
         .write(true)
         .open(TUN_DEVICE)
         .map_err(TapError::OpenTun)?;
-    let mut req = IfReq {
-        name: [0; IFNAMSIZ],
-        flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR,
-        _pad: [0; 22],
-    };
-    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: `ifreq` is a plain C struct (a name array and a union of integers and
+    // pointers) for which all-zero bytes are a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(name.as_bytes()) {
+        *dst = *src as libc::c_char;
+    }
+    // The flags member of the union is a C short; the IFF_* values fit in it.
+    req.ifr_ifru.ifru_flags = TAP_FLAGS as libc::c_short;
     let fd = file.as_raw_fd();
     // SAFETY: `fd` is an open /dev/net/tun descriptor owned by `file`, alive for this call;
-    // `req` is a properly sized, initialised `struct ifreq` (name NUL-terminated because
-    // name.len() < IFNAMSIZ) that the kernel only reads and writes within its 40 bytes.
-    unsafe { tun_set_iff(fd, (&raw const req).cast::<libc_int>()) }
+    // `req` is an initialised `struct ifreq` (name NUL-terminated because name.len() <
+    // IFNAMSIZ) that TUNSETIFF reads and writes only within its own size.
+    Errno::result(unsafe { libc::ioctl(fd, TUNSETIFF, &raw mut req) })
         .map_err(|e| TapError::SetIff(name.into(), e))?;
     // SAFETY: `fd` is the tun descriptor attached to the tap above; TUNSETPERSIST takes an
     // integer argument by value and touches no user memory.
-    unsafe { tun_set_persist(fd, 1) }.map_err(|e| TapError::Persist(name.into(), e))?;
+    let persist: libc::c_ulong = 1;
+    Errno::result(unsafe { libc::ioctl(fd, TUNSETPERSIST, persist) })
+        .map_err(|e| TapError::Persist(name.into(), e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use super::*;
+
+    /// /proc/self belongs to the effective user.
+    fn running_as_root() -> bool {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+    }
+
+    /// A real tap in a network namespace of its own: created persistent, as a tap without the
+    /// packet-info header and with the vnet header (what QEMU's `-netdev tap,vnet_hdr=on` needs).
+    #[test]
+    fn creates_a_persistent_tap_with_vnet_header() {
+        if crate::testsupport::require_tool("ip", "apt-get install iproute2").is_none() {
+            return;
+        }
+        if !tun_available() || !running_as_root() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "this test needs root and {TUN_DEVICE} (run the tests as root)"
+            );
+            eprintln!("skipping: needs root and {TUN_DEVICE}");
+            return;
+        }
+        let ns = format!("capk-tap-{}", std::process::id());
+        let ip = |args: &[&str]| {
+            let out = Command::new("ip").args(args).output().unwrap();
+            assert!(out.status.success(), "ip {args:?}: {out:?}");
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        ip(&["netns", "add", &ns]);
+        let netns = format!("/run/netns/{ns}");
+        let created = std::thread::spawn(move || {
+            let f = std::fs::File::open(netns).unwrap();
+            nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            create_persistent_tap("capk-tap0")
+        })
+        .join()
+        .unwrap();
+        let shown = ip(&["-n", &ns, "-d", "link", "show", "capk-tap0"]);
+        ip(&["netns", "del", &ns]);
+        created.unwrap();
+        assert!(
+            shown.contains("tun type tap pi off vnet_hdr on persist on"),
+            "{shown}"
+        );
+        assert!(matches!(
+            create_persistent_tap("a-name-of-16-chr"),
+            Err(TapError::Name(_))
+        ));
+    }
 }
