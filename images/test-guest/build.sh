@@ -77,6 +77,10 @@ mkdir -p "$skel/usr/share/capk-test"
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 3650 \
   -subj /CN=capk-test-apiserver-standin -keyout "$skel/usr/share/capk-test/apiserver.key" \
   -out "$skel/usr/share/capk-test/apiserver.crt" 2>/dev/null
+# Its public-key pin, as kubeadm prints it in `--discovery-token-ca-cert-hash sha256:<pin>` (the
+# stand-in's `kubeadm init` prints the join command; the certificate stands in for the CA).
+openssl x509 -pubkey -noout -in "$skel/usr/share/capk-test/apiserver.crt" | openssl pkey -pubin -outform der |
+  sha256sum | cut -d' ' -f1 >"$skel/usr/share/capk-test/ca.pin"
 
 # Modules in dependency order, flattened into /lib/modules; /etc/modules lists the load order.
 : >"$root/etc/modules"

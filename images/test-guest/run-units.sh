@@ -11,11 +11,25 @@
 # - each command line runs as `/bin/sh -c LINE` in `chroot /sysroot` with a clean environment
 #   (systemd uses no shell; for the lines CABPK and capk-bootstrap write the quoting is the same;
 #   systemd's %-specifiers and $VAR expansion are not done);
+# - StandardOutput= and StandardError= decide where the commands' output goes, with systemd's
+#   defaults (DefaultStandardOutput=journal, DefaultStandardError=inherit): `journal`, `kmsg` and
+#   `syslog` to the emulated journal only, their `+console` forms to the journal and the console,
+#   `tty` to the console, `null` nowhere, `append:`/`file:`/`truncate:` to that file; `inherit`
+#   for StandardError= means StandardOutput='s destination. The journal is the file
+#   /run/log/journal.txt in the root (journald keeps its volatile journal under /run/log), one
+#   line per output line, `<unit>: <line>`; nothing copies it to the console (journald's
+#   ForwardToConsole=no). When a oneshot unit finishes, its journal lines are summarised on the
+#   console without their text: `journal unit=<u> lines=<n> token-sha256=<digests>`, the sha256
+#   of each distinct bootstrap-token-shaped word ([a-z0-9]{6}.[a-z0-9]{16}) in them;
 # - every other key (Environment=, User=, Wants=, Before=, timeouts, ...) is ignored and named on
 #   the console.
 ROOT=/sysroot
 UNITS=$ROOT/etc/systemd/system
 PRESET=$ROOT/etc/systemd/system-preset/20-ignition.preset
+JOURNAL=$ROOT/run/log/journal.txt
+mkdir -p "${JOURNAL%/*}"
+: >>"$JOURNAL"
+chmod 0640 "$JOURNAL"
 say() { echo "CAPK-TESTGUEST $*" >/dev/console; }
 
 unit_text() { cat "$UNITS/$1" $(ls "$UNITS/$1.d/"*.conf 2>/dev/null | sort) 2>/dev/null; }
@@ -35,8 +49,41 @@ ignored_keys() {
 
 in_root() { chroot "$ROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root "$@"; }
 
+# sink UNIT DEST: copies stdin to where systemd sends a unit's output for the setting DEST.
+sink() {
+  case $2 in
+    journal | kmsg | syslog) to_journal "$1" ;;
+    journal+console | kmsg+console | syslog+console) to_journal "$1" console ;;
+    tty) cat >/dev/console ;;
+    null) cat >/dev/null ;;
+    append:/*) cat >>"$ROOT${2#append:}" ;;
+    file:/* | truncate:/*) cat >"$ROOT${2#*:}" ;;
+    *) to_journal "$1" ;;
+  esac
+}
+
+# to_journal UNIT [console]: appends each line to the journal as `UNIT: line` (and, with
+# `console`, writes the line as it is to the console). Line by line, unbuffered, so a line is
+# in the journal as soon as the command wrote it.
+to_journal() {
+  while IFS= read -r l || [ -n "$l" ]; do
+    printf '%s: %s\n' "$1" "$l" >>"$JOURNAL"
+    [ -n "$2" ] && printf '%s\n' "$l" >/dev/console
+  done
+}
+
+# output UNIT: the StandardOutput= and StandardError= destinations (systemd's defaults when
+# unset; StandardError=inherit resolved to StandardOutput's).
+output() {
+  out=$(values StandardOutput "$1" | tail -1)
+  err=$(values StandardError "$1" | tail -1)
+  out=${out:-journal}
+  case ${err:-inherit} in inherit) err=$out ;; esac
+  echo "$out $err"
+}
+
 run_line() {
-  line=$1 ignore=
+  line=$1 unit=$2 ignore=
   while :; do
     case $line in
       -*) ignore=1; line=${line#-} ;;
@@ -44,15 +91,33 @@ run_line() {
       *) break ;;
     esac
   done
-  in_root /bin/sh -c "$line" </dev/null >/dev/console 2>&1
-  rc=$?
+  set -- $(output "$unit")
+  rcf=$(mktemp /run/run-units.rc.XXXXXX)
+  if [ "$1" = "$2" ]; then
+    { in_root /bin/sh -c "$line" </dev/null 2>&1; echo $? >"$rcf"; } | sink "$unit" "$1"
+  else
+    # stdout to fd 3 (the StandardOutput= sink), stderr to the StandardError= sink.
+    { { in_root /bin/sh -c "$line" </dev/null; echo $? >"$rcf"; } 2>&1 >&3 3>&- | sink "$unit" "$2"; } 3>&1 | sink "$unit" "$1"
+  fi
+  rc=$(cat "$rcf")
+  rm -f "$rcf"
   [ -n "$ignore" ] && rc=0
-  return $rc
+  return "${rc:-1}"
 }
 
 # run_all KEY UNIT: runs the KEY lines in order, stops at the first failure.
 run_all() {
-  values "$1" "$2" | while IFS= read -r line; do run_line "$line" || exit 1; done
+  values "$1" "$2" | while IFS= read -r line; do run_line "$line" "$2" || exit 1; done
+}
+
+# journal_report UNIT: how many journal lines UNIT wrote and the sha256 of each distinct
+# bootstrap-token-shaped word in them (never the words themselves: they are secrets).
+journal_report() {
+  lines() { awk -v p="$1: " 'index($0, p) == 1 { print substr($0, length(p) + 1) }' "$JOURNAL"; }
+  mine=$(lines "$1" | wc -l)
+  digests=$(lines "$1" | tr -c 'a-z0-9.' '\n' | grep -xE '[a-z0-9]{6}[.][a-z0-9]{16}' | sort -u |
+    while IFS= read -r t; do printf '%s' "$t" | sha256sum | cut -d' ' -f1; done | tr '\n' ',' | sed 's/,$//')
+  say "journal unit=$1 lines=$mine token-sha256=${digests:-none}"
 }
 
 start() {
@@ -73,6 +138,7 @@ start() {
     { run_all ExecStartPre "$u" && run_all ExecStart "$u"; } || result=failed
     run_all ExecStopPost "$u"
     say "unit=$u finished result=$result"
+    journal_report "$u"
     return 0
   fi
   restart=$(values Restart "$u" | tail -1)

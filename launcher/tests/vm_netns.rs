@@ -585,14 +585,20 @@ fn boot_and_check_as(
         nine_p.ends_with("=1"),
         "the host volume is one virtio-9p device: {nine_p}"
     );
-    let ign = l.wait_for("CAPK-TESTGUEST fw-cfg-ignition", Duration::from_secs(5));
-    // What QEMU passed is the machine's config with the boot facts merged in by capk-bootstrap.
+    // What QEMU passed is the machine's config with the boot facts merged in by capk-bootstrap,
+    // under upstream Ignition's fw_cfg name and Flatcar's.
     let merged = l.runtime_dir.join("ignition.json");
     let want = sh_out(&format!("sha256sum {} | cut -d' ' -f1", merged.display()));
-    assert!(
-        ign.ends_with(&format!("sha256={want}")),
-        "{ign} (want {want})"
-    );
+    for name in ["opt/com.coreos/config", "opt/org.flatcar-linux/config"] {
+        let ign = l.wait_for(
+            &format!("CAPK-TESTGUEST fw-cfg-ignition name={name} "),
+            Duration::from_secs(5),
+        );
+        assert!(
+            ign.ends_with(&format!("sha256={want}")),
+            "{ign} (want {want})"
+        );
+    }
     let marker = l.wait_for("CAPK-TESTGUEST marker-", Duration::from_secs(5));
     (l, marker)
 }
@@ -1812,4 +1818,112 @@ fn bench_launcher_vs_bare_qemu() {
         "BENCH QEMU RSS while the VM runs (guest RAM it touched + QEMU's own, TCG): {:.1} MiB",
         median(&qemu_rss)
     );
+}
+
+/// `kubeadm init` prints `kubeadm join <endpoint> --token <token> …`, and anyone with `pods/log`
+/// could join a node with it. Booted with the real CABPK init data of both formats (cloud-config:
+/// kubeadm runs in capk-bootstrap's `capk-runcmd.service`; Ignition: CABPK's `kubeadm.service`),
+/// the guest's kubeadm stand-in prints that line as kubeadm does (with a token it generated, as
+/// kubeadm does for CABPK's init configs); the token reaches the guest's journal (the guest
+/// reports the sha256 of every token-shaped word in the unit's journal lines) and no token, nor
+/// any word shaped like one, reaches the launcher's output (the Pod's log) or `capk-launcher
+/// console`, which still show the unit starting and finishing. Upstream Ignition finds the config
+/// by itself on its `qemu` platform: the config it parsed is the launcher's file, byte for byte.
+#[test]
+fn kubeadm_join_token_stays_in_the_journal_not_the_pod_log() {
+    /// Words shaped like a bootstrap token (`[a-z0-9]{6}.[a-z0-9]{16}`), as kubeadm checks them.
+    fn token_shaped(text: &str) -> Vec<&str> {
+        text.split(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.'))
+            .filter(|w| {
+                w.len() == 23
+                    && w.as_bytes()[6] == b'.'
+                    && w.bytes()
+                        .enumerate()
+                        .all(|(i, b)| i == 6 || b.is_ascii_lowercase() || b.is_ascii_digit())
+            })
+            .collect()
+    }
+    fn sha512_hex(path: &Path) -> String {
+        sh_out(&format!("sha512sum {} | cut -d' ' -f1", path.display()))
+    }
+    // The scanner finds what the stand-in prints, and nothing in ordinary console text.
+    assert_eq!(
+        token_shaped("kubeadm join 10.0.0.10:6443 --token 3y6m0q.x1dz4kwu7a9c2b8f \\"),
+        ["3y6m0q.x1dz4kwu7a9c2b8f"]
+    );
+    assert!(token_shaped("iqn.2016-04.com.coreos.iscsi:capk-test-vm kubeadm.service").is_empty());
+
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    for (fixture, unit) in [
+        (
+            "cloud-config-control-plane-init.secret.json",
+            "capk-runcmd.service",
+        ),
+        ("ignition-control-plane-init.secret.json", "kubeadm.service"),
+    ] {
+        println!("booting {fixture}");
+        let mut t = calico();
+        t.bootstrap = Bootstrap::real(fixture);
+        let work = work_dir();
+        let mut l = Launcher::start_with_accel(&t, work.path(), "token", "", "tcg", false);
+        let parsed = l.wait_for(
+            "CAPK-TESTGUEST ignition-config stage=fetch platform=qemu parsed sha512=",
+            Duration::from_secs(180),
+        );
+        let want = sha512_hex(&l.runtime_dir.join("ignition.json"));
+        assert!(
+            parsed.ends_with(&format!("sha512={want}")),
+            "{fixture}: upstream Ignition parsed another config: {parsed} (want {want})"
+        );
+        let printed = l.wait_for(
+            "CAPK-TESTGUEST kubeadm init printed-join-command token-sha256=",
+            Duration::from_secs(180),
+        );
+        let token_sha = printed.rsplit('=').next().unwrap().to_string();
+        assert_eq!(token_sha.len(), 64, "{printed}");
+        let done = l.wait_for(
+            &format!("CAPK-TESTGUEST unit={unit} finished"),
+            Duration::from_secs(60),
+        );
+        assert!(done.ends_with("result=success"), "{fixture}: {done}");
+        let journal = l.wait_for(
+            &format!("CAPK-TESTGUEST journal unit={unit} "),
+            Duration::from_secs(10),
+        );
+        let digests = journal.rsplit("token-sha256=").next().unwrap();
+        assert!(
+            digests.split(',').any(|d| d == token_sha),
+            "{fixture}: the printed token is not in {unit}'s journal lines: {journal} (token sha256 {token_sha})"
+        );
+        l.wait_for("CAPK-TESTGUEST bootstrap-success", Duration::from_secs(60));
+        let (ok, console) = l.cli(&["console", "--no-follow"]);
+        assert!(ok, "capk-launcher console failed: {console}");
+        l.signal("TERM");
+        assert!(l.wait_exit(Duration::from_secs(30)).success(), "{fixture}");
+        // The Pod's log is the launcher's stdout and stderr (the "LAUNCHER " lines).
+        let pod_log = l.seen.join("\n");
+        for (what, text) in [
+            ("the Pod's log", &pod_log),
+            ("capk-launcher console", &console),
+        ] {
+            assert!(
+                text.contains(&format!("unit={unit} starting"))
+                    && text.contains(&format!("unit={unit} finished result=success")),
+                "{fixture}: {what} should still show the unit start and finish:\n{text}"
+            );
+            let leaked = token_shaped(text);
+            assert!(
+                leaked.is_empty() && !text.contains("--token") && !text.contains("kubeadm join"),
+                "{fixture}: a join token reached {what}: {leaked:?}"
+            );
+        }
+        println!(
+            "{fixture}: token in {unit}'s journal ({journal}), not in {} Pod log lines nor {} console bytes",
+            l.seen.len(),
+            console.len()
+        );
+    }
 }
