@@ -69,7 +69,46 @@ pub const MANAGED_BY: &str = "capk-controller";
 /// Port of the workload cluster's API server (on the VMs and on the control-plane Service).
 pub const API_SERVER_PORT: i32 = 6443;
 
-/// Name of the control-plane Service of a cluster.
+/// Longest label value, DNS label (a hostname, a Service name).
+pub const MAX_LABEL_LEN: usize = 63;
+/// Longest DNS subdomain (the name of a Pod, Secret or PVC).
+pub const MAX_SUBDOMAIN_LEN: usize = 253;
+
+/// Name of the control-plane Service of a cluster: `<cluster>-apiserver`, cut and hashed
+/// ([`bounded_name`]) when that is longer than a Service name may be (a DNS label).
 pub fn control_plane_service_name(cluster: &str) -> String {
-    format!("{cluster}-apiserver")
+    bounded_name(cluster, "-apiserver", MAX_LABEL_LEN)
+}
+
+/// A stable 10-hex-digit hash of `s`: FNV-1a (64 bit), the same in every release, which a
+/// name derived from it must be.
+pub fn name_hash(s: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in s.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{:010x}", h >> 24)
+}
+
+/// `<base><suffix>` when it fits in `max` bytes. Otherwise `base` is cut, and ended by `-` and
+/// [`name_hash`] of `base`, so that `<cut>-<hash><suffix>` fits: stable, and two long bases
+/// that share a prefix still give two names. The cut ends in a letter or digit, so the result is
+/// a valid name or label value whenever `base` is one.
+pub fn bounded_name(base: &str, suffix: &str, max: usize) -> String {
+    if base.len() + suffix.len() <= max {
+        return format!("{base}{suffix}");
+    }
+    let hash = name_hash(base);
+    let keep = max.saturating_sub(suffix.len() + hash.len() + 1);
+    let mut end = keep.min(base.len());
+    while !base.is_char_boundary(end) {
+        end -= 1;
+    }
+    let cut = base[..end].trim_end_matches(|c: char| !c.is_ascii_alphanumeric());
+    if cut.is_empty() {
+        format!("{hash}{suffix}")
+    } else {
+        format!("{cut}-{hash}{suffix}")
+    }
 }

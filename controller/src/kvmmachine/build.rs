@@ -190,32 +190,11 @@ pub enum BuildError {
     },
 }
 
-/// Name of the machine Pod (= the KVMMachine's name).
-pub fn pod_name(km: &KVMMachine) -> String {
-    km.meta().name.clone().unwrap_or_default()
-}
-
-/// Name of the machine's Ignition Secret.
-pub fn ignition_secret_name(km: &KVMMachine) -> String {
-    format!("{}-ignition", pod_name(km))
-}
-
-/// The node's hostname: the KVMMachine's name, cut to a DNS label.
-pub fn hostname(km: &KVMMachine) -> String {
-    let mut name: String = pod_name(km)
-        .chars()
-        .map(|c| if c == '.' { '-' } else { c })
-        .take(63)
-        .collect();
-    while name.ends_with('-') {
-        name.pop();
-    }
-    name
-}
+pub use super::names::{etcd_claim_name, hostname, ignition_secret_name, pod_name};
 
 fn labels(km: &KVMMachine, facts: &MachineFacts) -> BTreeMap<String, String> {
     let mut labels = owned_labels(&facts.cluster);
-    labels.insert(KVMMACHINE_LABEL.into(), pod_name(km));
+    labels.insert(KVMMACHINE_LABEL.into(), super::names::label_value(km));
     labels.insert(
         MACHINE_ROLE_LABEL.into(),
         if facts.control_plane {
@@ -568,11 +547,6 @@ pub fn machine_pod(
         }),
         status: None,
     })
-}
-
-/// Name of the etcd PVC of a control-plane machine (type persistentVolume).
-pub fn etcd_claim_name(km: &KVMMachine) -> String {
-    format!("{}-etcd", pod_name(km))
 }
 
 /// How the node image reaches the launcher: volumes, init containers, and the `--image` path.

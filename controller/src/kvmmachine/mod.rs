@@ -2,6 +2,7 @@
 //! [`build`]) → apply (Ignition Secret, etcd PVC, machine Pod) → status.
 
 pub mod build;
+pub mod names;
 
 use std::{sync::Arc, time::Duration};
 

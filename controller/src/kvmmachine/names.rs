@@ -1,0 +1,132 @@
+//! Pure: the names a KVMMachine's objects get, each valid where it is used. A KVMMachine's name
+//! is a DNS subdomain of up to 253 characters, but a label value and a hostname are at most 63:
+//! a longer name is cut and ends in a hash of the whole name ([`bounded_name`]), so the
+//! objects still apply and two machines never share a Node name.
+
+use capk_api::constants::{MAX_LABEL_LEN, MAX_SUBDOMAIN_LEN, bounded_name};
+use capk_api::v1alpha1::KVMMachine;
+use kube::ResourceExt;
+
+/// Name of the machine Pod: the KVMMachine's name (both are DNS subdomains).
+pub fn pod_name(km: &KVMMachine) -> String {
+    km.name_any()
+}
+
+/// Name of the machine's Ignition Secret: `<kvmmachine>-ignition`.
+pub fn ignition_secret_name(km: &KVMMachine) -> String {
+    bounded_name(&km.name_any(), "-ignition", MAX_SUBDOMAIN_LEN)
+}
+
+/// Name of the etcd PVC of a control-plane machine: `<kvmmachine>-etcd`.
+pub fn etcd_claim_name(km: &KVMMachine) -> String {
+    bounded_name(&km.name_any(), "-etcd", MAX_SUBDOMAIN_LEN)
+}
+
+/// Value of the label naming the KVMMachine on its objects: the name, or when longer than a
+/// label value may be, its cut-and-hashed form.
+pub fn label_value(km: &KVMMachine) -> String {
+    bounded_name(&km.name_any(), "", MAX_LABEL_LEN)
+}
+
+/// The node's hostname, which is its Node's name in the workload cluster: a DNS label. The
+/// KVMMachine's name when it is one; dots become dashes (a hostname is one label); a name
+/// longer than 63 characters is cut and ends in a hash of the whole name, so two long names
+/// with a common prefix stay two hostnames.
+pub fn hostname(km: &KVMMachine) -> String {
+    let name = km.name_any();
+    let dashed: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    if dashed.len() <= MAX_LABEL_LEN {
+        let label = dashed.trim_matches('-');
+        if !label.is_empty() {
+            return label.to_owned();
+        }
+    }
+    // The hash is of the real name: `a.b…` and `a-b…` stay apart. All ASCII: any cut is on a
+    // character boundary.
+    let hash = capk_api::constants::name_hash(&name);
+    let cut = dashed[..MAX_LABEL_LEN - hash.len() - 1].trim_matches('-');
+    if cut.is_empty() {
+        format!("m-{hash}")
+    } else {
+        format!("{cut}-{hash}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn km(name: &str) -> KVMMachine {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+            "kind": "KVMMachine",
+            "metadata": {"name": name, "namespace": "team-a"},
+            "spec": {"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}},
+        }))
+        .unwrap()
+    }
+
+    fn is_dns_label(s: &str) -> bool {
+        !s.is_empty()
+            && s.len() <= 63
+            && s.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && !s.starts_with('-')
+            && !s.ends_with('-')
+    }
+
+    fn is_label_value(s: &str) -> bool {
+        s.len() <= 63
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            && s.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && s.ends_with(|c: char| c.is_ascii_alphanumeric())
+    }
+
+    #[test]
+    fn short_names_are_used_as_they_are() {
+        let m = km("demo-md-0-x7k2p-abcde");
+        assert_eq!(hostname(&m), "demo-md-0-x7k2p-abcde");
+        assert_eq!(label_value(&m), "demo-md-0-x7k2p-abcde");
+        assert_eq!(ignition_secret_name(&m), "demo-md-0-x7k2p-abcde-ignition");
+        assert_eq!(etcd_claim_name(&m), "demo-md-0-x7k2p-abcde-etcd");
+        // What earlier releases made of a dotted name, so their Nodes are still found.
+        assert_eq!(hostname(&km("demo.cp.0")), "demo-cp-0");
+    }
+
+    #[test]
+    fn long_names_are_cut_with_a_hash_and_stay_distinct() {
+        let a = km(&format!("{}-a", "x".repeat(120)));
+        let b = km(&format!("{}-b", "x".repeat(120)));
+        let dotted = km(&format!(
+            "{}.workers.{}",
+            "team".repeat(20),
+            "z".repeat(150)
+        ));
+        for m in [&a, &b, &dotted] {
+            let h = hostname(m);
+            assert!(is_dns_label(&h), "{h}");
+            let l = label_value(m);
+            assert!(is_label_value(&l), "{l}");
+            assert_eq!(h, hostname(m), "stable");
+        }
+        assert_ne!(hostname(&a), hostname(&b));
+        assert_ne!(label_value(&a), label_value(&b));
+        let longest = km(&"y".repeat(253));
+        assert!(ignition_secret_name(&longest).len() <= 253);
+        assert!(etcd_claim_name(&longest).ends_with("-etcd"));
+        assert_ne!(
+            ignition_secret_name(&longest),
+            ignition_secret_name(&km(&format!("{}z", "y".repeat(252))))
+        );
+    }
+}
