@@ -44,8 +44,11 @@ pub async fn reconcile(kc: Arc<KVMCluster>, ctx: Arc<Context>) -> Result<Action>
 async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
     let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
     let api: Api<KVMCluster> = Api::namespaced(ctx.client.clone(), &ns);
-    let cluster = match owner_cluster_name(&kc) {
-        Some(name) => Some(get_cluster(ctx, &ns, &name).await?),
+    // A Cluster that is gone (deleted without its dependents) is no owner: the KVMCluster
+    // waits for one, and can be deleted.
+    let owner = owner_cluster_name(&kc);
+    let cluster = match &owner {
+        Some(name) => get_cluster(ctx, &ns, name).await?,
         None => None,
     };
     if is_paused(&kc, cluster.as_ref()) {
@@ -55,7 +58,16 @@ async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
     finalizer(&api, KVMCLUSTER_FINALIZER, kc, |event| async {
         match event {
             Finalizer::Apply(kc) => apply(&api, &kc, cluster.as_ref(), ctx).await,
-            Finalizer::Cleanup(kc) => cleanup(&kc, cluster.as_ref(), ctx).await,
+            Finalizer::Cleanup(kc) => {
+                let done = cleanup(&kc, cluster.as_ref(), ctx).await;
+                // Without the Cluster, its workload cluster link still goes.
+                if cluster.is_none()
+                    && let Some(name) = &owner
+                {
+                    ctx.workloads.forget(&ns, name);
+                }
+                done
+            }
         }
     })
     .await
@@ -66,9 +78,10 @@ fn is_paused(kc: &KVMCluster, cluster: Option<&Cluster>) -> bool {
     cluster.is_some_and(Cluster::is_paused) || kc.annotations().contains_key(PAUSED_ANNOTATION)
 }
 
-async fn get_cluster(ctx: &Context, ns: &str, name: &str) -> Result<Cluster> {
+/// The Cluster `name`, or `None` when it does not exist.
+async fn get_cluster(ctx: &Context, ns: &str, name: &str) -> Result<Option<Cluster>> {
     Api::<Cluster>::namespaced(ctx.client.clone(), ns)
-        .get(name)
+        .get_opt(name)
         .await
         .map_err(|source| Error::Read {
             kind: "Cluster",
