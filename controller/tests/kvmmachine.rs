@@ -389,3 +389,38 @@ async fn a_restarted_controller_makes_no_duplicate_pods() -> Result<()> {
     }
     Ok(())
 }
+
+#[tokio::test]
+async fn a_spec_that_cannot_run_is_reported_with_its_field() -> Result<()> {
+    let ns = "kvmmachine-bad-spec";
+    let (client, _stop) = setup(ns).await?;
+    support::bootstrap_secret(&client, ns, "demo-cp-5", CLOUD_CONFIG).await?;
+    // 16Ei passes the CRD's rule (a quantity above 0) but is more bytes than 64 bits hold.
+    let spec = json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
+                      "etcdStorage": {"type": "persistentVolume", "size": "16Ei"}});
+    support::control_plane_machine_with_spec(&client, ns, "demo-cp-5", spec).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let (status, message) = ready_with_reason(&kms, "demo-cp-5", "SpecInvalid").await?;
+    assert_eq!(status, "False");
+    assert!(message.contains("spec.etcdStorage.size"), "{message}");
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    eventually(30, "a Warning Event", || async {
+        let list = events.list(&ListParams::default()).await?;
+        Ok(list.items.into_iter().find(|e| {
+            e.reason.as_deref() == Some("SpecInvalid")
+                && e.type_.as_deref() == Some("Warning")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("demo-cp-5")
+                && e.note
+                    .as_deref()
+                    .is_some_and(|n| n.contains("spec.etcdStorage.size"))
+        }))
+    })
+    .await?;
+    assert!(
+        Api::<Pod>::namespaced(client.clone(), ns)
+            .get_opt("demo-cp-5")
+            .await?
+            .is_none()
+    );
+    Ok(())
+}

@@ -180,9 +180,9 @@ pub struct MachineFacts {
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
     /// A size in the spec cannot be turned into bytes.
-    #[error("spec.resources.{field}: {source}")]
+    #[error("{field}: {source}")]
     Size {
-        /// The field.
+        /// The field's path, e.g. `spec.etcdStorage.size`.
         field: &'static str,
         /// Cause.
         #[source]
@@ -293,7 +293,7 @@ pub fn machine_pod(
         .memory
         .bytes()
         .map_err(|source| BuildError::Size {
-            field: "memory",
+            field: "spec.resources.memory",
             source,
         })?;
     let disk = spec
@@ -301,17 +301,17 @@ pub fn machine_pod(
         .disk
         .bytes()
         .map_err(|source| BuildError::Size {
-            field: "disk",
+            field: "spec.resources.disk",
             source,
         })?;
     let docker = bytes(
         spec.resources.docker_volume_size.as_ref(),
-        "dockerVolumeSize",
+        "spec.resources.dockerVolumeSize",
         defaults.docker_volume_bytes,
     )?;
     let kubelet = bytes(
         spec.resources.kubelet_volume_size.as_ref(),
-        "kubeletVolumeSize",
+        "spec.resources.kubeletVolumeSize",
         defaults.kubelet_volume_bytes,
     )?;
 
@@ -400,7 +400,7 @@ pub fn machine_pod(
             .and_then(|s| s.size.as_ref())
             .map(|q| {
                 q.bytes().map_err(|source| BuildError::Size {
-                    field: "etcdStorage.size",
+                    field: "spec.etcdStorage.size",
                     source,
                 })
             })
@@ -788,6 +788,9 @@ pub fn etcd_claim(km: &KVMMachine, facts: &MachineFacts) -> Option<PersistentVol
     })
 }
 
+/// Condition and Event reason of a spec that cannot be run.
+pub const REASON_SPEC_INVALID: &str = "SpecInvalid";
+
 /// Where a KVMMachine is on its way to a running VM.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MachineState {
@@ -803,6 +806,9 @@ pub enum MachineState {
     WaitingForBootstrapSecret(String),
     /// The bootstrap data cannot be turned into Ignition; the message says why.
     BootstrapDataInvalid(String),
+    /// The KVMMachine's spec cannot be run (what the CRD's schema cannot check); the message
+    /// names the field and says why.
+    SpecInvalid(String),
     /// The Pod exists but the VM is not running yet.
     PodStarting {
         /// Pod name.
@@ -1035,6 +1041,11 @@ pub fn status(
             CONDITION_READY,
             "BootstrapDataInvalid",
             format!("cannot convert the bootstrap data to Ignition: {msg}"),
+        )),
+        MachineState::SpecInvalid(msg) => Some(C::falsy(
+            CONDITION_READY,
+            REASON_SPEC_INVALID,
+            format!("the spec cannot be run: {msg}"),
         )),
         MachineState::PodStarting { pod, detail } => Some(C::falsy(
             CONDITION_READY,
@@ -1510,6 +1521,33 @@ mod tests {
         ));
         let msg = render_ignition(&km, None, data.as_bytes()).unwrap_err();
         assert!(msg.contains("`write_files[0].encoding`"), "{msg}");
+    }
+
+    #[test]
+    fn a_size_the_launcher_cannot_take_is_a_spec_error_naming_its_field() {
+        // 16Ei is a quantity above 0 (the CRD's rule) and more bytes than 64 bits hold.
+        let km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
+                   "etcdStorage": {"type": "persistentVolume", "size": "16Ei"}}),
+        );
+        let facts = MachineFacts {
+            cluster: "c".into(),
+            control_plane: true,
+            failure_domain: None,
+        };
+        let err = machine_pod(&km, &facts, &MachineDefaults::default()).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.starts_with("spec.etcdStorage.size: "), "{msg}");
+        let t0: k8s_openapi::jiff::Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let st = status(&km, &MachineState::SpecInvalid(msg), &[], None, t0);
+        let ready = crate::conditions::find(st.conditions.as_deref().unwrap(), "Ready").unwrap();
+        assert_eq!(ready.reason, "SpecInvalid");
+        assert!(
+            ready.message.contains("spec.etcdStorage.size"),
+            "{}",
+            ready.message
+        );
     }
 
     #[test]

@@ -162,15 +162,7 @@ async fn ensure_ignition(
             Ok(Ok(()))
         }
         Err(msg) => {
-            let reported = km
-                .status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| {
-                    cs.iter()
-                        .any(|c| c.reason == "BootstrapDataInvalid" && c.message.contains(&msg))
-                });
-            if !reported {
+            if !has_ready_reason(km, "BootstrapDataInvalid", &msg) {
                 publish(
                     ctx,
                     km,
@@ -238,7 +230,21 @@ async fn apply(
     // The machine Pod: created once; a Pod's spec is immutable, so drift is not patched.
     let pod = match build::machine_pod(km, &facts, &ctx.settings.machine_defaults) {
         Ok(p) => p,
-        Err(e) => return waiting(MachineState::BootstrapDataInvalid(e.to_string())).await,
+        Err(e) => {
+            // The user's to fix: a condition and, once, a Warning Event; no Pod.
+            let msg = e.to_string();
+            if !has_ready_reason(km, build::REASON_SPEC_INVALID, &msg) {
+                publish(
+                    ctx,
+                    km,
+                    EventType::Warning,
+                    build::REASON_SPEC_INVALID,
+                    msg.clone(),
+                )
+                .await;
+            }
+            return waiting(MachineState::SpecInvalid(msg)).await;
+        }
     };
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let was_provisioned = km
@@ -354,6 +360,16 @@ async fn apply(
         warn!(error = %e, "cannot set the machine Pod's readiness gate");
     }
     Ok(Action::await_change())
+}
+
+/// Whether the KVMMachine's `Ready` condition already reports `reason` with `detail` in its
+/// message (so the Warning Event for it was published).
+fn has_ready_reason(km: &KVMMachine, reason: &str, detail: &str) -> bool {
+    km.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
+        .and_then(|cs| crate::conditions::find(cs, "Ready"))
+        .is_some_and(|c| c.reason == reason && c.message.contains(detail))
 }
 
 /// Whether the KVMMachine already shows condition `c` (same status, reason and message).

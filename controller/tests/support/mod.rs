@@ -130,6 +130,21 @@ pub async fn control_plane_machine_without_secret(
     ns: &str,
     name: &str,
 ) -> Result<()> {
+    let spec = json!({
+        "resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
+        "etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/capk-etcd"},
+    });
+    control_plane_machine_with_spec(client, ns, name, spec).await
+}
+
+/// A control-plane Machine `name` of cluster `demo` and its KVMMachine of `spec`; the Machine
+/// names the bootstrap Secret `<name>-bootstrap`.
+pub async fn control_plane_machine_with_spec(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> Result<()> {
     provisioned_cluster(client, ns).await?;
     let machine: Machine = serde_json::from_value(json!({
         "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
@@ -151,8 +166,7 @@ pub async fn control_plane_machine_without_secret(
             "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
             "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
                 "name": name, "uid": machine.uid().context("uid")?, "controller": true}]},
-        "spec": {"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
-                 "etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/capk-etcd"}},
+        "spec": spec,
     }))?;
     Api::<KVMMachine>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &km)
