@@ -1221,7 +1221,11 @@ fn accel_kvm_fails_clearly_where_kvm_hangs() {
         return;
     }
     if !Path::new("/dev/kvm").exists() {
-        eprintln!("skipping: no /dev/kvm on this machine");
+        let msg = "launcher KVM test needs /dev/kvm (a host with virtualization: modprobe kvm_intel or kvm_amd)";
+        if std::env::var_os("CI").is_some() {
+            panic!("{msg}");
+        }
+        eprintln!("skipping: {msg}");
         return;
     }
     // An empty namespace: should KVM work here, the run stops at "no eth0" instead of touching
@@ -1488,6 +1492,62 @@ fn bare_boot(program: &str, args: &[String], until_lease: bool) -> BootTimes {
     t
 }
 
+/// The launcher's QEMU child and its argv, once it runs QEMU. "qemu started" is logged when the
+/// spawn returned, and the kernel names the process (comm) before it has set up the new
+/// program's arguments, so /proc/<pid>/cmdline can still read empty: wait until it names QEMU.
+fn qemu_child(launcher: u32, timeout: Duration) -> (u32, Vec<String>) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        for pid in children_of(launcher) {
+            let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let argv: Vec<String> = raw
+                .split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            if argv.first().is_some_and(|p| {
+                Path::new(p)
+                    .file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("qemu-system"))
+            }) {
+                return (pid, argv);
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the launcher ({launcher}) has no child running qemu-system after {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The bench reads QEMU's argv from a child that has not exec'd QEMU yet (here: a shell that
+/// sleeps first): `qemu_child` waits for the exec instead of reading an empty or foreign argv.
+#[test]
+fn qemu_child_waits_for_the_exec() {
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    let mut child = Command::new("sh")
+        .args([
+            "-c",
+            "sleep 0.5; exec qemu-system-x86_64 -machine none -nodefaults -display none -S",
+        ])
+        .spawn()
+        .unwrap();
+    let found =
+        std::panic::catch_unwind(|| qemu_child(std::process::id(), Duration::from_secs(10)));
+    let _ = child.kill();
+    let _ = child.wait();
+    let (pid, argv) = found.expect("qemu_child found QEMU");
+    assert_eq!(pid, child.id());
+    assert_eq!(
+        argv[1..],
+        ["-machine", "none", "-nodefaults", "-display", "none", "-S"]
+    );
+}
+
 /// The launcher's own QEMU command line, runnable without the launcher: every path under the
 /// launcher's work directory moves to `bare` (its disks, Ignition, sockets and console log are
 /// copied there before each run), and the tap netdev (the launcher's bridge, DHCP server and
@@ -1636,20 +1696,8 @@ fn bench_launcher_vs_bare_qemu() {
         // QEMU is the launcher's child; its RSS holds the guest RAM the guest touched plus
         // QEMU's own (TCG translation cache, device buffers): the controller's overhead model
         // is checked against it.
-        let qemu_pid = children_of(l.child.id())
-            .into_iter()
-            .find(|p| {
-                std::fs::read_to_string(format!("/proc/{p}/comm"))
-                    .is_ok_and(|c| c.starts_with("qemu-system"))
-            })
-            .expect("the launcher's QEMU child");
+        let (qemu_pid, argv) = qemu_child(l.child.id(), Duration::from_secs(10));
         if fair_argv.is_none() {
-            let raw = std::fs::read(format!("/proc/{qemu_pid}/cmdline")).unwrap();
-            let argv: Vec<String> = raw
-                .split(|b| *b == 0)
-                .filter(|a| !a.is_empty())
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect();
             let (args, changed) = bare_argv_from(&argv[1..], work.path(), bare_work.path());
             println!(
                 "BENCH fair bare run = the launcher's QEMU argv from /proc/{qemu_pid}/cmdline ({} args), only these changed:",
