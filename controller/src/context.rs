@@ -15,8 +15,8 @@ use kube::{
     },
 };
 
-/// Field manager of every server-side apply this controller makes.
-pub const FIELD_MANAGER: &str = "capk-controller";
+/// Field manager of every server-side apply this controller makes: its name.
+pub const FIELD_MANAGER: &str = capk_api::constants::MANAGED_BY;
 
 /// Settings from the command line.
 #[derive(Clone, Debug)]

@@ -177,7 +177,22 @@ pub async fn run_with_metrics(
         synced,
     };
     let (node_trigger, node_events) = futures::channel::mpsc::unbounded();
-    let workloads = Arc::new(workload::Links::new(node_trigger));
+    let machines_of_node: workload::MachinesOfNode = {
+        let kvm_machines = kvm_machines.clone();
+        Arc::new(move |ns: &str, cluster: &str, node: Option<&str>| {
+            kvm_machines
+                .state()
+                .into_iter()
+                .filter(|km| {
+                    km.namespace().as_deref() == Some(ns)
+                        && km.labels().get(CLUSTER_NAME_LABEL).map(String::as_str) == Some(cluster)
+                        && node.is_none_or(|n| kvmmachine::names::hostname(km) == n)
+                })
+                .map(|km| ObjectRef::from(&*km))
+                .collect()
+        })
+    };
+    let workloads = Arc::new(workload::Links::new(node_trigger, machines_of_node));
     let ctx = Arc::new(Context::new(
         client.clone(),
         settings,

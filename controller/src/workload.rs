@@ -10,7 +10,10 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use capk_api::{constants::NODE_READY_GATE, v1alpha1::KVMMachine};
+use capk_api::{
+    constants::{MANAGED_BY, NODE_READY_GATE},
+    v1alpha1::KVMMachine,
+};
 use futures::{StreamExt, channel::mpsc::UnboundedSender};
 use k8s_openapi::{
     api::core::v1::{Node, Pod, Secret},
@@ -28,10 +31,20 @@ use kube::{
 use serde_json::json;
 use tracing::{debug, info};
 
-use crate::{
-    context::{Caches, FIELD_MANAGER},
-    inline_kubeconfig::{InlineKubeconfig, KubeconfigError},
-};
+use crate::inline_kubeconfig::{InlineKubeconfig, KubeconfigError};
+
+/// Our field manager in workload clusters: the controller's name, as everywhere.
+const FIELD_MANAGER: &str = MANAGED_BY;
+
+/// The Secret Cluster API writes with the workload cluster's kubeconfig.
+pub fn kubeconfig_secret_name(cluster: &str) -> String {
+    format!("{cluster}-kubeconfig")
+}
+
+/// The KVMMachines of workload cluster `cluster` in namespace `ns`, all of them or (with
+/// `Some(node)`) those whose Node is `node`: what a Node watch event wakes.
+pub type MachinesOfNode =
+    Arc<dyn Fn(&str, &str, Option<&str>) -> Vec<ObjectRef<KVMMachine>> + Send + Sync>;
 
 /// Gate reason: the workload kubeconfig would run a command or read a file, and is not used.
 pub const REASON_KUBECONFIG_REFUSED: &str = "WorkloadKubeconfigRefused";
@@ -63,6 +76,7 @@ impl Gate {
 pub struct Links {
     links: Mutex<HashMap<(String, String), Link>>,
     trigger: UnboundedSender<ObjectRef<KVMMachine>>,
+    machines_of_node: MachinesOfNode,
 }
 
 struct Link {
@@ -90,11 +104,15 @@ impl Drop for Link {
 }
 
 impl Links {
-    /// Links that wake machines through `trigger`.
-    pub fn new(trigger: UnboundedSender<ObjectRef<KVMMachine>>) -> Self {
+    /// Links that wake the machines `machines_of_node` names through `trigger`.
+    pub fn new(
+        trigger: UnboundedSender<ObjectRef<KVMMachine>>,
+        machines_of_node: MachinesOfNode,
+    ) -> Self {
         Self {
             links: Mutex::default(),
             trigger,
+            machines_of_node,
         }
     }
 
@@ -126,19 +144,20 @@ impl Links {
     }
 
     /// What the readiness gate of machine `km` (Node `node_name`) in `cluster` should say; sets
-    /// the Node's providerID when it has none. Reads the kubeconfig Secret only when it is new
-    /// or changed.
+    /// the Node's providerID when it has none. `kubeconfig` is the resourceVersion of the
+    /// kubeconfig Secret ([`kubeconfig_secret_name`]) when it exists: the Secret is read only
+    /// when it is new or changed.
     pub async fn node_gate(
         &self,
         mc: &Client,
-        caches: &Caches,
+        kubeconfig: Option<&str>,
         ns: &str,
         cluster: &str,
         node_name: &str,
         provider_id: &str,
     ) -> Gate {
-        let secret_name = format!("{cluster}-kubeconfig");
-        let Some(meta) = caches.secret(ns, &secret_name) else {
+        let secret_name = kubeconfig_secret_name(cluster);
+        let Some(source) = kubeconfig else {
             self.forget(ns, cluster);
             return Gate::not_ready(
                 "WaitingForWorkloadClusterKubeconfig",
@@ -147,7 +166,6 @@ impl Links {
                 ),
             );
         };
-        let source = meta.resource_version().unwrap_or_default();
         let key = (ns.to_owned(), cluster.to_owned());
         let current = {
             let links = self.links.lock().expect("links lock");
@@ -163,7 +181,7 @@ impl Links {
                     Ok(wc) => wc,
                     Err(gate) => return gate,
                 };
-                let link = self.start(wc, ns, cluster, caches, source);
+                let link = self.start(wc, ns, cluster, source.to_owned());
                 let out = (link.client.clone(), link.nodes.clone(), link.state.clone());
                 self.links.lock().expect("links lock").insert(key, link);
                 out
@@ -190,7 +208,7 @@ impl Links {
         }
     }
 
-    fn start(&self, wc: Client, ns: &str, cluster: &str, caches: &Caches, source: String) -> Link {
+    fn start(&self, wc: Client, ns: &str, cluster: &str, source: String) -> Link {
         info!(
             namespace = ns,
             cluster, "watching the workload cluster's Nodes"
@@ -211,21 +229,14 @@ impl Links {
             ),
         )
         .default_backoff();
-        let trigger = self.trigger.clone();
-        let kvm_machines = caches.kvm_machines.clone();
+        let (trigger, machines_of_node) = (self.trigger.clone(), self.machines_of_node.clone());
         let (ns, cluster, st) = (ns.to_owned(), cluster.to_owned(), state.clone());
         let task = tokio::spawn(async move {
             // What each Node last looked like to us: (Ready, has providerID).
             let mut seen: HashMap<String, (bool, bool)> = HashMap::new();
             let wake = |node: Option<&str>| {
-                for km in kvm_machines.state() {
-                    if km.namespace().as_deref() == Some(ns.as_str())
-                        && km.labels().get(capk_api::constants::CLUSTER_NAME_LABEL)
-                            == Some(&cluster)
-                        && node.is_none_or(|n| crate::kvmmachine::build::hostname(&km) == n)
-                    {
-                        let _ = trigger.unbounded_send(ObjectRef::from(&*km));
-                    }
+                for km in machines_of_node(&ns, &cluster, node) {
+                    let _ = trigger.unbounded_send(km);
                 }
             };
             futures::pin_mut!(stream);
@@ -295,7 +306,7 @@ fn has_provider_id(n: &Node) -> bool {
 /// checked as data first ([`InlineKubeconfig`]): one that would run a command or read a file of
 /// the controller is refused before any client exists.
 pub async fn client(mc: &Client, ns: &str, cluster: &str) -> Result<Client, Gate> {
-    let name = format!("{cluster}-kubeconfig");
+    let name = kubeconfig_secret_name(cluster);
     let secret = Api::<Secret>::namespaced(mc.clone(), ns)
         .get_opt(&name)
         .await

@@ -324,7 +324,13 @@ async fn apply(
         .workloads
         .node_gate(
             &ctx.client,
-            &ctx.caches,
+            ctx.caches
+                .secret(
+                    &ns,
+                    &crate::workload::kubeconfig_secret_name(&facts.cluster),
+                )
+                .map(|m| m.resource_version().unwrap_or_default())
+                .as_deref(),
             &ns,
             &facts.cluster,
             &build::hostname(km),
