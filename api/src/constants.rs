@@ -49,6 +49,12 @@ pub const CONDITION_BOOTSTRAP_COMPLETED: &str = "BootstrapCompleted";
 /// Condition: the machine's Node in the workload cluster is Ready (what the machine Pod's
 /// readiness gate says, with its reason: a refused workload kubeconfig shows here).
 pub const CONDITION_NODE_READY: &str = "NodeReady";
+/// Condition on a KVMCluster: some control-plane machine's apiserver answers `/readyz`, so the
+/// control-plane Service has a ready endpoint (the message says how many of how many answer).
+pub const CONDITION_CONTROL_PLANE_ENDPOINTS_READY: &str = "ControlPlaneEndpointsReady";
+/// `endpointslice.kubernetes.io/managed-by` of the control-plane Service's EndpointSlice: the
+/// controller, not Kubernetes' EndpointSlice controller, decides its endpoints.
+pub const ENDPOINT_SLICE_MANAGED_BY: &str = "capk-controller.infrastructure.cluster.x-k8s.io";
 
 /// Scheme of provider IDs: `kvm://<namespace>/<kvmmachine>`.
 pub const PROVIDER_ID_SCHEME: &str = "kvm://";
@@ -58,7 +64,8 @@ pub fn provider_id(namespace: &str, kvm_machine: &str) -> String {
     format!("{PROVIDER_ID_SCHEME}{namespace}/{kvm_machine}")
 }
 
-/// Label on machine Pods: `control-plane` or `worker`. The control-plane Service selects on it.
+/// Label on machine Pods: `control-plane` or `worker`. The Pods with `control-plane` are the
+/// control-plane Service's endpoints.
 pub const MACHINE_ROLE_LABEL: &str = "infrastructure.cluster.x-k8s.io/machine-role";
 /// Value of [`MACHINE_ROLE_LABEL`] on control-plane machine Pods.
 pub const ROLE_CONTROL_PLANE: &str = "control-plane";

@@ -107,6 +107,8 @@ pub struct Context {
     pub caches: Caches,
     /// Node watches in workload clusters.
     pub workloads: std::sync::Arc<crate::workload::Links>,
+    /// What the health check knows of the control-plane apiservers, between reconciles.
+    pub apiserver_health: std::sync::Arc<crate::kvmcluster::health::HealthMonitor>,
 }
 
 impl Context {
@@ -129,6 +131,7 @@ impl Context {
             metrics,
             caches,
             workloads,
+            apiserver_health: Default::default(),
         }
     }
 }

@@ -209,6 +209,19 @@ pub async fn run_with_metrics(
         });
     }
 
+    // A control-plane machine Pod that changes (an IP, deletion) concerns its KVMCluster too:
+    // it is an endpoint of the control-plane Service. The one Pod watch feeds both controllers.
+    let (cp_pod_trigger, cp_pod_events) = futures::channel::mpsc::unbounded();
+    let pod_events = {
+        let clusters = caches.clusters.clone();
+        pod_events.inspect(move |pod| {
+            if let Ok(pod) = pod
+                && let Some(kc) = kvmcluster::kvmcluster_of_pod(pod, &clusters)
+            {
+                let _ = cp_pod_trigger.unbounded_send(kc);
+            }
+        })
+    };
     let clusters = Controller::new(api::<KVMCluster>(&client, ns), watcher::Config::default())
         .with_config(controller_config.clone())
         .owns(api::<Service>(&client, ns), owned.clone())
@@ -221,6 +234,7 @@ pub async fn run_with_metrics(
                 (r.kind == "KVMCluster").then(|| ObjectRef::new(&r.name).within(&ns))
             },
         )
+        .reconcile_on(cp_pod_events)
         .graceful_shutdown_on(stopped(rx.clone()))
         .run(kvmcluster::reconcile, kvmcluster::error_policy, ctx.clone())
         .for_each(|res| async move {

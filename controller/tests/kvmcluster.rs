@@ -3,15 +3,18 @@
 
 mod support;
 
-use std::time::Duration;
+use std::{collections::BTreeMap, time::Duration};
 
 use anyhow::{Context, Result};
 use capk_api::{capi::Cluster, v1alpha1::KVMCluster};
 use capk_tests::env::TestEnv;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::{
+    core::v1::{Pod, Service},
+    discovery::v1::EndpointSlice,
+};
 use kube::{
     Api, Client, ResourceExt,
-    api::{DeleteParams, Patch, PatchParams, PostParams},
+    api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
 };
 use serde_json::json;
 use support::{create_namespace, eventually, start_controller};
@@ -111,13 +114,9 @@ async fn kvmcluster_gets_a_service_an_endpoint_and_a_provisioned_status() -> Res
     let spec = svc.spec.as_ref().unwrap();
     assert_eq!(spec.type_.as_deref(), Some("ClusterIP"));
     assert_eq!(spec.ports.as_ref().unwrap()[0].port, 6443);
-    assert_eq!(spec.publish_not_ready_addresses, Some(true));
-    let selector = spec.selector.clone().unwrap();
-    assert_eq!(selector["cluster.x-k8s.io/cluster-name"], "demo");
-    assert_eq!(
-        selector["infrastructure.cluster.x-k8s.io/machine-role"],
-        "control-plane"
-    );
+    // Its endpoints are the controller's EndpointSlice (see the tests below), not a selector's.
+    assert_eq!(spec.selector, None);
+    assert_eq!(spec.publish_not_ready_addresses, None);
     assert_eq!(svc.owner_references()[0].kind, "KVMCluster");
     assert_eq!(svc.labels()["cluster.x-k8s.io/cluster-name"], "demo");
 
@@ -206,5 +205,542 @@ async fn a_user_set_endpoint_is_kept() -> Result<()> {
     let ep = kc.spec.control_plane_endpoint.unwrap();
     assert_eq!(ep.host.as_deref(), Some("mine.k8s.example.com"));
     assert_eq!(ep.port, Some(443));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The control-plane Service's endpoints: the controller probes each control-plane machine's
+// apiserver at `https://<Pod IP>:6443/readyz` and writes the Service's EndpointSlice from what
+// answers. The machine Pods here are made by the test (no kubelet runs): their status says
+// Running with an address, and the "VM" at that address is a TLS server the test runs.
+// EndpointSlices refuse loopback addresses, so these tests run again in a network namespace of
+// their own, where the Pod addresses live on its `lo` and nothing routes anywhere else.
+
+/// Set in the re-run of a test inside its own network namespace.
+const NETNS_ENV: &str = "CAPK_TEST_IN_NETNS";
+/// Pod addresses (TEST-NET-2), on `lo` of the test's network namespace.
+const POD_NET: &str = "198.51.100";
+
+/// Runs the test `name` of this binary again in a network namespace of its own; `true` in that
+/// re-run (go on with the test), `false` in the caller once the re-run passed.
+fn in_own_netns(name: &str) -> Result<bool> {
+    if std::env::var_os(NETNS_ENV).is_some() {
+        for args in [
+            vec!["link", "set", "lo", "up"],
+            vec!["addr", "add", &format!("{POD_NET}.0/24"), "dev", "lo"],
+        ] {
+            let out = std::process::Command::new("ip").args(&args).output()?;
+            anyhow::ensure!(
+                out.status.success(),
+                "ip {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        return Ok(true);
+    }
+    let root = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?) == 0;
+    let mut cmd = std::process::Command::new("unshare");
+    if !root {
+        cmd.args(["--user", "--map-root-user"]);
+    }
+    cmd.args(["--net", "--"])
+        .arg(std::env::current_exe()?)
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(NETNS_ENV, "1");
+    let out = cmd.output().context("run unshare")?;
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if stderr.starts_with("unshare:") {
+        anyhow::bail!(
+            "this test needs a network namespace of its own: run it as root, or allow \
+             unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1); {stderr}"
+        );
+    }
+    anyhow::ensure!(
+        out.status.success(),
+        "{name} failed in its network namespace ({})",
+        out.status
+    );
+    Ok(false)
+}
+
+/// How a stand-in apiserver answers `/readyz`.
+const READY: u8 = 0;
+/// Accepts TCP and TLS, never answers: a hung apiserver, a frozen VM's last breath.
+const HUNG: u8 = 1;
+
+/// A TLS server on `<addr>:6443` with a throwaway self-signed certificate, answering
+/// `GET /readyz` with 200 `ok` while READY (kube-apiserver's answer when healthy).
+struct StandInApiServer {
+    mode: std::sync::Arc<std::sync::atomic::AtomicU8>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StandInApiServer {
+    async fn start(ip: &str) -> Result<Self> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let key = rcgen::generate_simple_self_signed(vec![ip.to_owned()])?;
+        let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![key.cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into()),
+        )?;
+        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+        let listener = tokio::net::TcpListener::bind((ip, 6443))
+            .await
+            .with_context(|| format!("listen on {ip}:6443"))?;
+        let mode = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(READY));
+        let m = mode.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (acceptor, m) = (acceptor.clone(), m.clone());
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let mut buf = [0u8; 2048];
+                    let Ok(n) = tls.read(&mut buf).await else {
+                        return;
+                    };
+                    if m.load(std::sync::atomic::Ordering::SeqCst) == HUNG {
+                        return std::future::pending().await;
+                    }
+                    let ok = buf[..n].starts_with(b"GET /readyz ");
+                    let answer: &[u8] = if ok {
+                        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+                    } else {
+                        b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    };
+                    let _ = tls.write_all(answer).await;
+                    let _ = tls.shutdown().await;
+                });
+            }
+        });
+        Ok(Self { mode, task })
+    }
+
+    fn set(&self, mode: u8) {
+        self.mode.store(mode, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for StandInApiServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A Cluster `name` and its KVMCluster, owned as Cluster API sets it.
+async fn owned_kvmcluster(client: &Client, ns: &str, name: &str) -> Result<KVMCluster> {
+    let cluster: Cluster = serde_json::from_value(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+        "metadata": {"name": name},
+        "spec": {"infrastructureRef": {
+            "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMCluster", "name": name}},
+    }))?;
+    let cluster = Api::<Cluster>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &cluster)
+        .await?;
+    let kc: KVMCluster = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
+        "metadata": {"name": name, "ownerReferences": [{
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+            "name": name, "uid": cluster.uid().context("uid")?}]},
+        "spec": {},
+    }))?;
+    Ok(Api::<KVMCluster>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &kc)
+        .await?)
+}
+
+/// A machine Pod of cluster `demo` as the KVMMachine controller labels it, Running at `ip` but
+/// not Ready (as a control plane is during `kubeadm init`: its readiness gate waits for a Node).
+async fn machine_pod(client: &Client, ns: &str, name: &str, role: &str, ip: &str) -> Result<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": {
+            "cluster.x-k8s.io/cluster-name": "demo",
+            "infrastructure.cluster.x-k8s.io/machine-role": role,
+            "app.kubernetes.io/managed-by": "capk-controller"}},
+        "spec": {"nodeName": "mc-node-1",
+                 "containers": [{"name": "launcher", "image": "capk-launcher:test"}]},
+    }))?;
+    pods.create(&PostParams::default(), &pod).await?;
+    let status = json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+        "conditions": [{"type": "Ready", "status": "False", "reason": "ReadinessGatesNotReady"}]}});
+    Ok(pods
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await?)
+}
+
+/// Each address of the slice and its (ready, serving, terminating) conditions.
+fn endpoint_states(slice: &EndpointSlice) -> BTreeMap<String, (bool, bool, bool)> {
+    slice
+        .endpoints
+        .iter()
+        .flat_map(|e| {
+            let c = e.conditions.clone().unwrap_or_default();
+            let state = (
+                c.ready == Some(true),
+                c.serving == Some(true),
+                c.terminating == Some(true),
+            );
+            e.addresses.iter().map(move |a| (a.clone(), state))
+        })
+        .collect()
+}
+
+fn ready_addresses(slice: &EndpointSlice) -> Vec<String> {
+    endpoint_states(slice)
+        .into_iter()
+        .filter(|(_, (ready, _, _))| *ready)
+        .map(|(a, _)| a)
+        .collect()
+}
+
+/// The EndpointSlices of Service `svc`.
+async fn slices_of(client: &Client, ns: &str, svc: &str) -> Result<Vec<EndpointSlice>> {
+    Ok(Api::<EndpointSlice>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={svc}")))
+        .await?
+        .items)
+}
+
+/// Waits until `f` holds of the controller's slice of `demo-apiserver`; returns how long it took.
+async fn slice_until(
+    client: &Client,
+    ns: &str,
+    secs: u64,
+    what: &str,
+    f: impl Fn(&EndpointSlice) -> bool,
+) -> Result<Duration> {
+    let start = std::time::Instant::now();
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
+    let f = &f;
+    let slices = &slices;
+    eventually(secs, what, || async move {
+        Ok(slices
+            .get_opt("demo-apiserver")
+            .await?
+            .filter(|s| f(s))
+            .map(|_| ()))
+    })
+    .await?;
+    Ok(start.elapsed())
+}
+
+#[tokio::test]
+async fn control_plane_endpoints_follow_the_apiservers_that_answer() -> Result<()> {
+    if !in_own_netns("control_plane_endpoints_follow_the_apiservers_that_answer")? {
+        return Ok(());
+    }
+    let ns = "kvmcluster-endpoints";
+    let (client, _stop) = setup(ns).await?;
+    let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let kc = owned_kvmcluster(&client, ns, "demo").await?;
+    let (a, b, c, w) = (
+        format!("{POD_NET}.2"),
+        format!("{POD_NET}.3"),
+        format!("{POD_NET}.4"),
+        format!("{POD_NET}.5"),
+    );
+    // Two control planes whose apiservers answer, a third whose VM is still booting (nothing
+    // listens yet), and a worker whose address answers too but is no control plane.
+    let _a = StandInApiServer::start(&a).await?;
+    let _b = StandInApiServer::start(&b).await?;
+    let _w = StandInApiServer::start(&w).await?;
+    machine_pod(&client, ns, "demo-cp-a", "control-plane", &a).await?;
+    machine_pod(&client, ns, "demo-cp-b", "control-plane", &b).await?;
+    let cp_c = machine_pod(&client, ns, "demo-cp-c", "control-plane", &c).await?;
+    machine_pod(&client, ns, "demo-md-0", "worker", &w).await?;
+
+    slice_until(&client, ns, 30, "a and b ready, c not", |s| {
+        endpoint_states(s)
+            == BTreeMap::from([
+                (a.clone(), (true, true, false)),
+                (b.clone(), (true, true, false)),
+                (c.clone(), (false, false, false)),
+            ])
+    })
+    .await?;
+    let svc = Api::<Service>::namespaced(client.clone(), ns)
+        .get("demo-apiserver")
+        .await?;
+    let spec = svc.spec.context("spec")?;
+    assert_eq!(spec.selector, None, "no selector: the controller's slice");
+    assert_eq!(spec.publish_not_ready_addresses, None);
+    let slice = Api::<EndpointSlice>::namespaced(client.clone(), ns)
+        .get("demo-apiserver")
+        .await?;
+    assert_eq!(slice.address_type, "IPv4");
+    assert_eq!(
+        slice.labels()["endpointslice.kubernetes.io/managed-by"],
+        "capk-controller.infrastructure.cluster.x-k8s.io"
+    );
+    assert_eq!(slice.labels()["cluster.x-k8s.io/cluster-name"], "demo");
+    assert_eq!(slice.owner_references()[0].uid, kc.uid().context("uid")?);
+    let port = &slice.ports.clone().context("ports")?[0];
+    assert_eq!(
+        (port.name.as_deref(), port.port, port.protocol.as_deref()),
+        (Some("apiserver"), Some(6443), Some("TCP"))
+    );
+    let ep_c = slice
+        .endpoints
+        .iter()
+        .find(|e| e.addresses == [c.clone()])
+        .context("c's endpoint")?;
+    let target = ep_c.target_ref.clone().context("targetRef")?;
+    assert_eq!(
+        (target.kind.as_deref(), target.name.as_deref(), target.uid),
+        (Some("Pod"), Some("demo-cp-c"), cp_c.uid())
+    );
+    assert_eq!(ep_c.node_name.as_deref(), Some("mc-node-1"));
+    let kc_now = kvmclusters.get("demo").await?;
+    assert_eq!(
+        condition(&kc_now, "ControlPlaneEndpointsReady"),
+        Some(("True".into(), "SomeAPIServersNotAnswering".into()))
+    );
+    assert_eq!(
+        condition(&kc_now, "Ready"),
+        Some(("True".into(), "Provisioned".into()))
+    );
+
+    // c's apiserver comes up (the first `kubeadm init` of a cluster is this moment): its
+    // address is ready within a probe period.
+    let c_server = StandInApiServer::start(&c).await?;
+    let joined = slice_until(&client, ns, 30, "c ready once it answers", |s| {
+        ready_addresses(s) == [a.clone(), b.clone(), c.clone()]
+    })
+    .await?;
+    println!("control-plane endpoints: a new apiserver answering -> ready in {joined:?}");
+    assert!(joined < Duration::from_secs(8), "{joined:?}");
+    let kc_now = eventually(30, "3 of 3 answer", || async {
+        let kc = kvmclusters.get("demo").await?;
+        Ok((condition(&kc, "ControlPlaneEndpointsReady")
+            == Some(("True".into(), "APIServersAnswering".into())))
+        .then_some(kc))
+    })
+    .await?;
+    assert_eq!(
+        kc_now
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.type_ == "ControlPlaneEndpointsReady"))
+            .map(|c| c.message.as_str()),
+        Some("3 of 3 control-plane apiservers answer /readyz")
+    );
+
+    // Steady state: probing every 10 s writes nothing.
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), ns);
+    let slice_rv = slices.get("demo-apiserver").await?.resource_version();
+    let kc_rv = kvmclusters.get("demo").await?.resource_version();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(
+        slices.get("demo-apiserver").await?.resource_version(),
+        slice_rv
+    );
+    assert_eq!(kvmclusters.get("demo").await?.resource_version(), kc_rv);
+
+    // c's apiserver hangs: its endpoint leaves, the others stay.
+    c_server.set(HUNG);
+    let left = slice_until(&client, ns, 40, "c not ready while it hangs", |s| {
+        endpoint_states(s).get(&c) == Some(&(false, false, false))
+    })
+    .await?;
+    println!("control-plane endpoints: a hung apiserver -> not ready in {left:?}");
+    assert!(left < Duration::from_secs(25), "{left:?}");
+    assert_eq!(
+        ready_addresses(&slices.get("demo-apiserver").await?),
+        [a.clone(), b.clone()]
+    );
+    eventually(30, "the condition names c", || async {
+        let kc = kvmclusters.get("demo").await?;
+        let cond = kc.status.and_then(|s| s.conditions).and_then(|cs| {
+            cs.into_iter()
+                .find(|c| c.type_ == "ControlPlaneEndpointsReady")
+        });
+        Ok(cond
+            .filter(|c| {
+                c.reason == "SomeAPIServersNotAnswering"
+                    && c.message
+                        == "2 of 3 control-plane apiservers answer /readyz; taking no traffic: \
+                            demo-cp-c (no answer within 2s)"
+            })
+            .map(|_| ()))
+    })
+    .await?;
+
+    // It answers again: back in.
+    c_server.set(READY);
+    let back = slice_until(&client, ns, 30, "c ready again", |s| {
+        endpoint_states(s).get(&c) == Some(&(true, true, false))
+    })
+    .await?;
+    println!("control-plane endpoints: the apiserver answering again -> ready in {back:?}");
+
+    // c's Pod is being deleted (its node's kubelet stops the VM within the grace period): still
+    // serving, no longer ready; gone with the Pod.
+    pods.delete("demo-cp-c", &DeleteParams::default()).await?;
+    slice_until(&client, ns, 30, "c terminating", |s| {
+        endpoint_states(s).get(&c) == Some(&(false, true, true))
+    })
+    .await?;
+    // The kubelet confirms the deletion.
+    pods.delete("demo-cp-c", &DeleteParams::default().grace_period(0))
+        .await?;
+    slice_until(&client, ns, 30, "c's endpoint gone with its Pod", |s| {
+        endpoint_states(s).keys().cloned().collect::<Vec<_>>() == [a.clone(), b.clone()]
+    })
+    .await?;
+
+    // Deleting the cluster takes the slice with the Service.
+    kvmclusters.delete("demo", &DeleteParams::default()).await?;
+    eventually(30, "Service and EndpointSlice gone", || async {
+        let gone = Api::<Service>::namespaced(client.clone(), ns)
+            .get_opt("demo-apiserver")
+            .await?
+            .is_none()
+            && slices_of(&client, ns, "demo-apiserver").await?.is_empty();
+        Ok(gone.then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
+/// kube-controller-manager with the controllers that keep a Service's endpoints, as in any
+/// management cluster; stopped when dropped.
+struct EndpointControllers(std::process::Child);
+
+impl EndpointControllers {
+    fn start(dir: &std::path::Path) -> Result<Self> {
+        let kcm = capk_tests::component("kube-controller-manager", "make test-deps")?;
+        let log = std::fs::File::create(dir.join("kube-controller-manager.log"))?;
+        let child = std::process::Command::new(kcm)
+            .args([
+                &format!("--kubeconfig={}", TestEnv::shared().kubeconfig().display()),
+                "--controllers=endpoints-controller,endpointslice-controller,endpointslice-mirroring-controller",
+                "--leader-elect=false",
+                "--secure-port=0",
+            ])
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        Ok(Self(child))
+    }
+}
+
+impl Drop for EndpointControllers {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn a_service_made_by_the_previous_controller_is_migrated() -> Result<()> {
+    if !in_own_netns("a_service_made_by_the_previous_controller_is_migrated")? {
+        return Ok(());
+    }
+    let ns = "kvmcluster-migration";
+    let client = TestEnv::shared().client().await?;
+    create_namespace(&client, ns).await?;
+    let node: k8s_openapi::api::core::v1::Node =
+        serde_json::from_value(json!({"metadata": {"name": "mc-node-1"}}))?;
+    Api::<k8s_openapi::api::core::v1::Node>::all(client.clone())
+        .create(&PostParams::default(), &node)
+        .await?;
+    let kc = owned_kvmcluster(&client, ns, "demo").await?;
+    // The Service exactly as the previous controller applied it.
+    let old = json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "demo-apiserver", "labels": {
+                "cluster.x-k8s.io/cluster-name": "demo",
+                "app.kubernetes.io/managed-by": "capk-controller"},
+            "ownerReferences": [{"apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+                "kind": "KVMCluster", "name": "demo", "uid": kc.uid().context("uid")?,
+                "controller": true}]},
+        "spec": {"type": "ClusterIP", "publishNotReadyAddresses": true,
+            "selector": {"cluster.x-k8s.io/cluster-name": "demo",
+                         "infrastructure.cluster.x-k8s.io/machine-role": "control-plane"},
+            "ports": [{"name": "apiserver", "port": 6443, "targetPort": 6443, "protocol": "TCP"}]},
+    });
+    let services: Api<Service> = Api::namespaced(client.clone(), ns);
+    services
+        .patch(
+            "demo-apiserver",
+            &PatchParams::apply("capk-controller").force(),
+            &Patch::Apply(&old),
+        )
+        .await?;
+    // A control plane whose VM is dead: nothing answers at its address.
+    let dead = format!("{POD_NET}.12");
+    machine_pod(&client, ns, "demo-cp-0", "control-plane", &dead).await?;
+
+    // Kubernetes' controllers route to it although it is not Ready (publishNotReadyAddresses).
+    let tmp = tempfile::tempdir()?;
+    let _kcm = EndpointControllers::start(tmp.path())?;
+    let kube_slice = eventually(
+        60,
+        "Kubernetes' slice with the dead address ready",
+        || async {
+            let slices = slices_of(&client, ns, "demo-apiserver").await?;
+            Ok(slices.into_iter().find(|s| {
+                s.labels()
+                    .get("endpointslice.kubernetes.io/managed-by")
+                    .map(String::as_str)
+                    == Some("endpointslice-controller.k8s.io")
+                    && ready_addresses(s) == [dead.clone()]
+            }))
+        },
+    )
+    .await;
+    let kube_slice = kube_slice.with_context(|| {
+        std::fs::read_to_string(tmp.path().join("kube-controller-manager.log")).unwrap_or_default()
+    })?;
+    let endpoints: Api<k8s_openapi::api::core::v1::Endpoints> = Api::namespaced(client.clone(), ns);
+    eventually(30, "Kubernetes' Endpoints", || async {
+        Ok(endpoints.get_opt("demo-apiserver").await?.map(|_| ()))
+    })
+    .await?;
+
+    // This controller takes over.
+    let _stop = start_controller(client.clone(), ns);
+    let only_ours = |slices: &[EndpointSlice]| {
+        slices.len() == 1
+            && slices[0].name_any() == "demo-apiserver"
+            && endpoint_states(&slices[0])
+                == BTreeMap::from([(dead.clone(), (false, false, false))])
+    };
+    eventually(
+        60,
+        "only the controller's slice, the dead address not ready",
+        || async { Ok(only_ours(&slices_of(&client, ns, "demo-apiserver").await?).then_some(())) },
+    )
+    .await?;
+    let spec = services.get("demo-apiserver").await?.spec.context("spec")?;
+    assert_eq!(spec.selector, None);
+    assert_eq!(spec.publish_not_ready_addresses, None);
+    assert!(
+        endpoints.get_opt("demo-apiserver").await?.is_none(),
+        "Kubernetes' Endpoints deleted (EndpointSliceMirroring would copy it into a slice)"
+    );
+    assert!(
+        Api::<EndpointSlice>::namespaced(client.clone(), ns)
+            .get_opt(&kube_slice.name_any())
+            .await?
+            .is_none()
+    );
+    // Kubernetes' controllers leave the selector-less Service alone from now on.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let slices = slices_of(&client, ns, "demo-apiserver").await?;
+    assert!(only_ours(&slices), "{slices:#?}");
+    assert!(endpoints.get_opt("demo-apiserver").await?.is_none());
     Ok(())
 }

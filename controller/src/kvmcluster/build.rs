@@ -1,11 +1,12 @@
-//! Pure: from a KVMCluster and its Cluster to the desired Service, endpoint and status.
+//! Pure: from a KVMCluster and its Cluster to the desired Service, endpoint and status (the
+//! Service's endpoints are in [`super::endpoints`]).
 
 use std::collections::BTreeMap;
 
 use capk_api::{
     constants::{
-        API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_PAUSED, CONDITION_READY, MACHINE_ROLE_LABEL,
-        MANAGED_BY, ROLE_CONTROL_PLANE, control_plane_service_name,
+        API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_PAUSED, CONDITION_READY, MANAGED_BY,
+        control_plane_service_name,
     },
     v1alpha1::{ApiEndpoint, Initialization, KVMCluster, KVMClusterStatus, ServiceType},
 };
@@ -29,10 +30,14 @@ pub fn owned_labels(cluster: &str) -> BTreeMap<String, String> {
     ])
 }
 
-/// The control-plane Service: port 6443 to the cluster's control-plane machine Pods.
+/// The control-plane Service: port 6443 of the cluster's control-plane machines.
 ///
-/// `publishNotReadyAddresses`: the first control-plane VM reaches its own API server through this
-/// endpoint while `kubeadm init` runs, long before its Pod is Ready.
+/// No selector: its EndpointSlice is the controller's ([`super::endpoints`]), with a machine's
+/// address ready while its apiserver answers `/readyz`. A selector would make Kubernetes decide
+/// from the Pod's readiness, which comes long after the first control-plane VM needs its own
+/// apiserver through this Service during `kubeadm init`; publishing not-ready addresses instead
+/// (what this Service did before) sends traffic to dead control planes too. Applying this
+/// Service removes both fields from a Service made that way.
 pub fn control_plane_service(kc: &KVMCluster, cluster: &str) -> Service {
     let svc_spec = kc.spec.control_plane_service.clone().unwrap_or_default();
     let type_ = match svc_spec.type_.unwrap_or_default() {
@@ -40,10 +45,6 @@ pub fn control_plane_service(kc: &KVMCluster, cluster: &str) -> Service {
         ServiceType::NodePort => "NodePort",
         ServiceType::LoadBalancer => "LoadBalancer",
     };
-    let selector = BTreeMap::from([
-        (CLUSTER_NAME_LABEL.to_owned(), cluster.to_owned()),
-        (MACHINE_ROLE_LABEL.to_owned(), ROLE_CONTROL_PLANE.to_owned()),
-    ]);
     Service {
         metadata: ObjectMeta {
             name: Some(control_plane_service_name(cluster)),
@@ -55,8 +56,6 @@ pub fn control_plane_service(kc: &KVMCluster, cluster: &str) -> Service {
         },
         spec: Some(ServiceSpec {
             type_: Some(type_.to_owned()),
-            selector: Some(selector),
-            publish_not_ready_addresses: Some(true),
             ports: Some(vec![ServicePort {
                 name: Some("apiserver".to_owned()),
                 port: API_SERVER_PORT,
@@ -110,8 +109,11 @@ pub enum ClusterState {
     WaitingForOwner,
     /// Reconciliation is paused.
     Paused,
-    /// Service applied and endpoint recorded.
-    Provisioned,
+    /// Service applied and endpoint recorded; `endpoints` says whether its apiservers answer.
+    Provisioned {
+        /// The `ControlPlaneEndpointsReady` condition ([`super::endpoints::endpoints_condition`]).
+        endpoints: DesiredCondition,
+    },
 }
 
 /// The status the KVMCluster should have.
@@ -135,7 +137,10 @@ pub fn status(kc: &KVMCluster, state: &ClusterState, now: Timestamp) -> KVMClust
             "waiting for Cluster API to set a Cluster as owner of this KVMCluster",
         )),
         ClusterState::Paused => {}
-        ClusterState::Provisioned => {
+        ClusterState::Provisioned { endpoints } => {
+            // Not part of Ready (which CAPI mirrors to the Cluster): the cluster must keep
+            // provisioning while its first control plane boots and nothing answers yet.
+            desired.push(endpoints.clone());
             desired.push(DesiredCondition::truthy(
                 CONDITION_READY,
                 "Provisioned",
@@ -172,8 +177,15 @@ mod tests {
         kc
     }
 
+    /// The Service as the controller provisions it while nothing answers yet.
+    fn provisioned() -> ClusterState {
+        ClusterState::Provisioned {
+            endpoints: crate::kvmcluster::endpoints::endpoints_condition(&[]),
+        }
+    }
+
     #[test]
-    fn service_selects_the_control_plane_pods_of_its_cluster() {
+    fn service_has_no_selector_and_publishes_no_unready_address() {
         let kc = kvm_cluster(KVMClusterSpec {
             control_plane_service: Some(ControlPlaneService {
                 type_: Some(ServiceType::LoadBalancer),
@@ -182,7 +194,11 @@ mod tests {
             }),
             ..Default::default()
         });
-        insta::assert_yaml_snapshot!(control_plane_service(&kc, "demo"));
+        let svc = control_plane_service(&kc, "demo");
+        let spec = svc.spec.as_ref().unwrap();
+        assert_eq!(spec.selector, None);
+        assert_eq!(spec.publish_not_ready_addresses, None);
+        insta::assert_yaml_snapshot!(svc);
     }
 
     #[test]
@@ -223,7 +239,7 @@ mod tests {
         let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
         let t1: Timestamp = "2026-01-01T01:00:00Z".parse().unwrap();
         let mut kc = kvm_cluster(KVMClusterSpec::default());
-        let first = status(&kc, &ClusterState::Provisioned, t0);
+        let first = status(&kc, &provisioned(), t0);
         assert_eq!(
             first.initialization.as_ref().unwrap().provisioned,
             Some(true)
@@ -231,14 +247,30 @@ mod tests {
         assert_eq!(first.ready, Some(true));
         kc.status = Some(first.clone());
         // Same world an hour later: identical status, so the controller writes nothing.
-        assert_eq!(status(&kc, &ClusterState::Provisioned, t1), first);
+        assert_eq!(status(&kc, &provisioned(), t1), first);
+    }
+
+    #[test]
+    fn no_apiserver_answering_does_not_make_the_cluster_unready() {
+        let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let kc = kvm_cluster(KVMClusterSpec::default());
+        let s = status(&kc, &provisioned(), t0);
+        let conds = s.conditions.clone().unwrap();
+        let endpoints = conditions::find(&conds, "ControlPlaneEndpointsReady").unwrap();
+        assert_eq!(
+            (endpoints.status.as_str(), endpoints.reason.as_str()),
+            ("False", "WaitingForControlPlaneMachines")
+        );
+        // CAPI mirrors Ready to the Cluster, which must keep provisioning its first machine.
+        assert_eq!(conditions::find(&conds, "Ready").unwrap().status, "True");
+        assert_eq!(s.ready, Some(true));
     }
 
     #[test]
     fn paused_keeps_everything_but_the_paused_condition() {
         let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
         let mut kc = kvm_cluster(KVMClusterSpec::default());
-        kc.status = Some(status(&kc, &ClusterState::Provisioned, t0));
+        kc.status = Some(status(&kc, &provisioned(), t0));
         let paused = status(&kc, &ClusterState::Paused, t0);
         let conds = paused.conditions.clone().unwrap();
         assert_eq!(conditions::find(&conds, "Paused").unwrap().status, "True");

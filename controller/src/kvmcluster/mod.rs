@@ -1,28 +1,47 @@
-//! KVMCluster reconciler: fetch → build (pure, in [`build`]) → apply → status.
+//! KVMCluster reconciler: fetch → probe the control-plane apiservers ([`health`]) → build
+//! (pure, in [`build`] and [`endpoints`]) → apply → status.
 
 pub mod build;
+pub mod endpoints;
+pub mod health;
 
-use std::{sync::Arc, time::Duration};
+use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use capk_api::{
     capi::Cluster,
-    constants::{KVMCLUSTER_FINALIZER, PAUSED_ANNOTATION, control_plane_service_name},
+    constants::{
+        API_SERVER_PORT, CLUSTER_NAME_LABEL, KVMCLUSTER_FINALIZER, MACHINE_ROLE_LABEL,
+        PAUSED_ANNOTATION, ROLE_CONTROL_PLANE, control_plane_service_name,
+    },
     v1alpha1::KVMCluster,
 };
-use k8s_openapi::{api::core::v1::Service, jiff::Timestamp};
+use k8s_openapi::{
+    api::{
+        core::v1::{Endpoints, Pod, Service},
+        discovery::v1::EndpointSlice,
+    },
+    jiff::Timestamp,
+};
 use kube::{
     Api, Resource, ResourceExt,
-    api::{Patch, PatchParams},
+    api::{DeleteParams, ListParams, Patch, PatchParams},
     runtime::{
         controller::Action,
+        events::EventType,
         finalizer::{Event as Finalizer, finalizer},
+        reflector::{ObjectRef, Store},
     },
 };
 use serde_json::json;
-use tracing::{info, instrument};
+use tracing::{info, instrument, warn};
 
-use self::build::ClusterState;
+use self::{
+    build::ClusterState,
+    endpoints::{ControlPlaneMember, SERVICE_NAME_LABEL},
+    health::EndpointHealth,
+};
 use crate::{
+    conditions::DesiredCondition,
     context::{Context, FIELD_MANAGER},
     error::{Error, Result},
     report,
@@ -31,6 +50,19 @@ use crate::{
 /// The owning Cluster's name, from the owner reference Cluster API sets.
 pub fn owner_cluster_name(kc: &KVMCluster) -> Option<String> {
     report::capi_owner(kc, "Cluster")
+}
+
+/// The KVMCluster whose control-plane Service a control-plane machine Pod is an endpoint of
+/// (found through its Cluster, by the Pod's cluster-name label); `None` for other Pods.
+pub fn kvmcluster_of_pod(pod: &Pod, clusters: &Store<Cluster>) -> Option<ObjectRef<KVMCluster>> {
+    let labels = pod.labels();
+    if labels.get(MACHINE_ROLE_LABEL).map(String::as_str) != Some(ROLE_CONTROL_PLANE) {
+        return None;
+    }
+    let ns = pod.namespace()?;
+    let cluster = clusters.get(&ObjectRef::new(labels.get(CLUSTER_NAME_LABEL)?).within(&ns))?;
+    let infra = cluster.spec.infrastructure_ref.as_ref()?;
+    (infra.kind == "KVMCluster").then(|| ObjectRef::new(&infra.name).within(&ns))
 }
 
 /// Reconciles one KVMCluster; publishes a Warning Event when a step fails.
@@ -103,20 +135,8 @@ async fn apply(
     let cluster_name = cluster.name_any();
     let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
 
-    let svc = build::control_plane_service(kc, &cluster_name);
-    let svc_name = svc.name_any();
-    Api::<Service>::namespaced(ctx.client.clone(), &ns)
-        .patch(
-            &svc_name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&svc),
-        )
-        .await
-        .map_err(|source| Error::Apply {
-            kind: "Service",
-            name: svc_name.clone(),
-            source,
-        })?;
+    apply_service(ctx, &ns, &build::control_plane_service(kc, &cluster_name)).await?;
+    let (endpoints, recheck) = sync_endpoints(kc, &cluster_name, &ns, ctx).await?;
 
     if let Some(endpoint) = build::endpoint_to_set(kc, &cluster_name, &ctx.settings.cluster_domain)
     {
@@ -124,37 +144,241 @@ async fn apply(
         let patch = json!({"spec": {"controlPlaneEndpoint": endpoint}});
         crate::report::merge_patch(api, kc, "KVMCluster", &patch).await?;
     }
-    write_status(api, kc, &ClusterState::Provisioned).await?;
-    Ok(Action::await_change())
+    write_status(api, kc, &ClusterState::Provisioned { endpoints }).await?;
+    // The health check's pace: the apiservers are probed again then, or sooner when a
+    // control-plane machine Pod changes.
+    Ok(Action::requeue(recheck))
+}
+
+/// Server-side applies the control-plane Service. A Service made by an earlier controller had a
+/// selector and `publishNotReadyAddresses`; the apply drops both (this field manager set them).
+/// Should another manager hold them, they are removed explicitly: a selector would keep
+/// Kubernetes' controllers writing endpoints for every control-plane Pod, answering or not.
+async fn apply_service(ctx: &Context, ns: &str, svc: &Service) -> Result<()> {
+    let name = svc.name_any();
+    let services: Api<Service> = Api::namespaced(ctx.client.clone(), ns);
+    let applied = services
+        .patch(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(svc),
+        )
+        .await
+        .map_err(|source| Error::Apply {
+            kind: "Service",
+            name: name.clone(),
+            source,
+        })?;
+    let spec = applied.spec.as_ref();
+    if spec.is_some_and(|s| s.selector.is_some() || s.publish_not_ready_addresses == Some(true)) {
+        info!(service = %name, "removing the selector another field manager set on the control-plane Service");
+        let patch = json!({"spec": {"selector": null, "publishNotReadyAddresses": null}});
+        report::merge_patch(&services, &applied, "Service", &patch).await?;
+    }
+    Ok(())
+}
+
+/// The control-plane Service's endpoints: probes every control-plane machine's apiserver, writes
+/// the EndpointSlice when it changed, and deletes what Kubernetes' controllers wrote while the
+/// Service had a selector. Returns the `ControlPlaneEndpointsReady` condition and when to probe
+/// again.
+async fn sync_endpoints(
+    kc: &KVMCluster,
+    cluster: &str,
+    ns: &str,
+    ctx: &Context,
+) -> Result<(DesiredCondition, Duration)> {
+    // An unsynced Pod cache would look like "no control plane" and empty the Service.
+    ctx.caches.ready().await;
+    let pods = ctx.caches.pods.state();
+    let members = endpoints::control_plane_members(pods.iter().map(|p| &**p), ns, cluster);
+    let targets: Vec<(String, SocketAddr)> = members
+        .iter()
+        .map(|m| {
+            (
+                m.uid.clone(),
+                SocketAddr::new(m.ip.into(), API_SERVER_PORT as u16),
+            )
+        })
+        .collect();
+    let health = ctx
+        .apiserver_health
+        .check(&health_key(ns, &kc.name_any()), &targets)
+        .await;
+    let observed: Vec<(ControlPlaneMember, EndpointHealth)> = members
+        .into_iter()
+        .map(|m| {
+            let h = health.get(&m.uid).cloned().unwrap_or_default();
+            (m, h)
+        })
+        .collect();
+    let condition = endpoints::endpoints_condition(&observed);
+    let recheck = health::recheck_after(observed.iter().map(|(_, h)| h));
+
+    let desired = endpoints::endpoint_slice(kc, cluster, &observed);
+    let name = desired.name_any();
+    let slices: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), ns);
+    // A consistent read: a stale copy that happened to equal the desired slice would skip a
+    // needed write.
+    let current = slices
+        .list(&ListParams::default().labels(&format!("{SERVICE_NAME_LABEL}={name}")))
+        .await
+        .map_err(|source| Error::Read {
+            kind: "EndpointSlice",
+            name: name.clone(),
+            source,
+        })?
+        .items;
+    let ours = current.iter().find(|s| s.name_any() == name);
+    if !ours.is_some_and(|s| endpoints::slice_is_current(s, &desired)) {
+        slices
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&desired),
+            )
+            .await
+            .map_err(|source| Error::Apply {
+                kind: "EndpointSlice",
+                name: name.clone(),
+                source,
+            })?;
+        let ready: Vec<String> = desired
+            .endpoints
+            .iter()
+            .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+            .flat_map(|e| e.addresses.clone())
+            .collect();
+        info!(service = %name, ?ready, total = desired.endpoints.len(), "control-plane endpoints written");
+        // Who left or came back, for `kubectl describe` (not on the first write).
+        if ours.is_some() {
+            let type_ = if condition.reason == "APIServersAnswering" {
+                EventType::Normal
+            } else {
+                EventType::Warning
+            };
+            report::publish(
+                ctx,
+                kc,
+                type_,
+                "ControlPlaneEndpointsChanged",
+                condition.message.clone(),
+            )
+            .await;
+        }
+    }
+    let left = endpoints::left_by_kubernetes(&current);
+    if !left.is_empty() {
+        remove_left_by_kubernetes(ctx, ns, &name, &left).await?;
+    }
+    Ok((condition, recheck))
+}
+
+/// Deletes what Kubernetes' controllers wrote for the Service while it had a selector: first the
+/// v1 Endpoints of its Endpoints controller (its EndpointSliceMirroring controller copies the
+/// Endpoints of a selector-less Service into a slice), then the slices. Neither controller
+/// removes them by itself once the selector is gone.
+async fn remove_left_by_kubernetes(
+    ctx: &Context,
+    ns: &str,
+    svc: &str,
+    slices: &[String],
+) -> Result<()> {
+    let legacy: Api<Endpoints> = Api::namespaced(ctx.client.clone(), ns);
+    let meta = legacy
+        .get_metadata_opt(svc)
+        .await
+        .map_err(|source| Error::Read {
+            kind: "Endpoints",
+            name: svc.to_owned(),
+            source,
+        })?;
+    if meta.is_some_and(|m| {
+        m.labels()
+            .get(endpoints::ENDPOINTS_MANAGED_BY_LABEL)
+            .map(String::as_str)
+            == Some(endpoints::KUBE_ENDPOINTS_CONTROLLER)
+    }) {
+        delete_if_present(&legacy, "Endpoints", svc).await?;
+    }
+    let api: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), ns);
+    for name in slices {
+        delete_if_present(&api, "EndpointSlice", name).await?;
+    }
+    warn!(service = %svc, ?slices, "deleted the endpoints Kubernetes kept from when the control-plane Service had a selector");
+    Ok(())
+}
+
+async fn delete_if_present<K>(api: &Api<K>, kind: &'static str, name: &str) -> Result<()>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(source) => Err(Error::Delete {
+            kind,
+            name: name.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// The health monitor's key of a KVMCluster.
+fn health_key(ns: &str, kvmcluster: &str) -> String {
+    format!("{ns}/{kvmcluster}")
 }
 
 async fn cleanup(kc: &KVMCluster, cluster: Option<&Cluster>, ctx: &Context) -> Result<Action> {
     let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
     if let Some(cluster) = cluster {
         let name = control_plane_service_name(&cluster.name_any());
-        let svcs: Api<Service> = Api::namespaced(ctx.client.clone(), &ns);
-        // Only delete the Service this KVMCluster owns.
-        if let Some(svc) = svcs.get_opt(&name).await.map_err(|source| Error::Read {
-            kind: "Service",
-            name: name.clone(),
-            source,
-        })? && svc
-            .owner_references()
-            .iter()
-            .any(|o| Some(&o.uid) == kc.meta().uid.as_ref())
-        {
-            svcs.delete(&name, &Default::default())
-                .await
-                .map_err(|source| Error::Delete {
-                    kind: "Service",
-                    name,
-                    source,
-                })?;
-        }
+        // Only delete the Service and EndpointSlice this KVMCluster owns.
+        delete_owned(
+            &Api::<Service>::namespaced(ctx.client.clone(), &ns),
+            "Service",
+            &name,
+            kc,
+        )
+        .await?;
+        delete_owned(
+            &Api::<EndpointSlice>::namespaced(ctx.client.clone(), &ns),
+            "EndpointSlice",
+            &name,
+            kc,
+        )
+        .await?;
         // The workload cluster goes with it: stop watching its Nodes.
         ctx.workloads.forget(&ns, &cluster.name_any());
     }
+    ctx.apiserver_health
+        .forget(&health_key(&ns, &kc.name_any()));
     Ok(Action::await_change())
+}
+
+/// Deletes `name` when `kc` owns it.
+async fn delete_owned<K>(
+    api: &Api<K>,
+    kind: &'static str,
+    name: &str,
+    kc: &KVMCluster,
+) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let current = api.get_opt(name).await.map_err(|source| Error::Read {
+        kind,
+        name: name.to_owned(),
+        source,
+    })?;
+    if current.is_some_and(|o| {
+        o.owner_references()
+            .iter()
+            .any(|r| Some(&r.uid) == kc.meta().uid.as_ref())
+    }) {
+        delete_if_present(api, kind, name).await?;
+    }
+    Ok(())
 }
 
 async fn write_status(api: &Api<KVMCluster>, kc: &KVMCluster, state: &ClusterState) -> Result<()> {

@@ -1,0 +1,463 @@
+//! Pure: from the cluster's control-plane machine Pods and their apiservers' health to the
+//! control-plane Service's EndpointSlice and the `ControlPlaneEndpointsReady` condition.
+//!
+//! The Service has no selector: Kubernetes' EndpointSlice controller would mark an endpoint
+//! ready from the Pod's readiness, which for a control-plane machine comes only after its
+//! workload Node is Ready, long after `kubeadm init` needs its own apiserver through the Service.
+//! Instead an endpoint is ready while its apiserver answers `/readyz` ([`super::health`]).
+
+use std::{collections::BTreeMap, net::Ipv4Addr};
+
+use capk_api::{
+    constants::{
+        API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_CONTROL_PLANE_ENDPOINTS_READY,
+        ENDPOINT_SLICE_MANAGED_BY, MACHINE_ROLE_LABEL, ROLE_CONTROL_PLANE,
+        control_plane_service_name,
+    },
+    v1alpha1::KVMCluster,
+};
+use k8s_openapi::{
+    api::{
+        core::v1::{ObjectReference, Pod},
+        discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice},
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+use kube::{Resource, ResourceExt};
+
+use super::{build::owned_labels, health::EndpointHealth};
+use crate::conditions::DesiredCondition;
+
+/// `kubernetes.io/service-name`: which Service an EndpointSlice belongs to.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// `endpointslice.kubernetes.io/managed-by`: who writes an EndpointSlice.
+pub const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
+/// Kubernetes' EndpointSlice controller, which filled the slices of the Service while it had a
+/// selector (controllers before this one).
+const KUBE_ENDPOINTSLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
+/// Kubernetes' EndpointSliceMirroring controller: it copies a selector-less Service's v1
+/// Endpoints into slices, so the Endpoints left from the selector days would come back as one.
+const KUBE_MIRRORING_CONTROLLER: &str = "endpointslicemirroring-controller.k8s.io";
+/// `endpoints.kubernetes.io/managed-by` value of the v1 Endpoints that Kubernetes' Endpoints
+/// controller wrote while the Service had a selector.
+pub const KUBE_ENDPOINTS_CONTROLLER: &str = "endpoint-controller";
+/// The label holding [`KUBE_ENDPOINTS_CONTROLLER`].
+pub const ENDPOINTS_MANAGED_BY_LABEL: &str = "endpoints.kubernetes.io/managed-by";
+
+/// A control-plane machine Pod with an address: one endpoint of the Service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ControlPlaneMember {
+    /// Pod name.
+    pub pod: String,
+    /// Pod UID (the health is tracked per Pod, not per address).
+    pub uid: String,
+    /// The Pod's IPv4 address, which the VM holds.
+    pub ip: Ipv4Addr,
+    /// The management cluster node it runs on.
+    pub node: Option<String>,
+    /// The Pod is being deleted.
+    pub terminating: bool,
+}
+
+/// The control-plane machine Pods of Cluster `cluster` in `ns` that have an IPv4 address and
+/// have not ended, by name.
+pub fn control_plane_members<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    ns: &str,
+    cluster: &str,
+) -> Vec<ControlPlaneMember> {
+    let mut members: Vec<ControlPlaneMember> = pods
+        .into_iter()
+        .filter(|p| p.namespace().as_deref() == Some(ns))
+        .filter(|p| {
+            let labels = p.labels();
+            labels.get(CLUSTER_NAME_LABEL).map(String::as_str) == Some(cluster)
+                && labels.get(MACHINE_ROLE_LABEL).map(String::as_str) == Some(ROLE_CONTROL_PLANE)
+        })
+        .filter_map(|p| {
+            let status = p.status.as_ref()?;
+            if matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")) {
+                return None;
+            }
+            let ip = status
+                .pod_ips
+                .iter()
+                .flatten()
+                .map(|i| i.ip.as_str())
+                .chain(status.pod_ip.as_deref())
+                .find_map(|ip| ip.parse::<Ipv4Addr>().ok())?;
+            Some(ControlPlaneMember {
+                pod: p.name_any(),
+                uid: p.uid()?,
+                ip,
+                node: p.spec.as_ref().and_then(|s| s.node_name.clone()),
+                terminating: p.meta().deletion_timestamp.is_some(),
+            })
+        })
+        .collect();
+    members.sort_by(|a, b| a.pod.cmp(&b.pod));
+    members
+}
+
+/// The control-plane Service's EndpointSlice: one endpoint per member, ready while its apiserver
+/// answers and its Pod is not being deleted. `serving` ignores deletion, so that kube-proxy
+/// still reaches a terminating control plane when it is the last one answering.
+pub fn endpoint_slice(
+    kc: &KVMCluster,
+    cluster: &str,
+    members: &[(ControlPlaneMember, EndpointHealth)],
+) -> EndpointSlice {
+    let svc = control_plane_service_name(cluster);
+    let mut labels = owned_labels(cluster);
+    labels.insert(SERVICE_NAME_LABEL.to_owned(), svc.clone());
+    labels.insert(
+        MANAGED_BY_LABEL.to_owned(),
+        ENDPOINT_SLICE_MANAGED_BY.to_owned(),
+    );
+    let ns = kc.meta().namespace.clone();
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(svc),
+            namespace: ns.clone(),
+            labels: Some(labels),
+            owner_references: kc.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        address_type: "IPv4".to_owned(),
+        endpoints: members
+            .iter()
+            .map(|(m, health)| Endpoint {
+                addresses: vec![m.ip.to_string()],
+                conditions: Some(EndpointConditions {
+                    ready: Some(health.answering && !m.terminating),
+                    serving: Some(health.answering),
+                    terminating: Some(m.terminating),
+                }),
+                node_name: m.node.clone(),
+                target_ref: Some(ObjectReference {
+                    kind: Some("Pod".to_owned()),
+                    namespace: ns.clone(),
+                    name: Some(m.pod.clone()),
+                    uid: Some(m.uid.clone()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .collect(),
+        ports: Some(vec![EndpointPort {
+            name: Some("apiserver".to_owned()),
+            port: Some(API_SERVER_PORT),
+            protocol: Some("TCP".to_owned()),
+            app_protocol: None,
+        }]),
+    }
+}
+
+/// Whether `current` already is `desired` (so nothing needs writing): same endpoints and ports,
+/// our labels and owner in place.
+pub fn slice_is_current(current: &EndpointSlice, desired: &EndpointSlice) -> bool {
+    let labels_in_place = desired
+        .labels()
+        .iter()
+        .all(|(k, v)| current.labels().get(k) == Some(v));
+    let owners_in_place = desired
+        .owner_references()
+        .iter()
+        .all(|o| current.owner_references().iter().any(|c| c.uid == o.uid));
+    current.address_type == desired.address_type
+        && current.endpoints == desired.endpoints
+        && current.ports == desired.ports
+        && labels_in_place
+        && owners_in_place
+}
+
+/// The slices of the Service that Kubernetes' own controllers wrote: left from when the Service
+/// had a selector (controllers before this one), they still route to every control-plane Pod,
+/// answering or not, until deleted.
+pub fn left_by_kubernetes(slices: &[EndpointSlice]) -> Vec<String> {
+    slices
+        .iter()
+        .filter(|s| {
+            matches!(
+                s.labels().get(MANAGED_BY_LABEL).map(String::as_str),
+                Some(KUBE_ENDPOINTSLICE_CONTROLLER | KUBE_MIRRORING_CONTROLLER)
+            )
+        })
+        .map(|s| s.name_any())
+        .collect()
+}
+
+/// `ControlPlaneEndpointsReady`: True while some control-plane apiserver answers (the Service
+/// takes traffic); the message says how many of how many, and why the others do not.
+pub fn endpoints_condition(members: &[(ControlPlaneMember, EndpointHealth)]) -> DesiredCondition {
+    let t = CONDITION_CONTROL_PLANE_ENDPOINTS_READY;
+    if members.is_empty() {
+        return DesiredCondition::falsy(
+            t,
+            "WaitingForControlPlaneMachines",
+            "no control-plane machine Pod has an IP address yet",
+        );
+    }
+    let answering = members.iter().filter(|(_, h)| h.answering).count();
+    let silent: BTreeMap<&str, String> = members
+        .iter()
+        .filter(|(_, h)| !h.answering)
+        .map(|(m, h)| {
+            let why = h
+                .last_error
+                .as_ref()
+                .map_or("not probed yet".to_owned(), ToString::to_string);
+            (m.pod.as_str(), why)
+        })
+        .collect();
+    let mut message = format!(
+        "{answering} of {} control-plane apiservers answer /readyz",
+        members.len()
+    );
+    if !silent.is_empty() {
+        let list: Vec<String> = silent
+            .iter()
+            .map(|(p, why)| format!("{p} ({why})"))
+            .collect();
+        message.push_str(&format!("; taking no traffic: {}", list.join(", ")));
+    }
+    match answering {
+        0 => DesiredCondition::falsy(t, "NoAPIServerAnswering", message),
+        n if n == members.len() => DesiredCondition::truthy(t, "APIServersAnswering", message),
+        _ => DesiredCondition::truthy(t, "SomeAPIServersNotAnswering", message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kvmcluster::health::ProbeError;
+    use capk_api::v1alpha1::KVMClusterSpec;
+    use serde_json::json;
+
+    fn kvm_cluster() -> KVMCluster {
+        let mut kc = KVMCluster::new("demo", KVMClusterSpec::default());
+        kc.metadata.namespace = Some("team-a".into());
+        kc.metadata.uid = Some("0000-1111".into());
+        kc
+    }
+
+    fn pod(name: &str, cluster: &str, role: &str, status: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "team-a", "uid": format!("uid-{name}"),
+                "labels": {"cluster.x-k8s.io/cluster-name": cluster,
+                           "infrastructure.cluster.x-k8s.io/machine-role": role}},
+            "spec": {"nodeName": "mc-node-1", "containers": []},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    fn running(ip: &str) -> serde_json::Value {
+        json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]})
+    }
+
+    #[test]
+    fn members_are_the_clusters_control_plane_pods_with_an_ipv4_address() {
+        let mut deleting = pod("demo-cp-c", "demo", "control-plane", running("10.0.0.3"));
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                "2026-01-01T00:00:00Z".parse().unwrap(),
+            ));
+        let pods = [
+            pod("demo-cp-b", "demo", "control-plane", running("10.0.0.2")),
+            pod("demo-cp-a", "demo", "control-plane", running("10.0.0.1")),
+            deleting,
+            // No address yet (scheduled, the CNI has not run).
+            pod(
+                "demo-cp-d",
+                "demo",
+                "control-plane",
+                json!({"phase": "Pending"}),
+            ),
+            // Dual stack: the IPv4 address, whichever comes first.
+            pod(
+                "demo-cp-e",
+                "demo",
+                "control-plane",
+                json!({"phase": "Running", "podIP": "fd00::5", "podIPs": [{"ip": "fd00::5"}, {"ip": "10.0.0.5"}]}),
+            ),
+            pod(
+                "demo-cp-f",
+                "demo",
+                "control-plane",
+                json!({"phase": "Failed", "podIP": "10.0.0.6"}),
+            ),
+            pod("demo-md-0", "demo", "worker", running("10.0.0.7")),
+            pod("other-cp-0", "other", "control-plane", running("10.0.0.8")),
+        ];
+        let members = control_plane_members(&pods, "team-a", "demo");
+        let summary: Vec<(&str, String, bool)> = members
+            .iter()
+            .map(|m| (m.pod.as_str(), m.ip.to_string(), m.terminating))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("demo-cp-a", "10.0.0.1".to_owned(), false),
+                ("demo-cp-b", "10.0.0.2".to_owned(), false),
+                ("demo-cp-c", "10.0.0.3".to_owned(), true),
+                ("demo-cp-e", "10.0.0.5".to_owned(), false),
+            ]
+        );
+        assert_eq!(members[0].node.as_deref(), Some("mc-node-1"));
+        assert_eq!(members[0].uid, "uid-demo-cp-a");
+        assert!(control_plane_members(&pods, "team-b", "demo").is_empty());
+    }
+
+    fn member(pod: &str, ip: [u8; 4], terminating: bool) -> ControlPlaneMember {
+        ControlPlaneMember {
+            pod: pod.into(),
+            uid: format!("uid-{pod}"),
+            ip: ip.into(),
+            node: Some("mc-node-1".into()),
+            terminating,
+        }
+    }
+
+    fn health(answering: bool, last_error: Option<ProbeError>) -> EndpointHealth {
+        EndpointHealth {
+            answering,
+            failures: u32::from(last_error.is_some()),
+            last_error,
+        }
+    }
+
+    #[test]
+    fn slice_marks_ready_only_the_apiservers_that_answer() {
+        let members = [
+            (
+                member("demo-cp-a", [10, 0, 0, 1], false),
+                health(true, None),
+            ),
+            // First failed probe: still in.
+            (
+                member("demo-cp-b", [10, 0, 0, 2], false),
+                health(true, Some(ProbeError::Timeout)),
+            ),
+            // Not answering: out.
+            (
+                member("demo-cp-c", [10, 0, 0, 3], false),
+                health(
+                    false,
+                    Some(ProbeError::Connect("connection refused".into())),
+                ),
+            ),
+            // Being deleted but still answering: serving, not ready.
+            (member("demo-cp-d", [10, 0, 0, 4], true), health(true, None)),
+        ];
+        insta::assert_yaml_snapshot!(endpoint_slice(&kvm_cluster(), "demo", &members));
+    }
+
+    #[test]
+    fn no_members_make_an_empty_slice() {
+        let slice = endpoint_slice(&kvm_cluster(), "demo", &[]);
+        assert!(slice.endpoints.is_empty());
+        assert_eq!(slice.labels()[SERVICE_NAME_LABEL], "demo-apiserver");
+    }
+
+    #[test]
+    fn an_unchanged_slice_needs_no_write() {
+        let members = [(
+            member("demo-cp-a", [10, 0, 0, 1], false),
+            health(true, None),
+        )];
+        let desired = endpoint_slice(&kvm_cluster(), "demo", &members);
+        // As read back: the apiserver added metadata of its own.
+        let mut current = desired.clone();
+        current.metadata.resource_version = Some("42".into());
+        current
+            .metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert("extra".into(), "x".into());
+        assert!(slice_is_current(&current, &desired));
+        let flipped = [(
+            member("demo-cp-a", [10, 0, 0, 1], false),
+            health(false, Some(ProbeError::Timeout)),
+        )];
+        assert!(!slice_is_current(
+            &current,
+            &endpoint_slice(&kvm_cluster(), "demo", &flipped)
+        ));
+        current.metadata.owner_references = None;
+        assert!(!slice_is_current(&current, &desired), "owner missing");
+    }
+
+    #[test]
+    fn slices_written_by_kubernetes_controllers_are_left_over() {
+        let slice = |name: &str, by: &str| -> EndpointSlice {
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "labels": {
+                    "kubernetes.io/service-name": "demo-apiserver",
+                    "endpointslice.kubernetes.io/managed-by": by}},
+                "addressType": "IPv4", "endpoints": [],
+            }))
+            .unwrap()
+        };
+        let slices = [
+            slice("demo-apiserver", ENDPOINT_SLICE_MANAGED_BY),
+            slice("demo-apiserver-x7k2p", "endpointslice-controller.k8s.io"),
+            slice(
+                "demo-apiserver-m4q9z",
+                "endpointslicemirroring-controller.k8s.io",
+            ),
+            slice("demo-apiserver-user", "someone-else.example.com"),
+        ];
+        assert_eq!(
+            left_by_kubernetes(&slices),
+            ["demo-apiserver-x7k2p", "demo-apiserver-m4q9z"]
+        );
+    }
+
+    #[test]
+    fn the_condition_counts_the_apiservers_that_answer() {
+        let summary = |c: DesiredCondition| (c.status, c.reason.to_string(), c.message);
+        assert_eq!(
+            summary(endpoints_condition(&[])),
+            (
+                false,
+                "WaitingForControlPlaneMachines".into(),
+                "no control-plane machine Pod has an IP address yet".into()
+            )
+        );
+        let a = member("demo-cp-a", [10, 0, 0, 1], false);
+        let b = member("demo-cp-b", [10, 0, 0, 2], false);
+        let up = health(true, None);
+        let dead = health(false, Some(ProbeError::Timeout));
+        let new = EndpointHealth::default();
+        assert_eq!(
+            summary(endpoints_condition(&[
+                (a.clone(), up.clone()),
+                (b.clone(), up.clone())
+            ])),
+            (
+                true,
+                "APIServersAnswering".into(),
+                "2 of 2 control-plane apiservers answer /readyz".into()
+            )
+        );
+        assert_eq!(
+            summary(endpoints_condition(&[(a.clone(), up), (b.clone(), dead.clone())])),
+            (
+                true,
+                "SomeAPIServersNotAnswering".into(),
+                "1 of 2 control-plane apiservers answer /readyz; taking no traffic: demo-cp-b (no answer within 2s)".into()
+            )
+        );
+        assert_eq!(
+            summary(endpoints_condition(&[(a, new), (b, dead)])),
+            (
+                false,
+                "NoAPIServerAnswering".into(),
+                "0 of 2 control-plane apiservers answer /readyz; taking no traffic: demo-cp-a (not probed yet), demo-cp-b (no answer within 2s)".into()
+            )
+        );
+    }
+}

@@ -1,0 +1,478 @@
+//! The control-plane Service's health check, as a cloud load balancer does it: the controller
+//! probes `https://<Pod IP>:6443/readyz` of every control-plane machine Pod and keeps, per Pod,
+//! whether its apiserver answers. [`crate::kvmcluster::endpoints`] turns that into the Service's
+//! EndpointSlice.
+//!
+//! Only liveness is judged: no credential is sent and the server certificate is not verified
+//! (the controller has no workload cluster CA; nothing read is trusted beyond the status code).
+//! `/readyz` is readable anonymously in a kubeadm cluster (`system:public-info-viewer`), which the
+//! launcher's readiness probe relies on too.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::SocketAddr,
+    sync::{Arc, Mutex, OnceLock},
+    time::Duration,
+};
+
+use futures::future::BoxFuture;
+use http_body_util::Empty;
+use hyper::{Request, StatusCode, header};
+use hyper_util::rt::TokioIo;
+use rustls::{
+    ClientConfig, DigitallySignedStruct, SignatureScheme,
+    client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
+    crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature},
+    pki_types::{CertificateDer, ServerName, UnixTime},
+};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+
+/// Time allowed for one probe: connect, TLS handshake and the answer's status line.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Next check while some apiserver's last probe failed: a dead one leaves quickly, a recovered
+/// one comes back quickly.
+pub const RECHECK_FAILING: Duration = Duration::from_secs(2);
+/// Next check while every apiserver answered its last probe.
+pub const RECHECK_HEALTHY: Duration = Duration::from_secs(10);
+/// Failed probes in a row after which an answering apiserver leaves the endpoints. One slow
+/// answer (a busy apiserver, a guest under emulation) does not take it out; two do.
+pub const FAILURES_TO_LEAVE: u32 = 2;
+
+/// Why a probe did not count as an answer. The messages are stable (no addresses, no timings
+/// that vary), so a condition built from them does not change on every probe.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ProbeError {
+    /// No TCP connection (refused, unreachable, ...).
+    #[error("connect: {0}")]
+    Connect(String),
+    /// TCP connected, TLS did not.
+    #[error("TLS handshake: {0}")]
+    Handshake(String),
+    /// TLS connected, no HTTP answer.
+    #[error("HTTP: {0}")]
+    Http(String),
+    /// An answer, but not 200: the apiserver is not ready (or not an apiserver).
+    #[error("/readyz answered HTTP {0}")]
+    Status(u16),
+    /// Nothing within [`PROBE_TIMEOUT`]: a frozen VM, a hung apiserver.
+    #[error("no answer within {}s", PROBE_TIMEOUT.as_secs())]
+    Timeout,
+}
+
+/// One `/readyz` probe. A trait so that tests can stand in for the network.
+pub trait ReadyzProbe: Send + Sync {
+    /// `Ok` when `https://<addr>/readyz` answers 200 within [`PROBE_TIMEOUT`].
+    fn readyz(&self, addr: SocketAddr) -> BoxFuture<'_, Result<(), ProbeError>>;
+}
+
+/// The real probe: a fresh TCP connection and TLS handshake each time (a pooled connection would
+/// hide a VM that stopped accepting new ones), one HTTP/1.1 GET, the status code.
+#[derive(Debug, Default)]
+pub struct HttpsReadyz;
+
+impl ReadyzProbe for HttpsReadyz {
+    fn readyz(&self, addr: SocketAddr) -> BoxFuture<'_, Result<(), ProbeError>> {
+        Box::pin(async move {
+            tokio::time::timeout(PROBE_TIMEOUT, get_readyz(addr))
+                .await
+                .unwrap_or(Err(ProbeError::Timeout))
+        })
+    }
+}
+
+async fn get_readyz(addr: SocketAddr) -> Result<(), ProbeError> {
+    let tls = connector()
+        .as_ref()
+        .map_err(|e| ProbeError::Handshake(e.clone()))?;
+    let tcp = TcpStream::connect(addr)
+        .await
+        .map_err(|e| ProbeError::Connect(e.kind().to_string()))?;
+    let stream = tls
+        .connect(ServerName::IpAddress(addr.ip().into()), tcp)
+        .await
+        .map_err(|e| ProbeError::Handshake(e.to_string()))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| ProbeError::Http(e.to_string()))?;
+    let request = Request::get("/readyz")
+        .header(header::HOST, addr.to_string())
+        .header(header::USER_AGENT, "capk-controller")
+        .body(Empty::<&'static [u8]>::new())
+        .map_err(|e| ProbeError::Http(e.to_string()))?;
+    // The connection is driven only until the answer's head arrives; the body is not read.
+    let mut conn = std::pin::pin!(conn);
+    let mut send = std::pin::pin!(sender.send_request(request));
+    let response = tokio::select! {
+        biased;
+        r = &mut send => r,
+        // The server may answer and close at once: the answer is then with `send`.
+        r = &mut conn => match r {
+            Ok(()) => send.await,
+            Err(e) => return Err(ProbeError::Http(e.to_string())),
+        },
+    }
+    .map_err(|e| ProbeError::Http(e.to_string()))?;
+    match response.status() {
+        StatusCode::OK => Ok(()),
+        other => Err(ProbeError::Status(other.as_u16())),
+    }
+}
+
+/// The TLS client, built once: any server certificate (see the module comment), handshake
+/// signatures still checked.
+fn connector() -> &'static Result<TlsConnector, String> {
+    static CONNECTOR: OnceLock<Result<TlsConnector, String>> = OnceLock::new();
+    CONNECTOR.get_or_init(|| {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS setup: {e}"))?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AnyServerCert(provider)))
+            .with_no_client_auth();
+        Ok(TlsConnector::from(Arc::new(config)))
+    })
+}
+
+/// Accepts any server certificate: only liveness is judged, and the controller has no
+/// workload cluster CA to verify against.
+#[derive(Debug)]
+struct AnyServerCert(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for AnyServerCert {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// What the controller knows of one control-plane machine's apiserver.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EndpointHealth {
+    /// It takes traffic: it answered, and has not failed [`FAILURES_TO_LEAVE`] probes in a row
+    /// since. A machine never probed (or never answering) does not.
+    pub answering: bool,
+    /// Failed probes in a row.
+    pub failures: u32,
+    /// Why the last probe failed; `None` when it answered.
+    pub last_error: Option<ProbeError>,
+}
+
+impl EndpointHealth {
+    /// The state after one more probe.
+    pub fn after(&self, probe: Result<(), ProbeError>) -> Self {
+        match probe {
+            Ok(()) => Self {
+                answering: true,
+                failures: 0,
+                last_error: None,
+            },
+            Err(e) => {
+                let failures = self.failures.saturating_add(1);
+                Self {
+                    answering: self.answering && failures < FAILURES_TO_LEAVE,
+                    failures,
+                    last_error: Some(e),
+                }
+            }
+        }
+    }
+}
+
+/// When to look again: soon while some apiserver's last probe failed, else at the regular pace.
+pub fn recheck_after<'a>(health: impl IntoIterator<Item = &'a EndpointHealth>) -> Duration {
+    if health.into_iter().any(|h| h.last_error.is_some()) {
+        RECHECK_FAILING
+    } else {
+        RECHECK_HEALTHY
+    }
+}
+
+/// The apiserver health of every cluster's control-plane machines, kept between reconciles.
+pub struct HealthMonitor {
+    probe: Arc<dyn ReadyzProbe>,
+    /// Per KVMCluster (`namespace/name`), per machine Pod UID.
+    seen: Mutex<HashMap<String, BTreeMap<String, EndpointHealth>>>,
+}
+
+impl Default for HealthMonitor {
+    fn default() -> Self {
+        Self::new(Arc::new(HttpsReadyz))
+    }
+}
+
+impl HealthMonitor {
+    /// A monitor probing with `probe`.
+    pub fn new(probe: Arc<dyn ReadyzProbe>) -> Self {
+        Self {
+            probe,
+            seen: Default::default(),
+        }
+    }
+
+    /// Probes every target (Pod UID, apiserver address) of `cluster` at once, and returns each
+    /// one's health after it. Pods no longer among the targets are forgotten.
+    pub async fn check(
+        &self,
+        cluster: &str,
+        targets: &[(String, SocketAddr)],
+    ) -> BTreeMap<String, EndpointHealth> {
+        let before = self.seen.lock().map_or_else(
+            |poisoned| poisoned.into_inner().get(cluster).cloned(),
+            |seen| seen.get(cluster).cloned(),
+        );
+        let before = before.unwrap_or_default();
+        let probes = targets.iter().map(|(uid, addr)| {
+            let previous = before.get(uid).cloned().unwrap_or_default();
+            async move {
+                let result = self.probe.readyz(*addr).await;
+                (uid.clone(), previous.after(result))
+            }
+        });
+        let now: BTreeMap<String, EndpointHealth> = futures::future::join_all(probes)
+            .await
+            .into_iter()
+            .collect();
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.insert(cluster.to_owned(), now.clone());
+        now
+    }
+
+    /// Drops what is known of `cluster` (it was deleted).
+    pub fn forget(&self, cluster: &str) {
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(cluster);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use rustls::ServerConfig;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::TlsAcceptor;
+
+    #[test]
+    fn an_apiserver_leaves_after_two_failed_probes_and_returns_on_one_answer() {
+        let new = EndpointHealth::default();
+        assert!(!new.answering, "never probed: no traffic");
+        let failed = new.after(Err(ProbeError::Timeout));
+        assert!(!failed.answering, "never answered: still no traffic");
+        let up = failed.after(Ok(()));
+        assert_eq!(
+            up,
+            EndpointHealth {
+                answering: true,
+                failures: 0,
+                last_error: None
+            }
+        );
+        let once = up.after(Err(ProbeError::Status(500)));
+        assert!(once.answering, "one slow or failed answer keeps it");
+        assert_eq!(once.last_error, Some(ProbeError::Status(500)));
+        let twice = once.after(Err(ProbeError::Timeout));
+        assert!(!twice.answering, "two in a row take it out");
+        assert_eq!(twice.failures, 2);
+        assert!(twice.after(Ok(())).answering, "one answer brings it back");
+    }
+
+    #[test]
+    fn recheck_soon_while_any_last_probe_failed() {
+        let up = EndpointHealth::default().after(Ok(()));
+        let failing = up.after(Err(ProbeError::Timeout));
+        let dead = failing.after(Err(ProbeError::Timeout));
+        assert_eq!(recheck_after([]), RECHECK_HEALTHY);
+        assert_eq!(recheck_after([&up, &up]), RECHECK_HEALTHY);
+        assert_eq!(recheck_after([&up, &failing]), RECHECK_FAILING);
+        assert_eq!(recheck_after([&dead]), RECHECK_FAILING);
+    }
+
+    /// Answers from a table instead of the network.
+    struct Scripted(Mutex<HashMap<SocketAddr, Result<(), ProbeError>>>);
+
+    impl ReadyzProbe for Scripted {
+        fn readyz(&self, addr: SocketAddr) -> BoxFuture<'_, Result<(), ProbeError>> {
+            let r = self.0.lock().unwrap().get(&addr).cloned();
+            Box::pin(async move { r.unwrap_or(Err(ProbeError::Connect("refused".into()))) })
+        }
+    }
+
+    #[tokio::test]
+    async fn the_monitor_remembers_each_pod_per_cluster_and_forgets_gone_pods() {
+        let a: SocketAddr = "10.0.0.1:6443".parse().unwrap();
+        let b: SocketAddr = "10.0.0.2:6443".parse().unwrap();
+        let script = Arc::new(Scripted(Mutex::new(HashMap::from([
+            (a, Ok(())),
+            (b, Ok(())),
+        ]))));
+        let monitor = HealthMonitor::new(script.clone());
+        let targets = vec![("uid-a".to_owned(), a), ("uid-b".to_owned(), b)];
+        let first = monitor.check("ns/demo", &targets).await;
+        assert!(first.values().all(|h| h.answering));
+
+        script.0.lock().unwrap().insert(b, Err(ProbeError::Timeout));
+        let second = monitor.check("ns/demo", &targets).await;
+        assert!(second["uid-b"].answering, "first failure");
+        let third = monitor.check("ns/demo", &targets).await;
+        assert!(third["uid-a"].answering);
+        assert!(!third["uid-b"].answering, "second failure in a row");
+
+        // Another cluster's Pods are tracked apart.
+        let other = monitor.check("ns/other", &[("uid-b".to_owned(), a)]).await;
+        assert!(other["uid-b"].answering);
+
+        // b's Pod is gone: a new Pod with b's address starts from scratch.
+        let only_a = monitor.check("ns/demo", &targets[..1]).await;
+        assert_eq!(only_a.keys().collect::<Vec<_>>(), ["uid-a"]);
+        monitor.forget("ns/demo");
+        script.0.lock().unwrap().insert(a, Err(ProbeError::Timeout));
+        let fresh = monitor.check("ns/demo", &targets[..1]).await;
+        assert!(!fresh["uid-a"].answering, "forgotten: never answered");
+    }
+
+    /// How a test apiserver on loopback answers.
+    #[derive(Clone, Copy)]
+    enum Answer {
+        Status(u16),
+        /// Accepts TCP and TLS, never answers the request.
+        Hang,
+    }
+
+    /// A TLS server with a self-signed certificate answering every request as told.
+    async fn tls_server(answer: Answer) -> SocketAddr {
+        let key = rcgen::generate_simple_self_signed(vec!["apiserver".into()]).unwrap();
+        let config =
+            ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_no_client_auth()
+                .with_single_cert(
+                    vec![key.cert.der().clone()],
+                    rustls::pki_types::PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into()),
+                )
+                .unwrap();
+        let acceptor = TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let mut buf = [0u8; 1024];
+                    let _ = tls.read(&mut buf).await;
+                    match answer {
+                        Answer::Status(code) => {
+                            let head = format!(
+                                "HTTP/1.1 {code} X\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+                            );
+                            let _ = tls.write_all(head.as_bytes()).await;
+                            let _ = tls.shutdown().await;
+                        }
+                        Answer::Hang => std::future::pending::<()>().await,
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn the_real_probe_accepts_200_only() {
+        let probe = HttpsReadyz;
+        assert_eq!(
+            probe.readyz(tls_server(Answer::Status(200)).await).await,
+            Ok(())
+        );
+        assert_eq!(
+            probe.readyz(tls_server(Answer::Status(500)).await).await,
+            Err(ProbeError::Status(500)),
+            "etcd down: the apiserver answers but is not ready"
+        );
+        assert_eq!(
+            probe.readyz(tls_server(Answer::Status(401)).await).await,
+            Err(ProbeError::Status(401))
+        );
+        let started = std::time::Instant::now();
+        assert_eq!(
+            probe.readyz(tls_server(Answer::Hang).await).await,
+            Err(ProbeError::Timeout),
+            "a hung apiserver"
+        );
+        let waited = started.elapsed();
+        assert!(
+            waited >= PROBE_TIMEOUT && waited < PROBE_TIMEOUT + Duration::from_secs(1),
+            "{waited:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_real_probe_says_why_nothing_answered() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = closed.local_addr().unwrap();
+        drop(closed);
+        assert_eq!(
+            HttpsReadyz.readyz(addr).await,
+            Err(ProbeError::Connect("connection refused".into()))
+        );
+        // Plain HTTP on the port: no TLS, not an apiserver.
+        let plain = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = plain.local_addr().unwrap();
+        let served = Arc::new(AtomicBool::new(false));
+        let flag = served.clone();
+        tokio::spawn(async move {
+            let (mut s, _) = plain.accept().await.unwrap();
+            flag.store(true, Ordering::SeqCst);
+            let _ = s.write_all(b"HTTP/1.1 200 OK\r\n\r\nok").await;
+        });
+        let e = HttpsReadyz.readyz(addr).await.unwrap_err();
+        assert!(matches!(e, ProbeError::Handshake(_)), "{e}");
+        assert!(served.load(Ordering::SeqCst));
+    }
+}
