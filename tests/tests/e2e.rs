@@ -505,6 +505,7 @@ fn the_journey(e: &E2e) -> Result<()> {
         kvmmachine: cp,
         first_marker,
     } = create_cluster(e)?;
+    control_plane_endpoint_follows_its_apiserver(e, &cp)?;
     prepare_workers(e)?;
     scale_upgrade_faults_pause_delete(e, &cp, &first_marker)
 }
@@ -581,29 +582,12 @@ fn create_cluster(e: &E2e) -> Result<ControlPlane> {
         .as_str()
         .unwrap_or_default()
         .to_owned();
-    // The Service's endpoint is the control-plane VM (the Pod's IP is the VM's).
+    // The Service's endpoint is the control-plane VM (the Pod's IP is the VM's), ready: the
+    // controller's health check found the guest's (stand-in) apiserver answering /readyz.
     wait(
-        "control-plane endpoint set",
+        "control-plane endpoint set and ready",
         Duration::from_secs(60),
-        || {
-            let slices = e.json(&[
-                "-n",
-                ns(),
-                "get",
-                "endpointslices",
-                "-l",
-                &format!("kubernetes.io/service-name={svc_name}"),
-            ])?;
-            let ips: Vec<String> = slices["items"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default())
-                .flat_map(|ep| ep["addresses"].as_array().cloned().unwrap_or_default())
-                .filter_map(|a| a.as_str().map(str::to_owned))
-                .collect();
-            Ok((ips == [cp_ip.clone()]).then_some(()))
-        },
+        || Ok((control_plane_endpoints(e)? == [(cp_ip.clone(), true)]).then_some(())),
     )?;
     // kubectl logs: the guest's console, from the bootloader to the bootstrap.
     let console = logs(e, &cp, false)?;
@@ -643,6 +627,146 @@ fn create_cluster(e: &E2e) -> Result<ControlPlane> {
         kvmmachine: cp,
         first_marker,
     })
+}
+
+/// The addresses of the control-plane Service's EndpointSlices, each with whether it is ready.
+fn control_plane_endpoints(e: &E2e) -> Result<Vec<(String, bool)>> {
+    let slices = e.json(&[
+        "-n",
+        ns(),
+        "get",
+        "endpointslices",
+        "-l",
+        &format!("kubernetes.io/service-name={CLUSTER}-apiserver"),
+    ])?;
+    Ok(slices["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|s| s["endpoints"].as_array().cloned().unwrap_or_default())
+        .flat_map(|ep| {
+            let ready = ep["conditions"]["ready"] == true;
+            ep["addresses"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(move |a| a.as_str().map(|a| (a.to_owned(), ready)))
+        })
+        .collect())
+}
+
+/// `curl -k https://<ClusterIP>:6443/readyz` from the host, through kube-proxy.
+fn curl_readyz(e: &E2e, cluster_ip: &str) -> Result<String> {
+    let mut curl = Command::new("curl");
+    curl.args([
+        "-ksS",
+        "--max-time",
+        "5",
+        &format!("https://{cluster_ip}:6443/readyz"),
+    ]);
+    e.run(curl, None)
+}
+
+/// Step 1b: the control-plane Service sends traffic to the control plane only while its
+/// apiserver answers: frozen (QMP `stop`), the VM leaves the Service's ready endpoints; resumed,
+/// it is back. The stand-in apiserver of the test guest answers `/readyz` since its `kubeadm
+/// init`.
+fn control_plane_endpoint_follows_its_apiserver(e: &E2e, cp: &str) -> Result<()> {
+    let cp_ip = e.json(&["-n", ns(), "get", "pod", cp])?["status"]["podIP"]
+        .as_str()
+        .context("control-plane Pod IP")?
+        .to_owned();
+    let svc = e.json(&[
+        "-n",
+        ns(),
+        "get",
+        "service",
+        &format!("{CLUSTER}-apiserver"),
+    ])?;
+    assert!(
+        svc["spec"]["selector"].is_null(),
+        "the Service has no selector: {}",
+        svc["spec"]
+    );
+    let cluster_ip = svc["spec"]["clusterIP"]
+        .as_str()
+        .context("the Service's ClusterIP")?
+        .to_owned();
+    let answer = wait(
+        "the guest apiserver answers through the Service's ClusterIP",
+        Duration::from_secs(60),
+        || Ok(curl_readyz(e, &cluster_ip).ok()),
+    )?;
+    assert_eq!(answer.trim(), "ok", "/readyz through {cluster_ip}");
+
+    let qmp = |cmd: &str| {
+        e.kubectl(&[
+            "-n",
+            ns(),
+            "exec",
+            cp,
+            "-c",
+            "launcher",
+            "--",
+            "capk-launcher",
+            "qmp",
+            cmd,
+        ])
+    };
+    qmp("stop")?;
+    let frozen = Instant::now();
+    let left = wait(
+        "the frozen VM's endpoint not ready",
+        Duration::from_secs(60),
+        || Ok((control_plane_endpoints(e)? == [(cp_ip.clone(), false)]).then_some(())),
+    );
+    let left_after = frozen.elapsed();
+    // No endpoint: kube-proxy refuses at once, where the frozen VM would let a client hang.
+    let refused = left.and_then(|()| {
+        wait(
+            "the ClusterIP refuses at once while the VM is frozen",
+            Duration::from_secs(30),
+            || {
+                let start = Instant::now();
+                let failed_fast = curl_readyz(e, &cluster_ip).is_err()
+                    && start.elapsed() < Duration::from_secs(2);
+                Ok(failed_fast.then_some(()))
+            },
+        )
+    });
+    // Resume whatever happened: the rest of the journey needs the VM.
+    let resumed = qmp("cont");
+    refused?;
+    resumed?;
+    let cont = Instant::now();
+    wait(
+        "the resumed VM's endpoint ready again",
+        Duration::from_secs(60),
+        || Ok((control_plane_endpoints(e)? == [(cp_ip.clone(), true)]).then_some(())),
+    )?;
+    let back_after = cont.elapsed();
+    wait(
+        "the apiserver answers through the ClusterIP again",
+        Duration::from_secs(60),
+        || {
+            Ok(curl_readyz(e, &cluster_ip)
+                .ok()
+                .filter(|a| a.trim() == "ok"))
+        },
+    )?;
+    let kc = e.json(&["-n", ns(), "get", "kvmcluster", CLUSTER])?;
+    assert!(
+        condition_true(&kc, "ControlPlaneEndpointsReady"),
+        "{}",
+        kc["status"]["conditions"]
+    );
+    eprintln!(
+        "e2e: 1b. control-plane endpoint: frozen VM not ready after {:.1}s, ready {:.1}s after resume",
+        left_after.as_secs_f64(),
+        back_after.as_secs_f64()
+    );
+    Ok(())
 }
 
 /// The workers' own bootstrap Secret (a real CABPK worker join, Ignition) and the
