@@ -18,29 +18,7 @@ use kube::{
 /// Field manager of every server-side apply this controller makes: its name.
 pub const FIELD_MANAGER: &str = capk_api::constants::MANAGED_BY;
 
-/// Settings from the command line.
-#[derive(Clone, Debug)]
-pub struct Settings {
-    /// Watch one namespace only (clusterctl's `--namespace`), or all.
-    pub namespace: Option<String>,
-    /// DNS domain of the management cluster (`cluster.local`), for the endpoint's Service name.
-    pub cluster_domain: String,
-    /// Defaults for machine Pods (launcher image, volume sizes, ...).
-    pub machine_defaults: crate::kvmmachine::build::MachineDefaults,
-    /// Reconciles that run at once per kind.
-    pub concurrency: u16,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Self {
-            namespace: None,
-            cluster_domain: "cluster.local".into(),
-            machine_defaults: Default::default(),
-            concurrency: 16,
-        }
-    }
-}
+pub use crate::settings::Settings;
 
 /// Read-only views of the watches that also trigger reconciles. Each is filled by exactly one
 /// watch; Secrets and PVCs are watched as metadata only (their data is read when needed).

@@ -12,6 +12,7 @@ pub mod leader;
 pub mod metrics;
 pub mod redact;
 pub mod report;
+pub mod settings;
 pub mod workload;
 
 use std::sync::Arc;

@@ -4,21 +4,16 @@ use std::io::{Read, Write};
 
 use anyhow::Context;
 use capk_bootstrap::{BootstrapFormat, MachineFacts};
-use capk_controller::{kvmmachine::build, leader::LEASE_NAME};
-use clap::{Parser, Subcommand, ValueEnum};
+use capk_controller::{
+    leader::LEASE_NAME,
+    settings::{MachineDefaults, NodeImageSource},
+};
+use clap::{
+    Parser, Subcommand, ValueEnum,
+    builder::{PossibleValuesParser, TypedValueParser},
+};
 use kube::Client;
 use tracing_subscriber::EnvFilter;
-
-/// How container-image node images reach machine Pods.
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum NodeImageSource {
-    /// An init container copies the disk once per MC node into /var/lib/capk/images (any
-    /// container runtime).
-    HostCache,
-    /// A Kubernetes image volume, no copy (ImageVolume: Kubernetes 1.33+, containerd 2.1+ or
-    /// CRI-O 1.31+).
-    ImageVolume,
-}
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum LogFormat {
@@ -69,8 +64,16 @@ struct Cli {
     /// (overcommit, like KubeVirt's cpuAllocationRatio), for dense test and development clusters.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     cpu_allocation_ratio: u32,
-    /// How KVMMachines with `spec.image.containerImage` get their disk.
-    #[arg(long, value_enum, default_value = "host-cache")]
+    /// How KVMMachines with `spec.image.containerImage` get their disk: `host-cache`, an init
+    /// container copies it once per MC node into /var/lib/capk/images (any container runtime);
+    /// `image-volume`, a Kubernetes image volume, no copy (ImageVolume: Kubernetes 1.33+,
+    /// containerd 2.1+ or CRI-O 1.31+).
+    #[arg(
+        long,
+        default_value = "host-cache",
+        value_parser = PossibleValuesParser::new(NodeImageSource::NAMES)
+            .try_map(|s| s.parse::<NodeImageSource>()),
+    )]
     node_image_source: NodeImageSource,
     /// Reconciles that run at once, per kind.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
@@ -153,17 +156,14 @@ async fn main() -> anyhow::Result<()> {
         // `--namespace=` (clusterctl with an empty variable) means all namespaces.
         namespace: cli.namespace.filter(|n| !n.is_empty()),
         cluster_domain: cli.cluster_domain,
-        machine_defaults: capk_controller::kvmmachine::build::MachineDefaults {
+        machine_defaults: MachineDefaults {
             launcher_image: cli.launcher_image,
             flatcar_version: cli.default_flatcar_version,
             default_node_image: Some(cli.default_node_image.trim().to_owned())
                 .filter(|i| !i.is_empty()),
             require_control_plane_anti_affinity: cli.require_control_plane_anti_affinity,
             cpu_allocation_ratio: cli.cpu_allocation_ratio,
-            node_image_source: match cli.node_image_source {
-                NodeImageSource::HostCache => build::NodeImageSource::HostCache,
-                NodeImageSource::ImageVolume => build::NodeImageSource::ImageVolume,
-            },
+            node_image_source: cli.node_image_source,
             ..Default::default()
         },
         concurrency: cli.concurrency,

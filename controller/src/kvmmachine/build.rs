@@ -31,6 +31,7 @@ use k8s_openapi::{
 use kube::Resource;
 
 use crate::kvmcluster::build::owned_labels;
+pub use crate::settings::{MachineDefaults, NodeImageSource};
 
 /// Label on machine Pods and Secrets naming their KVMMachine.
 pub const KVMMACHINE_LABEL: &str = "infrastructure.cluster.x-k8s.io/kvmmachine";
@@ -85,18 +86,6 @@ fi
 "$bb" ln -sfn "$dst" "$link"
 "#;
 
-/// How machine Pods get a node image that is a container image (`spec.image.containerImage`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum NodeImageSource {
-    /// An init container copies the disk once per MC node into the host cache
-    /// ([`HOST_IMAGE_CACHE`]); works with every container runtime.
-    #[default]
-    HostCache,
-    /// A Kubernetes image volume mounts the image read-only, no copy (needs the ImageVolume
-    /// feature: Kubernetes 1.33+ and containerd 2.1+ or CRI-O 1.31+).
-    ImageVolume,
-}
-
 /// Seconds the launcher gives the guest for an ACPI shutdown before killing QEMU.
 pub const GUEST_SHUTDOWN_SECONDS: i64 = 300;
 
@@ -122,46 +111,6 @@ pub mod overhead {
     pub fn memory_bytes(vcpus: u64, vm_bytes: u64) -> u64 {
         let mib = FIXED_MIB + PER_VCPU_MIB * vcpus + PER_GIB_MIB * vm_bytes.div_ceil(1 << 30);
         mib << 20
-    }
-}
-
-/// Defaults for what a KVMMachine leaves out.
-#[derive(Clone, Debug)]
-pub struct MachineDefaults {
-    /// The launcher container image (concrete tag).
-    pub launcher_image: String,
-    /// Flatcar version used when `spec.image` is absent.
-    pub flatcar_version: String,
-    /// A container disk image used instead of Flatcar when `spec.image` is absent.
-    pub default_node_image: Option<String>,
-    /// containerd disk size when `dockerVolumeSize` is absent.
-    pub docker_volume_bytes: u64,
-    /// kubelet disk size when `kubeletVolumeSize` is absent.
-    pub kubelet_volume_bytes: u64,
-    /// etcd disk size for hostPath etcd storage.
-    pub etcd_volume_bytes: u64,
-    /// Require (not just prefer) control-plane Pods of a cluster on different MC nodes.
-    pub require_control_plane_anti_affinity: bool,
-    /// How container-image node images reach the Pod.
-    pub node_image_source: NodeImageSource,
-    /// vCPUs per requested core: 1 dedicates a core to each vCPU (Guaranteed QoS); N > 1
-    /// requests 1/N core per vCPU and sets no CPU limit.
-    pub cpu_allocation_ratio: u32,
-}
-
-impl Default for MachineDefaults {
-    fn default() -> Self {
-        Self {
-            launcher_image: "localhost/capk/capk-launcher:dev".into(),
-            flatcar_version: "current".into(),
-            default_node_image: None,
-            docker_volume_bytes: 10 << 30,
-            kubelet_volume_bytes: 5 << 30,
-            etcd_volume_bytes: 10 << 30,
-            require_control_plane_anti_affinity: false,
-            node_image_source: NodeImageSource::default(),
-            cpu_allocation_ratio: 1,
-        }
     }
 }
 

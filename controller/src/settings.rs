@@ -1,0 +1,124 @@
+//! What the operator decides for every reconcile (command-line flags, read once): the namespace
+//! to watch, the cluster domain, and the defaults of machine Pods. Plain values: the binary's
+//! edge (clap) fills them, the reconcilers read them.
+
+/// Settings from the command line.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Watch one namespace only (clusterctl's `--namespace`), or all.
+    pub namespace: Option<String>,
+    /// DNS domain of the management cluster (`cluster.local`), for the endpoint's Service name.
+    pub cluster_domain: String,
+    /// Defaults for machine Pods (launcher image, volume sizes, ...).
+    pub machine_defaults: MachineDefaults,
+    /// Reconciles that run at once per kind.
+    pub concurrency: u16,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            namespace: None,
+            cluster_domain: "cluster.local".into(),
+            machine_defaults: Default::default(),
+            concurrency: 16,
+        }
+    }
+}
+
+/// Defaults for what a KVMMachine leaves out.
+#[derive(Clone, Debug)]
+pub struct MachineDefaults {
+    /// The launcher container image (concrete tag).
+    pub launcher_image: String,
+    /// Flatcar version used when `spec.image` is absent.
+    pub flatcar_version: String,
+    /// A container disk image used instead of Flatcar when `spec.image` is absent.
+    pub default_node_image: Option<String>,
+    /// containerd disk size when `dockerVolumeSize` is absent.
+    pub docker_volume_bytes: u64,
+    /// kubelet disk size when `kubeletVolumeSize` is absent.
+    pub kubelet_volume_bytes: u64,
+    /// etcd disk size for hostPath etcd storage.
+    pub etcd_volume_bytes: u64,
+    /// Require (not just prefer) control-plane Pods of a cluster on different MC nodes.
+    pub require_control_plane_anti_affinity: bool,
+    /// How container-image node images reach the Pod.
+    pub node_image_source: NodeImageSource,
+    /// vCPUs per requested core: 1 dedicates a core to each vCPU (Guaranteed QoS); N > 1
+    /// requests 1/N core per vCPU and sets no CPU limit.
+    pub cpu_allocation_ratio: u32,
+}
+
+impl Default for MachineDefaults {
+    fn default() -> Self {
+        Self {
+            launcher_image: "localhost/capk/capk-launcher:dev".into(),
+            flatcar_version: "current".into(),
+            default_node_image: None,
+            docker_volume_bytes: 10 << 30,
+            kubelet_volume_bytes: 5 << 30,
+            etcd_volume_bytes: 10 << 30,
+            require_control_plane_anti_affinity: false,
+            node_image_source: NodeImageSource::default(),
+            cpu_allocation_ratio: 1,
+        }
+    }
+}
+
+/// How machine Pods get a node image that is a container image (`spec.image.containerImage`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NodeImageSource {
+    /// An init container copies the disk once per MC node into the host cache
+    /// (`/var/lib/capk/images`); works with every container runtime.
+    #[default]
+    HostCache,
+    /// A Kubernetes image volume mounts the image read-only, no copy (needs the ImageVolume
+    /// feature: Kubernetes 1.33+ and containerd 2.1+ or CRI-O 1.31+).
+    ImageVolume,
+}
+
+impl NodeImageSource {
+    /// Every source's name, as `--node-image-source` takes it.
+    pub const NAMES: [&'static str; 2] = ["host-cache", "image-volume"];
+
+    /// The source's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::HostCache => "host-cache",
+            Self::ImageVolume => "image-volume",
+        }
+    }
+}
+
+/// A name that is not one of [`NodeImageSource::NAMES`].
+#[derive(Debug, thiserror::Error)]
+#[error("unknown node image source {0:?}; expected host-cache or image-volume")]
+pub struct UnknownNodeImageSource(String);
+
+impl std::str::FromStr for NodeImageSource {
+    type Err = UnknownNodeImageSource;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "host-cache" => Ok(Self::HostCache),
+            "image-volume" => Ok(Self::ImageVolume),
+            other => Err(UnknownNodeImageSource(other.to_owned())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_node_image_source_name_parses_to_itself() {
+        for name in NodeImageSource::NAMES {
+            let source: NodeImageSource = name.parse().unwrap();
+            assert_eq!(source.as_str(), name);
+        }
+        let err = "image-volumes".parse::<NodeImageSource>().unwrap_err();
+        assert!(err.to_string().contains("host-cache or image-volume"), "{err}");
+    }
+}
