@@ -75,6 +75,7 @@ ENV_FILE=$WORK/node-image.env
 write_env() {
   local tmp
   tmp=$(mktemp "$ENV_FILE.XXXXXX")
+  chmod 0644 "$tmp"
   cat >"$tmp" <<EOF
 # Written by images/node/build.sh (make node-image): the Kubernetes node image.
 CAPK_NODE_IMAGE=$IMAGE
@@ -152,6 +153,9 @@ ln -sfn ../run/systemd/resolve/stub-resolv.conf "$R/etc/resolv.conf"
 mkdir -p "$R/usr/lib/dracut/modules.d"
 cp -r "$ignition_src/dracut/30ignition" "$R/usr/lib/dracut/modules.d/30ignition"
 chmod -R u+w "$R/usr/lib/dracut/modules.d/30ignition"
+# Go module zips keep no file modes: give the generator and the helper their executable bit back
+# (systemd skips a generator it cannot execute, and Ignition would never run).
+chmod 0755 "$R/usr/lib/dracut/modules.d/30ignition/"{ignition-generator,ignition-kargs-helper.sh,module-setup.sh}
 install -m 0755 "$BIN/ignition" "$R/usr/lib/dracut/modules.d/30ignition/ignition"
 cp -r "$HERE/dracut/50capk" "$R/usr/lib/dracut/modules.d/50capk"
 chown -R 0:0 "$R/usr/lib/dracut/modules.d"
@@ -167,6 +171,11 @@ in_root systemctl enable containerd.service kubelet.service capk-preload-images.
 # Groups that Flatcar has and CAPI templates name in passwd.users (Ignition's useradd fails on a
 # group that does not exist); Debian already has adm, sudo and systemd-journal.
 for g in docker wheel; do in_root getent group "$g" >/dev/null || in_root groupadd --system "$g"; done
+# Flatcar's built-in user `core` (uid 500), which CAPI's Flatcar-style bootstrap data names as the
+# owner of files: Ignition fails on a file whose owner does not exist. No password (locked).
+in_root getent passwd core >/dev/null ||
+  in_root useradd --uid 500 --user-group --create-home --shell /bin/bash \
+    --groups sudo,docker,wheel,adm,systemd-journal --comment "CoreOS Admin" core
 in_root systemctl disable apt-daily.timer apt-daily-upgrade.timer >/dev/null 2>&1 || true
 kver=$(ls "$R/lib/modules" | sort -V | tail -1)
 [[ -n $kver && -f $R/boot/vmlinuz-$kver ]] || die "no kernel in the root ($R/boot)"

@@ -1,0 +1,528 @@
+//! The Kubernetes node image (`images/node`, `make node-image`) booted by the real launcher under
+//! QEMU (TCG) in a network namespace with no route out of this machine, with the bootstrap data
+//! the real CABPK wrote for a first control-plane machine in Ignition format
+//! (`bootstrap/tests/fixtures/cabpk/ignition-control-plane-init.secret.json`: `kubeadm init` of
+//! Kubernetes v1.35.4, control-plane endpoint 10.0.0.10:6443, which is the Pod IP here).
+//!
+//! What a user of the image notices, each asserted: firmware → SYSLINUX → kernel → Ignition
+//! in the initramfs (the files and the hostname are there), the units Ignition enabled run in
+//! that same first boot (CABPK's `kubeadm.service`, the launcher's heartbeat), containerd on the
+//! launcher's containerd disk holds exactly the images `kubeadm config images list` names and
+//! nothing was pulled, `kubeadm init` succeeds and the launcher's readiness (the apiserver's
+//! `/readyz` through the Pod IP) passes, the etcd disk is mounted at /var/lib/etcd and a host
+//! volume at /data/<tag> over virtio-9p.
+//!
+//! Minutes under TCG, so ignored by default: `make test-node-image`. Needs root, `ip`,
+//! `qemu-system-x86_64`, `qemu-img`, `_output/node-image/node.qcow2` and `_output/bin/kubeadm`
+//! (`make node-image`); under `CI` a missing piece fails the test.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::time::{Duration, Instant};
+
+use capk_bootstrap::{BootstrapFormat, MachineFacts};
+
+/// The node name the launcher gives the VM (`--hostname`).
+const HOSTNAME: &str = "capk-node-test";
+/// The fixture's `controlPlaneEndpoint` host: the Pod IP, so the endpoint is the VM itself.
+const POD_IP: &str = "10.0.0.10";
+const FIXTURE: &str = "ignition-control-plane-init.secret.json";
+/// What the guest's report unit writes into the host volume's file and reads back.
+const HOST_VOLUME_TEXT: &str = "written on the host for the guest";
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn node_image() -> PathBuf {
+    repo_root().join("_output/node-image/node.qcow2")
+}
+
+fn kubeadm() -> PathBuf {
+    repo_root().join("_output/bin/kubeadm")
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// True when everything is present; otherwise fails under CI or skips with the reason.
+fn prerequisites() -> bool {
+    let mut missing = Vec::new();
+    if !is_root() {
+        missing.push("root (run the tests as root)".to_string());
+    }
+    for (tool, how) in [
+        ("ip", "apt-get install iproute2"),
+        ("qemu-system-x86_64", "apt-get install qemu-system-x86"),
+        ("qemu-img", "apt-get install qemu-utils"),
+    ] {
+        let found = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            missing.push(format!("{tool} ({how})"));
+        }
+    }
+    for f in [node_image(), kubeadm()] {
+        if !f.exists() {
+            missing.push(format!("{} (make node-image)", f.display()));
+        }
+    }
+    if missing.is_empty() {
+        return true;
+    }
+    let msg = format!("node image test needs: {}", missing.join(", "));
+    if std::env::var_os("CI").is_some() {
+        panic!("{msg}");
+    }
+    eprintln!("skipping: {msg}");
+    false
+}
+
+fn sh(cmd: &str) {
+    let out = Command::new("sh")
+        .args(["-c", cmd])
+        .output()
+        .expect("run sh");
+    assert!(
+        out.status.success(),
+        "{cmd} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A Calico-style Pod network in namespaces of this test: eth0 holds a /32 with a default route
+/// via 169.254.1.1 on-link, answered by proxy ARP on the node side. The node namespace has no
+/// other interface: nothing the guest sends can leave this machine.
+struct Topology {
+    node: String,
+    pod: String,
+}
+
+impl Topology {
+    fn new() -> Topology {
+        let id = std::process::id();
+        let t = Topology {
+            node: format!("capk-ni-node-{id}"),
+            pod: format!("capk-ni-pod-{id}"),
+        };
+        for ns in [&t.node, &t.pod] {
+            sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
+        }
+        let (n, p) = (&t.node, &t.pod);
+        sh(&format!(
+            "ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1 && \
+             ip -n {n} link add gw0 type veth peer name gw0p && ip -n {n} link set gw0p up && \
+             ip -n {n} link set gw0 up && ip -n {n} route add 169.254.1.1/32 dev gw0 && \
+             ip -n {n} link add cali0 mtu 1440 type veth peer name eth0 mtu 1440 netns {p} && \
+             ip netns exec {n} sysctl -qw net.ipv4.conf.cali0.proxy_arp=1 net.ipv4.neigh.cali0.proxy_delay=0 && \
+             ip -n {n} link set cali0 up && ip -n {n} route add {POD_IP}/32 dev cali0 && \
+             ip -n {p} addr add {POD_IP}/32 dev eth0 && ip -n {p} link set eth0 up && \
+             ip -n {p} route add 169.254.1.1 dev eth0 scope link && \
+             ip -n {p} route add default via 169.254.1.1 dev eth0 onlink"
+        ));
+        t
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        for ns in [&self.pod, &self.node] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+/// The guest's report: after `kubeadm.service` it prints what the test checks to the console, one
+/// fact per `CAPK-NODE` line. It never prints kubeadm's output unfiltered (kubeadm init prints a
+/// join token).
+const REPORT_SCRIPT: &str = r#"#!/bin/bash
+exec >/dev/console 2>&1
+r() { echo "CAPK-NODE $*"; }
+r "uptime $(cut -d' ' -f1 /proc/uptime)"
+r "hostname=$(hostname)"
+r "ignition-file=$(sha256sum </etc/capk/plain.txt | cut -d' ' -f1)"
+r "kubeadm result=$(systemctl show -p Result --value kubeadm.service) status=$(systemctl show -p ExecMainStatus --value kubeadm.service)"
+r "bootstrap-success=$(test -e /run/cluster-api/bootstrap-success.complete && echo yes || echo no)"
+r "preload $(journalctl -b -u capk-preload-images.service -o cat | grep capk-preload-images: | tail -1)"
+disk() { lsblk -dno SERIAL,FSTYPE "$(findmnt -no SOURCE "$1")" | tr -s ' ' ,; }
+r "containerd-disk=$(disk /var/lib/containerd)"
+r "etcd-disk=$(disk /var/lib/etcd)"
+r "host-volume=$(findmnt -no FSTYPE /data/shared),$(cat /data/shared/hello 2>&1)"
+for i in $(ctr -n k8s.io images ls -q | grep -v '^sha256:' | sort); do r "image $i"; done
+r "pulls=$(journalctl -b -u containerd.service -o cat | grep -c 'PullImage')"
+kc() { kubectl --kubeconfig /etc/kubernetes/admin.conf --request-timeout 60s "$@"; }
+r "node $(kc get nodes --no-headers -o custom-columns=N:.metadata.name,V:.status.nodeInfo.kubeletVersion 2>&1 | tr -s ' ' ,)"
+for p in $(kc -n kube-system get pods --no-headers -o custom-columns=N:.metadata.name,P:.status.phase 2>&1 | tr -s ' ' =); do r "pod $p"; done
+if [ "$(systemctl show -p Result --value kubeadm.service)" != success ]; then
+  journalctl -b -u kubeadm.service -o cat | grep -vi token | tail -40 | sed 's/^/CAPK-NODE kubeadm| /'
+fi
+r "report-done"
+# Boot-to-multi-user once the boot transaction (which waits for this unit) is over.
+systemd-run --no-block --on-active=1 /bin/bash -c 'systemctl is-system-running --wait >/dev/null; echo "CAPK-NODE $(systemd-analyze time | head -1)" >/dev/console'
+"#;
+
+/// The machine's Ignition as the controller stores it (capk-bootstrap's conversion of the real
+/// CABPK Secret for this node name) plus the test's report unit.
+fn machine_ignition() -> Vec<u8> {
+    let path = repo_root()
+        .join("bootstrap/tests/fixtures/cabpk")
+        .join(FIXTURE);
+    let secret: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let value = secret["value"].as_str().expect("value").as_bytes();
+    let json = capk_bootstrap::render_ignition(
+        BootstrapFormat::Ignition,
+        value,
+        &MachineFacts::new(HOSTNAME),
+        None,
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    .json;
+    let mut config: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    // The fixture's KubeadmConfig partitions, formats and mounts /dev/vdb (CABPK's diskSetup). On a
+    // CAPK machine /dev/vdb is the launcher's containerd disk, which the machine overlay formats
+    // as a whole: Ignition's disks stage would partition and format one device twice, the
+    // filesystems concurrently. CAPK machines get their etcd disk from the launcher instead, so
+    // the test drops the example.
+    for kind in ["disks", "filesystems"] {
+        if let Some(entries) = config["storage"][kind].as_array_mut() {
+            entries.retain(|e| e["device"] != "/dev/vdb");
+        }
+    }
+    config["systemd"]["units"]
+        .as_array_mut()
+        .expect("units")
+        .retain(|u| u["name"] != "var-lib-etcddisk.mount");
+    config["storage"]["files"]
+        .as_array_mut()
+        .expect("files")
+        .push(serde_json::json!({
+            "path": "/etc/capk-test/report.sh",
+            "mode": 0o755,
+            "contents": {"source": capk_bootstrap::content::data_url(REPORT_SCRIPT.as_bytes())},
+        }));
+    config["systemd"]["units"]
+        .as_array_mut()
+        .expect("units")
+        .push(serde_json::json!({
+            "name": "capk-node-report.service",
+            "enabled": true,
+            "contents": "[Unit]\nDescription=CAPK node image test report\n\
+                After=kubeadm.service capk-preload-images.service\n\n\
+                [Service]\nType=oneshot\nExecStart=/bin/bash /etc/capk-test/report.sh\n\n\
+                [Install]\nWantedBy=multi-user.target\n",
+        }));
+    serde_json::to_vec(&config).unwrap()
+}
+
+/// A running `capk-launcher run` and the guest's console lines.
+struct Launcher {
+    child: Child,
+    lines: Receiver<String>,
+    seen: Vec<String>,
+    runtime_dir: PathBuf,
+    started: Instant,
+}
+
+impl Launcher {
+    fn start(t: &Topology, work: &Path) -> Launcher {
+        let resolv = work.join("resolv.conf");
+        std::fs::write(
+            &resolv,
+            "search default.svc.cluster.local svc.cluster.local cluster.local\nnameserver 10.96.0.10\n",
+        )
+        .unwrap();
+        let shared = work.join("shared");
+        std::fs::create_dir_all(&shared).unwrap();
+        std::fs::write(shared.join("hello"), HOST_VOLUME_TEXT).unwrap();
+        let ignition = work.join("ignition.json");
+        std::fs::write(&ignition, machine_ignition()).unwrap();
+        let runtime_dir = work.join("run");
+        let started = Instant::now();
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &t.pod])
+            .args([env!("CARGO_BIN_EXE_capk-launcher"), "run"])
+            .args(["--image", &node_image().display().to_string()])
+            // kubeadm's preflight wants 2 CPUs and 1700 MB on a control-plane node.
+            .args(["--accel", "tcg", "--vcpus", "2", "--memory", "2560Mi"])
+            .args(["--role", "control-plane"])
+            .args(["--disk-size", "8Gi", "--docker-disk-size", "4Gi"])
+            .args(["--kubelet-disk-size", "1Gi"])
+            .args([
+                "--etcd-disk",
+                &work.join("etcd/etcd.img").display().to_string(),
+                "--etcd-disk-size",
+                "1Gi",
+            ])
+            .args(["--state-dir", &work.join("state").display().to_string()])
+            .args(["--runtime-dir", &runtime_dir.display().to_string()])
+            .args(["--resolv-conf", &resolv.display().to_string()])
+            .args(["--ignition", &ignition.display().to_string()])
+            .args(["--host-volume", &format!("shared={}", shared.display())])
+            .args(["--hostname", HOSTNAME, "--grace-period-seconds", "60"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start capk-launcher");
+        let (tx, rx) = channel();
+        let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                println!("console| {l}");
+                let _ = tx.send(l);
+            }
+        });
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                println!("launcher| {l}");
+                let _ = tx2.send(format!("LAUNCHER {l}"));
+            }
+        });
+        Launcher {
+            child,
+            lines: rx,
+            seen: Vec::new(),
+            runtime_dir,
+            started,
+        }
+    }
+
+    /// Waits for a console line containing `needle`; returns it and prints when it came.
+    fn wait_for(&mut self, needle: &str, timeout: Duration) -> String {
+        if let Some(l) = self.seen.iter().find(|l| l.contains(needle)) {
+            return l.clone();
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if l.contains(needle) {
+                        println!(
+                            "MEASURE {:>7.1} s after launcher start: {needle}",
+                            self.started.elapsed().as_secs_f64()
+                        );
+                        return l;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => panic!(
+                    "no {needle:?} within {timeout:?}; last lines:\n{}",
+                    self.tail()
+                ),
+                Err(RecvTimeoutError::Disconnected) => {
+                    panic!(
+                        "launcher ended before {needle:?}; last lines:\n{}",
+                        self.tail()
+                    )
+                }
+            }
+        }
+    }
+
+    fn tail(&self) -> String {
+        let from = self.seen.len().saturating_sub(80);
+        self.seen[from..].join("\n")
+    }
+
+    /// Every `CAPK-NODE <prefix>` line seen so far, without the prefix.
+    fn facts(&self, prefix: &str) -> Vec<String> {
+        let p = format!("CAPK-NODE {prefix}");
+        self.seen
+            .iter()
+            .filter_map(|l| l.find(&p).map(|i| l[i + p.len()..].trim().to_string()))
+            .collect()
+    }
+
+    fn fact(&self, prefix: &str) -> String {
+        self.facts(prefix)
+            .pop()
+            .unwrap_or_else(|| panic!("no CAPK-NODE {prefix} line; last lines:\n{}", self.tail()))
+    }
+
+    fn probe(&self, kind: &str) -> (bool, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
+            .args(["probe", kind])
+            .args(["--runtime-dir", &self.runtime_dir.display().to_string()])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use std::io::Write;
+    let mut c = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run sha256sum");
+    c.stdin.take().unwrap().write_all(bytes).unwrap();
+    let out = c.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// The content CABPK gave /etc/capk/plain.txt in the fixture (the guest reports its digest).
+fn fixture_file(path: &str) -> Vec<u8> {
+    let json = machine_ignition();
+    let config: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    let f = config["storage"]["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["path"] == path)
+        .unwrap_or_else(|| panic!("{path} not in the fixture"));
+    let source = f["contents"]["source"].as_str().unwrap();
+    let bytes = data_url::DataUrl::process(source)
+        .unwrap()
+        .decode_to_vec()
+        .unwrap()
+        .0;
+    match f["contents"]["compression"].as_str() {
+        Some("gzip") => capk_bootstrap::content::gunzip(&bytes).unwrap(),
+        _ => bytes,
+    }
+}
+
+#[test]
+#[ignore = "boots the Kubernetes node image under TCG and runs kubeadm init (minutes): make test-node-image"]
+fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_out() {
+    if !prerequisites() {
+        return;
+    }
+    let listed = Command::new(kubeadm())
+        .args([
+            "config",
+            "images",
+            "list",
+            "--kubernetes-version",
+            "v1.35.4",
+        ])
+        .output()
+        .expect("run kubeadm config images list");
+    assert!(listed.status.success(), "{listed:?}");
+    let mut want: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    want.sort();
+    assert_eq!(want.len(), 7, "{want:?}");
+
+    let t = Topology::new();
+    let work = tempfile::Builder::new()
+        .prefix("capk-ni")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut l = Launcher::start(&t, work.path());
+
+    // Firmware → SYSLINUX → kernel → Ignition in the initramfs → the real root's systemd.
+    l.wait_for("SYSLINUX", Duration::from_secs(60));
+    l.wait_for("Ignition (files)", Duration::from_secs(300));
+    l.wait_for("Switching root", Duration::from_secs(600));
+    l.wait_for("Started containerd", Duration::from_secs(600));
+    // kubeadm.service is enabled by Ignition's preset, in this same first boot.
+    l.wait_for("CAPK-NODE report-done", Duration::from_secs(1800));
+    let boot = l.wait_for("CAPK-NODE Startup finished", Duration::from_secs(120));
+    println!("MEASURE {boot}");
+    println!("MEASURE {}", l.fact("preload "));
+
+    assert_eq!(l.fact("hostname="), HOSTNAME);
+    assert_eq!(
+        l.fact("ignition-file="),
+        sha256_hex(&fixture_file("/etc/capk/plain.txt"))
+    );
+    // The launcher's containerd disk is mounted over /var/lib/containerd: the images came from
+    // the boot-time import, and they are exactly kubeadm's (plus the CNI's), nothing pulled.
+    assert_eq!(l.fact("containerd-disk="), "dockerfs,ext4");
+    let images = l.facts("image ");
+    for w in &want {
+        assert!(images.contains(w), "{w} not in containerd: {images:?}");
+    }
+    let extra: Vec<&String> = images
+        .iter()
+        .filter(|i| !want.contains(i) && !i.starts_with("localhost/capk/flannel"))
+        .collect();
+    assert!(extra.is_empty(), "unexpected images: {extra:?}");
+    assert_eq!(l.fact("pulls="), "0", "containerd pulled an image");
+
+    assert_eq!(
+        l.fact("kubeadm result="),
+        "success status=0",
+        "kubeadm init failed: {:?}",
+        l.facts("kubeadm| ")
+    );
+    assert_eq!(l.fact("bootstrap-success="), "yes");
+    assert_eq!(l.fact("node "), format!("{HOSTNAME},v1.35.4"));
+    let pods = l.facts("pod ");
+    for c in [
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+    ] {
+        let p = format!("{c}-{HOSTNAME}=Running");
+        assert!(pods.contains(&p), "{p} not in {pods:?}");
+    }
+    assert!(
+        pods.iter().any(|p| p.starts_with("kube-proxy-")),
+        "no kube-proxy Pod: {pods:?}"
+    );
+    assert_eq!(l.fact("etcd-disk="), "etcdfs,ext4");
+    assert_eq!(l.fact("host-volume="), format!("9p,{HOST_VOLUME_TEXT}"));
+
+    // The launcher sees the bootstrap through the heartbeat and the apiserver through the Pod IP.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let ready = loop {
+        let (ok, out) = l.probe("readiness");
+        if ok || Instant::now() > deadline {
+            break (ok, out);
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    };
+    assert!(ready.0, "readiness: {}", ready.1);
+    println!(
+        "MEASURE ready {:.0} s after launcher start: {}",
+        l.started.elapsed().as_secs_f64(),
+        ready.1
+    );
+}
