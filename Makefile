@@ -66,7 +66,7 @@ bench-e2e: ## Machine created -> guest up (P50/P95 over 10 machines) and machine
 dev-down: ## Stop the local management cluster and everything it started
 	bash hack/dev-down.sh
 
-fuzz: ## Run every bootstrap fuzz target for a bounded time (nightly + cargo-fuzz); FUZZ_SECONDS each
+fuzz: ## Run every fuzz target (bootstrap, launcher) for a bounded time (nightly + cargo-fuzz); FUZZ_SECONDS each
 	bash bootstrap/fuzz/run.sh $(FUZZ_SECONDS)
 
 clean: ## Remove build output (keeps the Go caches outside the tree)

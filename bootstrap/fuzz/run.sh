@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
 # Seeds each fuzz target's corpus from the test fixtures and fuzzes every target for a bounded
 # time; exits non-zero when any target finds a crash, a panic, a timeout or runs out of memory.
+# Targets live in two fuzz crates: bootstrap/fuzz (bootstrap data, heartbeat line) and
+# launcher/fuzz (heartbeat_stream: the launcher's capped line framer on the guest's port;
+# control_request: the control socket's request parser).
 #
 #   bootstrap/fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]     (default: 20 s, every target)
 #
 # Needs cargo-fuzz (`cargo install cargo-fuzz`) and a nightly toolchain (`rustup toolchain install
 # nightly`; libFuzzer's coverage instrumentation). Everything it writes stays in ignored
-# directories of bootstrap/fuzz: target/ (build), corpus/ (seeds + what libFuzzer finds),
-# artifacts/ (crashing inputs, per-run logs) and last-run.txt (the summary printed at the end).
+# directories of each fuzz crate: target/ (build), corpus/ (seeds + what libFuzzer finds),
+# artifacts/ (crashing inputs, per-run logs); bootstrap/fuzz/last-run.txt is the summary printed
+# at the end.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 FIXTURES=$HERE/../tests/fixtures
 SECONDS_PER_TARGET=${1:-20}
 [[ $SECONDS_PER_TARGET =~ ^[0-9]+$ ]] || { echo "fuzz: SECONDS_PER_TARGET must be a number" >&2; exit 2; }
 shift || true
-ALL=(cloud_config ignition secret write_file heartbeat)
+REPO=$(cd "$HERE/../.." && pwd)
+LAUNCHER=$REPO/launcher/fuzz
+ALL=(cloud_config ignition secret write_file heartbeat heartbeat_stream control_request)
+# The fuzz crate holding a target.
+crate_of() {
+  case $1 in
+    heartbeat_stream | control_request) echo "$LAUNCHER" ;;
+    *) echo "$HERE" ;;
+  esac
+}
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=("${ALL[@]}")
 
@@ -55,30 +68,43 @@ printf '\002%s' "$(printf 'hello from base64\n' | base64 -w0)" >"$HERE/corpus/wr
 { printf '\004'; printf 'gzip and base64\n' | gzip -9n | base64 -w0; } >"$HERE/corpus/write_file/seed-gzip-base64"
 { printf '\006'; printf 'raw gzip\n' | gzip -9n; } >"$HERE/corpus/write_file/seed-gzip"
 printf 'capk-heartbeat/1 bootstrap=done uptime=12.5\n' >"$HERE/corpus/heartbeat/seed-done"
+# heartbeat_stream: byte 0 = line cap - 1, byte 1 = read size - 1, then the stream.
+mkdir -p "$LAUNCHER/corpus/heartbeat_stream" "$LAUNCHER/corpus/control_request"
+printf '\077\007capk-heartbeat/1 bootstrap=pending uptime=1.0\nnoise\ncapk-heartbeat/1 bootstrap=done uptime=2.5\n' \
+  >"$LAUNCHER/corpus/heartbeat_stream/seed-beats"
+{ printf '\007\003'; head -c 300 /dev/zero | tr '\0' x; printf '\ncapk-heartbeat/1 bootstrap=done uptime=3\n'; } \
+  >"$LAUNCHER/corpus/heartbeat_stream/seed-too-long"
+printf '{"op":"probe","kind":"readiness"}' >"$LAUNCHER/corpus/control_request/seed-probe"
+printf '{"op":"status"}' >"$LAUNCHER/corpus/control_request/seed-status"
+printf '{"op":"qmp","command":"query-status"}' >"$LAUNCHER/corpus/control_request/seed-qmp"
 
-cd "$HERE"
-# Keep the instrumented build in the ignored bootstrap/fuzz/target, whatever the caller exported.
-export CARGO_TARGET_DIR=$HERE/target
-# Safe Rust only: AddressSanitizer adds build time and finds nothing panics would not.
+# Each crate keeps its instrumented build in its own ignored target/, whatever the caller exported.
+in_crate() { # target, command...
+  local dir; dir=$(crate_of "$1"); shift
+  (cd "$dir" && CARGO_TARGET_DIR=$dir/target "$@")
+}
+# Safe Rust only, except the launcher's ioctl code, which no target reaches: AddressSanitizer
+# adds build time and finds nothing panics would not.
 echo "fuzz: building ${targets[*]}"
 start=$SECONDS
 for t in "${targets[@]}"; do
-  cargo +nightly fuzz build --sanitizer none "$t"
+  in_crate "$t" cargo +nightly fuzz build --sanitizer none "$t"
 done
 echo "fuzz: built in $((SECONDS - start))s"
 
 summary=$HERE/last-run.txt
 {
   echo "# bootstrap/fuzz/run.sh $SECONDS_PER_TARGET s per target, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  printf '%-13s %-7s %12s %8s %8s %9s\n' target result executions exec/s corpus coverage
+  printf '%-17s %-7s %12s %8s %8s %9s\n' target result executions exec/s corpus coverage
 } >"$summary"
 failed=()
 for t in "${targets[@]}"; do
-  mkdir -p "artifacts/$t"
-  logf=artifacts/$t/last-run.log
-  echo "fuzz: $t for ${SECONDS_PER_TARGET}s (log: bootstrap/fuzz/$logf)"
+  dir=$(crate_of "$t")
+  mkdir -p "$dir/artifacts/$t" "$dir/corpus/$t"
+  logf=$dir/artifacts/$t/last-run.log
+  echo "fuzz: $t for ${SECONDS_PER_TARGET}s (log: ${logf#"$REPO/"})"
   rc=0
-  cargo +nightly fuzz run --sanitizer none "$t" "corpus/$t" -- \
+  in_crate "$t" cargo +nightly fuzz run --sanitizer none "$t" "corpus/$t" -- \
     -max_total_time="$SECONDS_PER_TARGET" -max_len=65536 -timeout=20 -rss_limit_mb=2048 \
     -print_final_stats=1 >"$logf" 2>&1 || rc=$?
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$logf" | tail -n 1)
@@ -93,11 +119,11 @@ for t in "${targets[@]}"; do
     echo "fuzz: $t FAILED (exit $rc); the end of its log:" >&2
     tail -n 30 "$logf" >&2
   fi
-  printf '%-13s %-7s %12s %8s %8s %9s\n' "$t" "$result" "${execs:-?}" "${speed:-?}" "${corpus:-?}" "${cov:-?}" >>"$summary"
+  printf '%-17s %-7s %12s %8s %8s %9s\n' "$t" "$result" "${execs:-?}" "${speed:-?}" "${corpus:-?}" "${cov:-?}" >>"$summary"
 done
 cat "$summary"
 if [[ ${#failed[@]} -gt 0 ]]; then
-  echo "fuzz: failures in ${failed[*]}; crashing inputs are in bootstrap/fuzz/artifacts/<target>/" >&2
-  echo "fuzz: reproduce with: cd bootstrap/fuzz && cargo +nightly fuzz run --sanitizer none <target> artifacts/<target>/<file>" >&2
+  echo "fuzz: failures in ${failed[*]}; crashing inputs are in {bootstrap,launcher}/fuzz/artifacts/<target>/" >&2
+  echo "fuzz: reproduce with: cd {bootstrap,launcher}/fuzz && cargo +nightly fuzz run --sanitizer none <target> artifacts/<target>/<file>" >&2
   exit 1
 fi
