@@ -206,18 +206,16 @@ async fn the_longest_names_still_make_a_service_secrets_and_pods() -> Result<()>
             config.contains(&hostname),
             "the guest's node name is the Pod's hostname"
         );
-        // The control-plane Service selects the control-plane Pod.
-        let selector = svc
-            .spec
-            .as_ref()
-            .and_then(|s| s.selector.clone())
-            .unwrap_or_default();
-        let selected = selector.iter().all(|(k, v)| pod.labels().get(k) == Some(v));
-        assert_eq!(
-            selected,
-            *name == cp,
-            "{name}: Service selects {selector:?}"
-        );
+        // The control-plane Service's endpoints are the cluster's Pods labelled control-plane.
+        let labels = pod.labels();
+        assert_eq!(labels.get("cluster.x-k8s.io/cluster-name"), Some(&cluster));
+        let role = labels.get("infrastructure.cluster.x-k8s.io/machine-role");
+        let want = if *name == cp {
+            "control-plane"
+        } else {
+            "worker"
+        };
+        assert_eq!(role.map(String::as_str), Some(want), "{name}");
     }
     Ok(())
 }

@@ -7,7 +7,7 @@
 use std::{path::Path, process::Command};
 
 use anyhow::{Context, Result, bail};
-use capk_controller::kvmmachine::build::NODE_IMAGE_SCRIPT;
+use capk_controller::kvmmachine::node_image::NODE_IMAGE_SCRIPT;
 
 fn busybox() -> Result<&'static str> {
     const BUSYBOX: &str = "/bin/busybox";

@@ -1,8 +1,13 @@
 //! KVMMachine reconciler: fetch (Machine, Cluster, bootstrap Secret) → build (pure, in
 //! [`build`]) → apply (Ignition Secret, etcd PVC, machine Pod) → status.
 
-pub mod build;
+pub mod etcd_claim;
+pub mod ignition_secret;
 pub mod names;
+pub mod node_image;
+pub mod pod;
+pub mod pod_layout;
+pub mod status;
 
 use std::{sync::Arc, time::Duration};
 
@@ -31,12 +36,24 @@ use kube::{
 use serde_json::json;
 use tracing::{info, instrument, warn};
 
-use self::build::{MachineFacts, MachineState};
+use self::status::MachineState;
 use crate::{
     context::{Context, FIELD_MANAGER},
     error::{Error, Result},
     report,
 };
+
+/// Where the owning Machine puts this machine: its cluster, its role and its failure domain.
+/// What the builders need to know about the Machine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MachinePlacement {
+    /// The Cluster's name.
+    pub cluster: String,
+    /// Whether this is a control-plane machine.
+    pub control_plane: bool,
+    /// The Machine's failure domain.
+    pub failure_domain: Option<String>,
+}
 
 /// The owning Machine's name, from the owner reference Cluster API sets.
 pub fn owner_machine_name(km: &KVMMachine) -> Option<String> {
@@ -120,7 +137,7 @@ async fn patch_machine(
 /// bad (reported by the caller).
 async fn ensure_ignition(
     km: &KVMMachine,
-    facts: &MachineFacts,
+    placement: &MachinePlacement,
     secret_name: &str,
     ctx: &Context,
 ) -> Result<std::result::Result<(), MachineState>> {
@@ -130,8 +147,9 @@ async fn ensure_ignition(
             secret_name.to_owned(),
         )));
     };
-    let source = build::rendered_from(secret_name, &meta.resource_version().unwrap_or_default());
-    let current = ctx.caches.secret(&ns, &build::ignition_secret_name(km));
+    let source =
+        ignition_secret::rendered_from(secret_name, &meta.resource_version().unwrap_or_default());
+    let current = ctx.caches.secret(&ns, &names::ignition_secret_name(km));
     if current.is_some_and(|s| s.annotations().get(RENDERED_FROM_ANNOTATION) == Some(&source)) {
         return Ok(Ok(()));
     }
@@ -146,7 +164,7 @@ async fn ensure_ignition(
         )));
     };
     // Render from what was read, recorded with the version that was read.
-    let source = build::rendered_from(
+    let source = ignition_secret::rendered_from(
         secret_name,
         &bootstrap.resource_version().unwrap_or_default(),
     );
@@ -155,9 +173,9 @@ async fn ensure_ignition(
     let format = data
         .get("format")
         .map(|b| String::from_utf8_lossy(&b.0).into_owned());
-    match build::render_ignition(km, format.as_deref(), &value) {
+    match ignition_secret::render(km, format.as_deref(), &value) {
         Ok(json) => {
-            let secret = build::ignition_secret(km, facts, json, &source);
+            let secret = ignition_secret::desired(km, placement, json, &source);
             apply_object(&secrets, &secret, "Secret").await?;
             Ok(Ok(()))
         }
@@ -185,12 +203,12 @@ async fn apply(
     ctx: &Context,
 ) -> Result<Action> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
-    let pod_name = build::pod_name(km);
+    let pod_name = names::pod_name(km);
     let cached_pod = ctx.caches.pods.get(&ObjectRef::new(&pod_name).within(&ns));
     let waiting = |state: MachineState| async move {
         let fd = machine.and_then(|m| m.spec.failure_domain.as_deref());
-        let mut conditions = build::pod_conditions(None);
-        conditions.push(build::node_condition(None));
+        let mut conditions = status::pod_conditions(None);
+        conditions.push(status::node_condition(None));
         write_status(api, km, &state, &conditions, fd).await?;
         Ok(Action::await_change())
     };
@@ -204,7 +222,7 @@ async fn apply(
     let Some(secret_name) = machine.spec.bootstrap.data_secret_name.clone() else {
         return waiting(MachineState::WaitingForBootstrapData).await;
     };
-    let facts = MachineFacts {
+    let placement = MachinePlacement {
         cluster: machine.spec.cluster_name.clone(),
         control_plane: machine.is_control_plane(),
         failure_domain: machine.spec.failure_domain.clone(),
@@ -212,11 +230,11 @@ async fn apply(
 
     // Bootstrap data → Ignition Secret. A conversion error is the user's to fix: a condition
     // and an Event say what is wrong, and no Pod is created.
-    if let Err(state) = ensure_ignition(km, &facts, &secret_name, ctx).await? {
+    if let Err(state) = ensure_ignition(km, &placement, &secret_name, ctx).await? {
         return waiting(state).await;
     }
 
-    if let Some(pvc) = build::etcd_claim(km, &facts) {
+    if let Some(pvc) = etcd_claim::desired(km, &placement) {
         let cached = ctx
             .caches
             .claims
@@ -228,17 +246,17 @@ async fn apply(
     }
 
     // The machine Pod: created once; a Pod's spec is immutable, so drift is not patched.
-    let pod = match build::machine_pod(km, &facts, &ctx.settings.machine_defaults) {
+    let pod = match pod::machine_pod(km, &placement, &ctx.settings.machine_defaults) {
         Ok(p) => p,
         Err(e) => {
             // The user's to fix: a condition and, once, a Warning Event; no Pod.
             let msg = e.to_string();
-            if !has_ready_reason(km, build::REASON_SPEC_INVALID, &msg) {
+            if !has_ready_reason(km, status::REASON_SPEC_INVALID, &msg) {
                 publish(
                     ctx,
                     km,
                     EventType::Warning,
-                    build::REASON_SPEC_INVALID,
+                    status::REASON_SPEC_INVALID,
                     msg.clone(),
                 )
                 .await;
@@ -286,8 +304,8 @@ async fn apply(
             )
             .await;
         }
-        let mut conditions = build::pod_conditions(existing.as_ref());
-        conditions.push(build::node_condition(None));
+        let mut conditions = status::pod_conditions(existing.as_ref());
+        conditions.push(status::node_condition(None));
         write_status(api, km, &MachineState::PodMissing, &conditions, fd).await?;
         return Ok(Action::await_change());
     }
@@ -317,7 +335,7 @@ async fn apply(
         }
     };
 
-    let state = pod_state(&existing);
+    let state = status::pod_state(&existing);
     // The readiness gate follows the workload cluster's Node; the Node watch wakes this
     // machine when it changes.
     let gate = ctx
@@ -327,17 +345,17 @@ async fn apply(
             ctx.caches
                 .secret(
                     &ns,
-                    &crate::workload::kubeconfig_secret_name(&facts.cluster),
+                    &crate::workload::kubeconfig_secret_name(&placement.cluster),
                 )
                 .map(|m| m.resource_version().unwrap_or_default())
                 .as_deref(),
             &ns,
-            &facts.cluster,
-            &build::hostname(km),
+            &placement.cluster,
+            &names::hostname(km),
             &provider_id(&ns, &km.name_any()),
         )
         .await;
-    let node = build::node_condition(Some(&gate));
+    let node = status::node_condition(Some(&gate));
     // A kubeconfig that is refused or unusable is the user's to fix: a Warning Event, once.
     if [
         crate::workload::REASON_KUBECONFIG_REFUSED,
@@ -355,7 +373,7 @@ async fn apply(
         )
         .await;
     }
-    let mut conditions = build::pod_conditions(Some(&existing));
+    let mut conditions = status::pod_conditions(Some(&existing));
     conditions.push(node);
     write_status(api, &current, &state, &conditions, fd).await?;
     // The Pod exists and the status records it: clusterctl move may go (and providerID is set
@@ -406,29 +424,6 @@ where
     }
 }
 
-/// Reads the machine Pod's state: running with an IP, or starting (with why).
-fn pod_state(pod: &Pod) -> MachineState {
-    let name = pod.name_any();
-    let status = pod.status.clone().unwrap_or_default();
-    let running = status
-        .container_statuses
-        .as_ref()
-        .and_then(|cs| cs.iter().find(|c| c.name == "launcher"))
-        .and_then(|c| c.state.as_ref())
-        .is_some_and(|s| s.running.is_some());
-    match (status.phase.as_deref(), status.pod_ip, running) {
-        (Some("Running"), Some(ip), true) => MachineState::Running { pod: name, ip },
-        (phase, _, _) => MachineState::PodStarting {
-            pod: name,
-            detail: format!(
-                "phase {}{}",
-                phase.unwrap_or("Pending"),
-                status.reason.map(|r| format!(" ({r})")).unwrap_or_default()
-            ),
-        },
-    }
-}
-
 async fn apply_object<K>(api: &Api<K>, obj: &K, kind: &'static str) -> Result<()>
 where
     K: Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
@@ -449,7 +444,7 @@ where
 async fn cleanup(km: &KVMMachine, ctx: &Context) -> Result<Action> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let name = build::pod_name(km);
+    let name = names::pod_name(km);
     if let Some(pod) = pods.get_opt(&name).await.map_err(read_err("Pod", &name))? {
         if pod.metadata.deletion_timestamp.is_none() {
             pods.delete(&name, &DeleteParams::default())
@@ -464,9 +459,9 @@ async fn cleanup(km: &KVMMachine, ctx: &Context) -> Result<Action> {
         return Err(Error::PodStillTerminating(name));
     }
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-    delete_if_present(&secrets, &build::ignition_secret_name(km), "Secret").await?;
+    delete_if_present(&secrets, &names::ignition_secret_name(km), "Secret").await?;
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-    delete_if_present(&pvcs, &build::etcd_claim_name(km), "PersistentVolumeClaim").await?;
+    delete_if_present(&pvcs, &names::etcd_claim_name(km), "PersistentVolumeClaim").await?;
     Ok(Action::await_change())
 }
 
@@ -496,7 +491,7 @@ async fn write_status(
         api,
         km,
         |k| k.status.as_ref(),
-        |k| build::status(k, state, pod, failure_domain, Timestamp::now()),
+        |k| status::status(k, state, pod, failure_domain, Timestamp::now()),
     )
     .await
 }
@@ -506,5 +501,24 @@ pub fn error_policy(_km: Arc<KVMMachine>, error: &Error, _ctx: Arc<Context>) -> 
     match error {
         Error::Finalizer(_) => Action::requeue(Duration::from_secs(2)),
         _ => Action::requeue(Duration::from_secs(10)),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    use capk_api::v1alpha1::KVMMachine;
+    use serde_json::json;
+
+    /// A KVMMachine `name` in namespace `team-a` with `spec`, as the apiserver would return it.
+    pub fn kvm_machine(name: &str, spec: serde_json::Value) -> KVMMachine {
+        let mut km: KVMMachine = serde_json::from_value(json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+            "kind": "KVMMachine",
+            "metadata": {"name": name, "namespace": "team-a", "uid": "uid-1"},
+            "spec": spec,
+        }))
+        .unwrap();
+        km.metadata.generation = Some(1);
+        km
     }
 }

@@ -3,9 +3,20 @@
 //! a longer name is cut and ends in a hash of the whole name ([`bounded_name`]), so the
 //! objects still apply and two machines never share a Node name.
 
-use capk_api::constants::{MAX_LABEL_LEN, MAX_SUBDOMAIN_LEN, bounded_name};
+use std::collections::BTreeMap;
+
+use capk_api::constants::{
+    MACHINE_ROLE_LABEL, MAX_LABEL_LEN, MAX_SUBDOMAIN_LEN, ROLE_CONTROL_PLANE, ROLE_WORKER,
+    bounded_name,
+};
 use capk_api::v1alpha1::KVMMachine;
 use kube::ResourceExt;
+
+use super::MachinePlacement;
+use crate::kvmcluster::build::owned_labels;
+
+/// Label on machine Pods and Secrets naming their KVMMachine ([`label_value`]).
+pub const KVMMACHINE_LABEL: &str = "infrastructure.cluster.x-k8s.io/kvmmachine";
 
 /// Name of the machine Pod: the KVMMachine's name (both are DNS subdomains).
 pub fn pod_name(km: &KVMMachine) -> String {
@@ -26,6 +37,21 @@ pub fn etcd_claim_name(km: &KVMMachine) -> String {
 /// label value may be, its cut-and-hashed form.
 pub fn label_value(km: &KVMMachine) -> String {
     bounded_name(&km.name_any(), "", MAX_LABEL_LEN)
+}
+
+/// The labels of every object made for a machine: the cluster's ([`owned_labels`]), the
+/// KVMMachine's and the role's (the control-plane Service's endpoints are the `control-plane`
+/// Pods).
+pub fn labels(km: &KVMMachine, placement: &MachinePlacement) -> BTreeMap<String, String> {
+    let mut labels = owned_labels(&placement.cluster);
+    labels.insert(KVMMACHINE_LABEL.into(), label_value(km));
+    let role = if placement.control_plane {
+        ROLE_CONTROL_PLANE
+    } else {
+        ROLE_WORKER
+    };
+    labels.insert(MACHINE_ROLE_LABEL.into(), role.into());
+    labels
 }
 
 /// The node's hostname, which is its Node's name in the workload cluster: a DNS label. The

@@ -1,0 +1,252 @@
+//! Pure: how the node image reaches the launcher. A container image is mounted as an image
+//! volume or copied once per MC node into a host cache by init containers; a Flatcar release or
+//! a URL download is a file in that cache.
+
+use capk_api::v1alpha1::{ContainerDiskImage, FlatcarChannel, KVMMachine};
+use k8s_openapi::api::core::v1::{
+    Container, EmptyDirVolumeSource, ImageVolumeSource, Volume, VolumeMount,
+};
+
+use super::pod_layout::{IMAGE_DIR, STATE_DIR, host_path, mount};
+use crate::settings::{MachineDefaults, NodeImageSource};
+
+/// Host directory where MC nodes keep node images (Flatcar releases and URL downloads).
+pub const HOST_IMAGE_CACHE: &str = "/var/lib/capk/images";
+/// Default path of the disk file inside a node-image container image.
+pub const DEFAULT_CONTAINER_DISK_PATH: &str = "/disk/image.qcow2";
+/// Where the machine Pod's init containers keep the launcher image's static busybox.
+pub const TOOLS_DIR: &str = "/var/lib/capk/tools";
+/// The node-image link the `node-image` init container leaves in the state directory (host
+/// cache mode): it points at the cached copy in [`IMAGE_DIR`].
+pub const NODE_IMAGE_LINK: &str = "/var/lib/capk/state/node-image";
+/// What the `node-image` init container runs (host-cache mode), with the static busybox the
+/// `tools` init container copied out of the launcher image, so node images need nothing but the
+/// disk file. Arguments: busybox, disk file in the node image, cache directory, link to write.
+///
+/// The copy is named by the sha256 of the disk's content and written under a temporary name,
+/// then renamed: a half-copied file is never used, whatever happens. A lock directory on the
+/// cache (busybox has no `flock`; `mkdir` is atomic) makes machine Pods that start together on
+/// one MC node copy once; a lock left by a Pod killed mid-copy is broken after 15 minutes.
+pub const NODE_IMAGE_SCRIPT: &str = r#"set -eu
+bb=$1 src=$2 cache=$3 link=$4
+[ -f "$src" ] || { echo "node image: $src is not in the node image" >&2; exit 1; }
+sum=$("$bb" sha256sum "$src" | "$bb" cut -d' ' -f1)
+dst="$cache/sha256-$sum.img"
+lock="$cache/.lock"
+until "$bb" mkdir "$lock" 2>/dev/null; do
+  if [ -n "$("$bb" find "$lock" -maxdepth 0 -mmin +15 2>/dev/null)" ]; then
+    echo "node image: breaking a lock older than 15 minutes" >&2
+    "$bb" rmdir "$lock" 2>/dev/null || true
+  fi
+  "$bb" sleep 1
+done
+trap '"$bb" rmdir "$lock" 2>/dev/null || true' EXIT
+if [ -f "$dst" ]; then
+  echo "node image: $src is cached as $dst"
+else
+  "$bb" cp "$src" "$dst.partial.$$"
+  "$bb" mv "$dst.partial.$$" "$dst"
+  echo "node image: copied $src to $dst"
+fi
+"$bb" ln -sfn "$dst" "$link"
+"#;
+
+/// How the node image reaches the launcher: volumes, init containers, and the `--image` path.
+pub struct NodeImage {
+    /// Volumes the Pod needs for it.
+    pub volumes: Vec<Volume>,
+    /// Init containers that put it in place.
+    pub init_containers: Vec<Container>,
+    /// The `--image` path the launcher boots.
+    pub path: String,
+}
+
+/// The node image: a container image through an image volume or the host cache, or a Flatcar
+/// release / URL download from the host cache.
+pub fn plan(km: &KVMMachine, defaults: &MachineDefaults) -> NodeImage {
+    let image = km.spec.image.as_ref();
+    let cache = host_path("image", HOST_IMAGE_CACHE, "DirectoryOrCreate");
+    let default_image = match (image, &defaults.default_node_image) {
+        (None, Some(i)) => Some(ContainerDiskImage {
+            image: i.clone(),
+            path: None,
+        }),
+        _ => None,
+    };
+    let container_image = image
+        .and_then(|i| i.container_image.as_ref())
+        .or(default_image.as_ref());
+    if let Some(ci) = container_image {
+        let disk = ci
+            .path
+            .clone()
+            .unwrap_or_else(|| DEFAULT_CONTAINER_DISK_PATH.into());
+        if defaults.node_image_source == NodeImageSource::ImageVolume {
+            // The container runtime pulls and caches the image by digest; it is mounted
+            // read-only and used as the qcow2 backing file, never copied.
+            let volume = Volume {
+                name: "image".into(),
+                image: Some(ImageVolumeSource {
+                    reference: Some(ci.image.clone()),
+                    pull_policy: Some("IfNotPresent".into()),
+                }),
+                ..Default::default()
+            };
+            return NodeImage {
+                volumes: vec![volume],
+                init_containers: vec![],
+                path: format!("{IMAGE_DIR}/{}", disk.trim_start_matches('/')),
+            };
+        }
+        let tools = Volume {
+            name: "tools".into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Default::default()
+        };
+        let busybox = format!("{TOOLS_DIR}/busybox");
+        let init =
+            |name: &str, image: &str, command: Vec<String>, mounts: Vec<VolumeMount>| Container {
+                name: name.into(),
+                image: Some(image.into()),
+                image_pull_policy: Some("IfNotPresent".into()),
+                command: Some(command),
+                volume_mounts: Some(mounts),
+                termination_message_policy: Some("FallbackToLogsOnError".into()),
+                ..Default::default()
+            };
+        return NodeImage {
+            volumes: vec![cache, tools],
+            init_containers: vec![
+                init(
+                    "tools",
+                    &defaults.launcher_image,
+                    vec![
+                        "/bin/busybox".into(),
+                        "cp".into(),
+                        "/bin/busybox".into(),
+                        busybox.clone(),
+                    ],
+                    vec![mount("tools", TOOLS_DIR, false)],
+                ),
+                init(
+                    "node-image",
+                    &ci.image,
+                    vec![
+                        busybox.clone(),
+                        "sh".into(),
+                        "-c".into(),
+                        NODE_IMAGE_SCRIPT.into(),
+                        "node-image".into(),
+                        busybox,
+                        disk,
+                        IMAGE_DIR.into(),
+                        NODE_IMAGE_LINK.into(),
+                    ],
+                    vec![
+                        mount("tools", TOOLS_DIR, true),
+                        mount("image", IMAGE_DIR, false),
+                        mount("state", STATE_DIR, false),
+                    ],
+                ),
+            ],
+            path: NODE_IMAGE_LINK.into(),
+        };
+    }
+    let file = match image {
+        Some(i) if i.url.is_some() => {
+            format!(
+                "sha256-{}.img",
+                i.url
+                    .as_ref()
+                    .map(|u| u.sha256.as_str())
+                    .unwrap_or_default()
+            )
+        }
+        Some(i) if i.flatcar.is_some() => {
+            let f = i.flatcar.as_ref().expect("checked");
+            format!("flatcar-{}-{}.img", channel(f.channel), f.version)
+        }
+        _ => format!("flatcar-stable-{}.img", defaults.flatcar_version),
+    };
+    NodeImage {
+        volumes: vec![cache],
+        init_containers: vec![],
+        path: format!("{IMAGE_DIR}/{file}"),
+    }
+}
+
+fn channel(c: FlatcarChannel) -> &'static str {
+    match c {
+        FlatcarChannel::Stable => "stable",
+        FlatcarChannel::Beta => "beta",
+        FlatcarChannel::Alpha => "alpha",
+        FlatcarChannel::Lts => "lts",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kvmmachine::testing::kvm_machine;
+    use serde_json::json;
+
+    #[test]
+    fn default_node_image_replaces_flatcar_only_when_the_machine_names_no_image() {
+        let defaults = MachineDefaults {
+            default_node_image: Some("localhost/capk/test-guest:dev".into()),
+            ..MachineDefaults::default()
+        };
+        let init_images = |km: &KVMMachine| -> Vec<String> {
+            plan(km, &defaults)
+                .init_containers
+                .into_iter()
+                .filter_map(|c| c.image)
+                .collect()
+        };
+        let resources = json!({"cpu": 1, "memory": "1Gi", "disk": "20Gi"});
+        let plain = kvm_machine("plain", json!({"resources": resources}));
+        assert_eq!(
+            init_images(&plain),
+            [
+                "localhost/capk/capk-launcher:dev",
+                "localhost/capk/test-guest:dev"
+            ],
+            "a machine without spec.image boots the default node image"
+        );
+        let flatcar = kvm_machine(
+            "flatcar",
+            json!({"resources": resources, "image": {"flatcar": {"channel": "beta", "version": "4230.1.0"}}}),
+        );
+        assert!(
+            init_images(&flatcar).is_empty(),
+            "a machine naming its image keeps it"
+        );
+        assert_eq!(
+            plan(&flatcar, &defaults).path,
+            "/var/lib/capk/image/flatcar-beta-4230.1.0.img"
+        );
+    }
+
+    #[test]
+    fn an_image_volume_mounts_the_container_image_without_a_copy() {
+        let km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
+                   "image": {"containerImage": {"image": "capk-test-guest:v1"}}}),
+        );
+        let defaults = MachineDefaults {
+            node_image_source: NodeImageSource::ImageVolume,
+            ..Default::default()
+        };
+        let p = plan(&km, &defaults);
+        assert!(p.init_containers.is_empty());
+        let image = p.volumes.iter().find(|v| v.name == "image");
+        assert_eq!(
+            image
+                .and_then(|v| v.image.as_ref())
+                .and_then(|i| i.reference.as_deref()),
+            Some("capk-test-guest:v1")
+        );
+        assert_eq!(p.path, "/var/lib/capk/image/disk/image.qcow2");
+    }
+}

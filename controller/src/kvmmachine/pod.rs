@@ -1,0 +1,637 @@
+//! Pure: the machine Pod. It runs `capk-launcher run` as PID 1 with the machine's settings as
+//! flags; the Ignition is a file from the Ignition Secret's volume (mode 0400), never an
+//! argument or an environment variable.
+
+use std::collections::BTreeMap;
+
+use capk_api::{
+    constants::{CLUSTER_NAME_LABEL, MACHINE_ROLE_LABEL, NODE_READY_GATE, ROLE_CONTROL_PLANE},
+    quantity::QuantityError,
+    v1alpha1::{Accel, EtcdStorageType, KVMMachine},
+};
+use k8s_openapi::{
+    api::core::v1::{
+        Affinity, Container, EmptyDirVolumeSource, ExecAction, NodeAffinity, NodeSelector,
+        NodeSelectorRequirement, NodeSelectorTerm, PersistentVolumeClaimVolumeSource, Pod,
+        PodAffinityTerm, PodAntiAffinity, PodReadinessGate, PodSpec, Probe, ResourceRequirements,
+        SecretVolumeSource, SecurityContext, Volume, WeightedPodAffinityTerm,
+    },
+    apimachinery::pkg::{
+        api::resource::Quantity,
+        apis::meta::v1::{LabelSelector, ObjectMeta},
+    },
+};
+use kube::Resource;
+
+use super::{
+    MachinePlacement,
+    ignition_secret::IGNITION_KEY,
+    names::{self, etcd_claim_name, hostname, ignition_secret_name, pod_name},
+    node_image,
+    pod_layout::{ETCD_DIR, IGNITION_DIR, IMAGE_DIR, STATE_DIR, host_path, mount},
+};
+use crate::settings::MachineDefaults;
+
+/// Seconds the launcher gives the guest for an ACPI shutdown before killing QEMU.
+pub const GUEST_SHUTDOWN_SECONDS: i64 = 300;
+
+/// Pod resources beyond the VM's own: QEMU's device and code buffers, the launcher, and the
+/// kernel's per-process overhead; requests = limits so machine Pods get Guaranteed QoS.
+///
+/// Measured (`make bench-launcher`, TCG, 1 vCPU, 256 MiB guest, test guest): QEMU RSS 391 MiB,
+/// i.e. about 135 MiB beyond the guest's whole RAM; launcher RSS 8.4 MiB. The fixed 256 MiB
+/// covers that with room for TCG's translation cache, which the launcher bounds at 128 MiB
+/// (QEMU's default is 1 GiB). Under KVM there is no translation cache; a real Flatcar guest's
+/// numbers come with the end-to-end benchmark.
+pub mod overhead {
+    /// Fixed memory overhead per machine Pod, MiB.
+    pub const FIXED_MIB: u64 = 256;
+    /// Memory overhead per vCPU, MiB.
+    pub const PER_VCPU_MIB: u64 = 16;
+    /// Memory overhead per GiB of VM memory (page tables, QEMU's RAM bookkeeping), MiB.
+    pub const PER_GIB_MIB: u64 = 16;
+    /// CPU overhead in millicores for the launcher, QEMU's I/O threads and the DHCP server.
+    pub const CPU_MILLIS: u64 = 250;
+
+    /// Memory overhead in bytes for a VM of `vcpus` vCPUs and `vm_bytes` of memory.
+    pub fn memory_bytes(vcpus: u64, vm_bytes: u64) -> u64 {
+        let mib = FIXED_MIB + PER_VCPU_MIB * vcpus + PER_GIB_MIB * vm_bytes.div_ceil(1 << 30);
+        mib << 20
+    }
+}
+
+/// Why a Pod cannot be built from the spec (shown in a condition and an Event).
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// A size in the spec cannot be turned into bytes.
+    #[error("{field}: {source}")]
+    Size {
+        /// The field's path, e.g. `spec.etcdStorage.size`.
+        field: &'static str,
+        /// Cause.
+        #[source]
+        source: QuantityError,
+    },
+}
+
+fn bytes(
+    q: Option<&capk_api::quantity::SizeQuantity>,
+    field: &'static str,
+    default: u64,
+) -> Result<u64, BuildError> {
+    match q {
+        Some(q) => q
+            .bytes()
+            .map_err(|source| BuildError::Size { field, source }),
+        None => Ok(default),
+    }
+}
+
+/// The machine Pod.
+pub fn machine_pod(
+    km: &KVMMachine,
+    placement: &MachinePlacement,
+    defaults: &MachineDefaults,
+) -> Result<Pod, BuildError> {
+    let spec = &km.spec;
+    let vcpus = u64::try_from(spec.resources.cpu.max(1)).unwrap_or(1);
+    let memory = spec
+        .resources
+        .memory
+        .bytes()
+        .map_err(|source| BuildError::Size {
+            field: "spec.resources.memory",
+            source,
+        })?;
+    let disk = spec
+        .resources
+        .disk
+        .bytes()
+        .map_err(|source| BuildError::Size {
+            field: "spec.resources.disk",
+            source,
+        })?;
+    let docker = bytes(
+        spec.resources.docker_volume_size.as_ref(),
+        "spec.resources.dockerVolumeSize",
+        defaults.docker_volume_bytes,
+    )?;
+    let kubelet = bytes(
+        spec.resources.kubelet_volume_size.as_ref(),
+        "spec.resources.kubeletVolumeSize",
+        defaults.kubelet_volume_bytes,
+    )?;
+
+    // No hostPath volumes for /dev/kvm and /dev/net/tun: a privileged container sees the node's
+    // devices, and a node without /dev/kvm must still start the Pod (accel auto falls back to TCG).
+    let mut volumes = vec![
+        Volume {
+            name: "ignition".into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(ignition_secret_name(km)),
+                default_mode: Some(0o400),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        Volume {
+            name: "state".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                // qcow2 overlays grow up to their virtual size; the data disks are sparse files.
+                size_limit: Some(Quantity((disk + docker + kubelet).to_string())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    ];
+    let mut mounts = vec![
+        mount("ignition", IGNITION_DIR, true),
+        mount("state", STATE_DIR, false),
+        mount("image", IMAGE_DIR, true),
+    ];
+
+    let node_image = node_image::plan(km, defaults);
+    volumes.extend(node_image.volumes);
+
+    let mut args = vec![
+        "run".to_owned(),
+        format!("--vcpus={vcpus}"),
+        format!("--memory={memory}"),
+        format!("--disk-size={disk}"),
+        format!("--docker-disk-size={docker}"),
+        format!("--kubelet-disk-size={kubelet}"),
+        format!("--image={}", node_image.path),
+        format!("--ignition={IGNITION_DIR}/{IGNITION_KEY}"),
+        format!("--state-dir={STATE_DIR}"),
+        format!("--hostname={}", hostname(km)),
+        format!(
+            "--role={}",
+            if placement.control_plane {
+                "control-plane"
+            } else {
+                "worker"
+            }
+        ),
+        format!(
+            "--accel={}",
+            match spec.accel.unwrap_or_default() {
+                Accel::Auto => "auto",
+                Accel::Kvm => "kvm",
+                Accel::Tcg => "tcg",
+            }
+        ),
+        format!("--grace-period-seconds={GUEST_SHUTDOWN_SECONDS}"),
+    ];
+    if let Some(dns) = &spec.dns {
+        for s in &dns.servers {
+            args.push(format!("--dns={}", s.0));
+        }
+        for s in &dns.searches {
+            args.push(format!("--dns-search={}", s.0));
+        }
+    }
+    if let Some(ntp) = &spec.ntp {
+        // The launcher hands NTP servers to the guest by DHCP, which carries addresses only.
+        for s in ntp
+            .servers
+            .iter()
+            .filter(|s| s.0.parse::<std::net::Ipv4Addr>().is_ok())
+        {
+            args.push(format!("--ntp={}", s.0));
+        }
+    }
+
+    if placement.control_plane {
+        let storage = spec.etcd_storage.as_ref();
+        let etcd_bytes = storage
+            .and_then(|s| s.size.as_ref())
+            .map(|q| {
+                q.bytes().map_err(|source| BuildError::Size {
+                    field: "spec.etcdStorage.size",
+                    source,
+                })
+            })
+            .transpose()?
+            .unwrap_or(defaults.etcd_volume_bytes);
+        let volume = match storage {
+            Some(s) if s.type_ == EtcdStorageType::PersistentVolume => Volume {
+                name: "etcd".into(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: etcd_claim_name(km),
+                    read_only: Some(false),
+                }),
+                ..Default::default()
+            },
+            Some(s) => {
+                // One directory per machine under the user's path.
+                let base = s.host_path.clone().unwrap_or_default();
+                let dir = format!(
+                    "{}/{}/{}",
+                    base.trim_end_matches('/'),
+                    km.meta().namespace.as_deref().unwrap_or("default"),
+                    pod_name(km)
+                );
+                host_path("etcd", &dir, "DirectoryOrCreate")
+            }
+            // No storage configured: etcd lives next to the VM disks (lost with the Pod).
+            None => Volume {
+                name: "etcd".into(),
+                empty_dir: Some(EmptyDirVolumeSource::default()),
+                ..Default::default()
+            },
+        };
+        volumes.push(volume);
+        mounts.push(mount("etcd", ETCD_DIR, false));
+        args.push(format!("--etcd-disk={ETCD_DIR}/etcd.img"));
+        args.push(format!("--etcd-disk-size={etcd_bytes}"));
+    } else {
+        for hv in spec.host_volumes.iter().flatten() {
+            let name = format!("hostvol-{}", sanitize(&hv.mount_tag));
+            let path = format!("/var/lib/capk/host-volumes/{}", hv.mount_tag);
+            volumes.push(host_path(&name, &hv.host_path, "Directory"));
+            mounts.push(mount(&name, &path, false));
+            args.push(format!("--host-volume={}={path}", hv.mount_tag));
+        }
+    }
+
+    let overhead_bytes = overhead::memory_bytes(vcpus, memory);
+    // One whole core per vCPU by default (Guaranteed QoS: requests = limits). With an allocation
+    // ratio N > 1 the Pod requests 1/N of that (vCPUs and overhead alike: requests are then the
+    // Pods' relative shares) and the CPU is not limited (Burstable): vCPUs share the node's
+    // cores, as KubeVirt's cpuAllocationRatio does. Memory is never overcommitted.
+    let ratio = defaults.cpu_allocation_ratio.max(1) as u64;
+    let cpu_millis = (vcpus * 1000 + overhead::CPU_MILLIS).div_ceil(ratio);
+    let memory_quantity = Quantity((memory + overhead_bytes).to_string());
+    let requests = BTreeMap::from([
+        ("cpu".to_owned(), Quantity(format!("{cpu_millis}m"))),
+        ("memory".to_owned(), memory_quantity.clone()),
+    ]);
+    let limits = if ratio == 1 {
+        requests.clone()
+    } else {
+        BTreeMap::from([("memory".to_owned(), memory_quantity)])
+    };
+
+    let probe = |kind: &str, initial: i32, period: i32, failures: i32| Probe {
+        exec: Some(ExecAction {
+            command: Some(vec!["capk-launcher".into(), "probe".into(), kind.into()]),
+        }),
+        initial_delay_seconds: Some(initial),
+        period_seconds: Some(period),
+        timeout_seconds: Some(5),
+        failure_threshold: Some(failures),
+        ..Default::default()
+    };
+
+    let container = Container {
+        name: "launcher".into(),
+        image: Some(defaults.launcher_image.clone()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(vec!["capk-launcher".into()]),
+        args: Some(args),
+        security_context: Some(SecurityContext {
+            privileged: Some(true),
+            ..Default::default()
+        }),
+        resources: Some(ResourceRequirements {
+            requests: Some(requests),
+            limits: Some(limits),
+            ..Default::default()
+        }),
+        volume_mounts: Some(mounts),
+        // Until the guest first reports bootstrap success, the readiness check every second, so
+        // the Machine is provisioned within a second of its guest (not up to a probe period
+        // later). An hour without it restarts the container (the etcd disk stays); liveness and
+        // readiness start only after it, and QEMU dying meanwhile ends the launcher anyway.
+        startup_probe: Some(probe("readiness", 1, 1, 3600)),
+        // QEMU alive and answering QMP.
+        liveness_probe: Some(probe("liveness", 0, 20, 6)),
+        // Guest heartbeat (+ API server on control planes).
+        readiness_probe: Some(probe("readiness", 0, 10, 3)),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        ..Default::default()
+    };
+
+    // Init containers get the launcher's resources: the Pod keeps Guaranteed QoS, and its
+    // effective request (the larger of init and app containers) does not grow.
+    let mut init_containers = node_image.init_containers;
+    for c in &mut init_containers {
+        c.resources = container.resources.clone();
+    }
+
+    Ok(Pod {
+        metadata: ObjectMeta {
+            name: Some(pod_name(km)),
+            namespace: km.meta().namespace.clone(),
+            labels: Some(names::labels(km, placement)),
+            // `kubectl logs|exec POD` go to the launcher (the console, capk-launcher status)
+            // without `-c launcher` and without naming the init containers.
+            annotations: Some(BTreeMap::from([(
+                "kubectl.kubernetes.io/default-container".to_owned(),
+                "launcher".to_owned(),
+            )])),
+            owner_references: km.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            hostname: Some(hostname(km)),
+            init_containers: (!init_containers.is_empty()).then_some(init_containers),
+            containers: vec![container],
+            volumes: Some(volumes),
+            restart_policy: Some("Always".into()),
+            termination_grace_period_seconds: Some(GUEST_SHUTDOWN_SECONDS + 30),
+            readiness_gates: Some(vec![PodReadinessGate {
+                condition_type: NODE_READY_GATE.into(),
+            }]),
+            // The launcher needs no access to the management cluster's API.
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            node_selector: spec.node_selector.clone().filter(|m| !m.is_empty()),
+            tolerations: spec.tolerations.clone().filter(|t| !t.is_empty()),
+            priority_class_name: spec.priority_class_name.clone(),
+            affinity: affinity(placement, defaults),
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+fn affinity(placement: &MachinePlacement, defaults: &MachineDefaults) -> Option<Affinity> {
+    let mut affinity = Affinity::default();
+    if placement.control_plane {
+        let term = PodAffinityTerm {
+            label_selector: Some(LabelSelector {
+                match_labels: Some(BTreeMap::from([
+                    (CLUSTER_NAME_LABEL.to_owned(), placement.cluster.clone()),
+                    (MACHINE_ROLE_LABEL.to_owned(), ROLE_CONTROL_PLANE.to_owned()),
+                ])),
+                ..Default::default()
+            }),
+            topology_key: "kubernetes.io/hostname".into(),
+            ..Default::default()
+        };
+        affinity.pod_anti_affinity = Some(if defaults.require_control_plane_anti_affinity {
+            PodAntiAffinity {
+                required_during_scheduling_ignored_during_execution: Some(vec![term]),
+                ..Default::default()
+            }
+        } else {
+            PodAntiAffinity {
+                preferred_during_scheduling_ignored_during_execution: Some(vec![
+                    WeightedPodAffinityTerm {
+                        weight: 100,
+                        pod_affinity_term: term,
+                    },
+                ]),
+                ..Default::default()
+            }
+        });
+    }
+    if let Some(fd) = &placement.failure_domain {
+        affinity.node_affinity = Some(NodeAffinity {
+            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+                node_selector_terms: vec![NodeSelectorTerm {
+                    match_expressions: Some(vec![NodeSelectorRequirement {
+                        key: "topology.kubernetes.io/zone".into(),
+                        operator: "In".into(),
+                        values: Some(vec![fd.clone()]),
+                    }]),
+                    ..Default::default()
+                }],
+            }),
+            ..Default::default()
+        });
+    }
+    (affinity != Affinity::default()).then_some(affinity)
+}
+
+fn sanitize(tag: &str) -> String {
+    tag.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kvmmachine::{ignition_secret, testing::kvm_machine};
+    use crate::settings::NodeImageSource;
+    use serde_json::json;
+
+    #[test]
+    fn control_plane_pod() {
+        let km = kvm_machine(
+            "demo-cp-x7k2p",
+            json!({
+                "resources": {"cpu": 2, "memory": "4Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
+                "etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/capk-etcd"},
+                "image": {"flatcar": {"channel": "stable", "version": "4230.2.3"}},
+                "dns": {"servers": ["10.96.0.10"], "searches": ["team-a.svc.cluster.local"]},
+            }),
+        );
+        let placement = MachinePlacement {
+            cluster: "demo".into(),
+            control_plane: true,
+            failure_domain: Some("zone-a".into()),
+        };
+        let pod = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap();
+        insta::assert_yaml_snapshot!(pod);
+    }
+
+    #[test]
+    fn worker_pod_with_host_volumes_and_a_container_disk_image() {
+        let km = kvm_machine(
+            "demo-md-0-abcde",
+            json!({
+                "resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
+                "hostVolumes": [{"mountTag": "Data_1", "hostPath": "/srv/data"}],
+                "image": {"containerImage": {"image": "capk-test-guest:v1"}},
+                "nodeSelector": {"kvm": "true"},
+                "priorityClassName": "workload-vms",
+            }),
+        );
+        let placement = MachinePlacement {
+            cluster: "demo".into(),
+            control_plane: false,
+            failure_domain: None,
+        };
+        let pod = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap();
+        insta::assert_yaml_snapshot!(pod);
+
+        // With image volumes the runtime mounts the image: no init containers, no copy.
+        let defaults = MachineDefaults {
+            node_image_source: NodeImageSource::ImageVolume,
+            ..Default::default()
+        };
+        let spec = machine_pod(&km, &placement, &defaults)
+            .unwrap()
+            .spec
+            .unwrap();
+        assert!(spec.init_containers.is_none());
+        let image = spec
+            .volumes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|v| v.name == "image");
+        assert_eq!(
+            image
+                .and_then(|v| v.image.as_ref())
+                .and_then(|i| i.reference.as_deref()),
+            Some("capk-test-guest:v1")
+        );
+        let args = spec.containers[0].args.clone().unwrap().join(" ");
+        assert!(
+            args.contains("--image=/var/lib/capk/image/disk/image.qcow2"),
+            "{args}"
+        );
+    }
+
+    #[test]
+    fn pod_resources_are_the_vm_plus_the_overhead() {
+        let km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 4, "memory": "8Gi", "disk": "40Gi"}}),
+        );
+        let placement = MachinePlacement {
+            cluster: "c".into(),
+            control_plane: false,
+            failure_domain: None,
+        };
+        let pod = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap();
+        let c = &pod.spec.unwrap().containers[0];
+        let r = c.resources.as_ref().unwrap();
+        assert_eq!(r.requests, r.limits, "Guaranteed QoS");
+        let mem: u64 = r.limits.as_ref().unwrap()["memory"].0.parse().unwrap();
+        // 8 GiB + 256 MiB fixed + 4 x 16 MiB + 8 x 16 MiB
+        assert_eq!(mem, (8 << 30) + ((256 + 64 + 128) << 20));
+        assert_eq!(r.limits.as_ref().unwrap()["cpu"].0, "4250m");
+
+        // Overcommitted: 4 vCPUs and the overhead at ratio 10 request a tenth of 4250m, no CPU
+        // limit; memory is still requested and limited in full.
+        let dense = MachineDefaults {
+            cpu_allocation_ratio: 10,
+            ..MachineDefaults::default()
+        };
+        let pod = machine_pod(&km, &placement, &dense).unwrap();
+        let c = &pod.spec.unwrap().containers[0];
+        let r = c.resources.as_ref().unwrap();
+        let (requests, limits) = (r.requests.as_ref().unwrap(), r.limits.as_ref().unwrap());
+        assert_eq!(requests["cpu"].0, "425m");
+        assert!(!limits.contains_key("cpu"), "Burstable: no CPU limit");
+        assert_eq!(requests["memory"], limits["memory"]);
+    }
+
+    #[test]
+    fn ignition_never_travels_in_args_or_env() {
+        let km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
+        );
+        let placement = MachinePlacement {
+            cluster: "c".into(),
+            control_plane: true,
+            failure_domain: None,
+        };
+        let secret = ignition_secret::desired(
+            &km,
+            &placement,
+            b"{\"token\":\"abcdef.0123456789abcdef\"}".to_vec(),
+            &ignition_secret::rendered_from("m-bootstrap", "42"),
+        );
+        assert!(
+            !serde_json::to_string(&secret.metadata)
+                .unwrap()
+                .contains("abcdef"),
+            "bootstrap data leaked into the Secret's metadata"
+        );
+        let pod = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap();
+        let text = serde_json::to_string(&pod).unwrap();
+        assert!(!text.contains("abcdef.0123456789abcdef"));
+        let c = &pod.spec.as_ref().unwrap().containers[0];
+        assert!(c.env.is_none());
+        let vol = pod.spec.as_ref().unwrap().volumes.as_ref().unwrap();
+        let ign = vol.iter().find(|v| v.name == "ignition").unwrap();
+        assert_eq!(ign.secret.as_ref().unwrap().default_mode, Some(0o400));
+        assert_eq!(
+            ign.secret.as_ref().unwrap().secret_name.as_deref(),
+            secret.metadata.name.as_deref()
+        );
+    }
+
+    #[test]
+    fn the_launcher_accepts_the_arguments_the_controller_builds() {
+        use clap::Parser;
+        for (control_plane, spec) in [
+            (
+                true,
+                json!({"resources": {"cpu": 2, "memory": "4Gi", "disk": "20Gi"},
+                       "etcdStorage": {"type": "persistentVolume", "size": "8Gi"},
+                       "ntp": {"servers": ["10.0.0.1", "pool.ntp.example"]}}),
+            ),
+            (
+                false,
+                json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "kubeletVolumeSize": "3Gi"},
+                       "hostVolumes": [{"mountTag": "data", "hostPath": "/srv"}],
+                       "accel": "tcg"}),
+            ),
+        ] {
+            let km = kvm_machine("m", spec);
+            let placement = MachinePlacement {
+                cluster: "c".into(),
+                control_plane,
+                failure_domain: None,
+            };
+            let pod = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap();
+            let c = &pod.spec.unwrap().containers[0];
+            let argv = c
+                .command
+                .clone()
+                .unwrap()
+                .into_iter()
+                .chain(c.args.clone().unwrap());
+            if let Err(e) = capk_launcher::cli::Cli::try_parse_from(argv) {
+                panic!("capk-launcher rejects the Pod's arguments: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_size_the_launcher_cannot_take_is_a_spec_error_naming_its_field() {
+        // 16Ei is a quantity above 0 (the CRD's rule) and more bytes than 64 bits hold.
+        let km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
+                   "etcdStorage": {"type": "persistentVolume", "size": "16Ei"}}),
+        );
+        let placement = MachinePlacement {
+            cluster: "c".into(),
+            control_plane: true,
+            failure_domain: None,
+        };
+        let err = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.starts_with("spec.etcdStorage.size: "), "{msg}");
+        let t0: k8s_openapi::jiff::Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let st = super::super::status::status(
+            &km,
+            &super::super::status::MachineState::SpecInvalid(msg),
+            &[],
+            None,
+            t0,
+        );
+        let ready = crate::conditions::find(st.conditions.as_deref().unwrap(), "Ready").unwrap();
+        assert_eq!(ready.reason, "SpecInvalid");
+        assert!(
+            ready.message.contains("spec.etcdStorage.size"),
+            "{}",
+            ready.message
+        );
+    }
+}

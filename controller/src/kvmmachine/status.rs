@@ -1,0 +1,484 @@
+//! Pure: the KVMMachine's status from where it is on its way to a running VM and what its
+//! machine Pod and Node say.
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::{Resource, ResourceExt};
+
+use super::names::hostname;
+use capk_api::v1alpha1::KVMMachine;
+
+/// Condition and Event reason of a spec that cannot be run.
+pub const REASON_SPEC_INVALID: &str = "SpecInvalid";
+
+/// Where a KVMMachine is on its way to a running VM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MachineState {
+    /// No Machine owns the KVMMachine yet.
+    WaitingForMachineOwner,
+    /// Reconciliation is paused.
+    Paused,
+    /// The Cluster's infrastructure is not provisioned yet.
+    WaitingForClusterInfrastructure,
+    /// The Machine names no bootstrap data Secret yet.
+    WaitingForBootstrapData,
+    /// The Machine names a bootstrap data Secret that does not exist (yet).
+    WaitingForBootstrapSecret(String),
+    /// The bootstrap data cannot be turned into Ignition; the message says why.
+    BootstrapDataInvalid(String),
+    /// The KVMMachine's spec cannot be run (what the CRD's schema cannot check); the message
+    /// names the field and says why.
+    SpecInvalid(String),
+    /// The Pod exists but the VM is not running yet.
+    PodStarting {
+        /// Pod name.
+        pod: String,
+        /// The Pod's phase and reason, for the message.
+        detail: String,
+    },
+    /// The machine Pod runs the VM.
+    Running {
+        /// Pod name.
+        pod: String,
+        /// Pod (= VM) IP.
+        ip: String,
+    },
+    /// The machine Pod disappeared (or failed) after the VM ran; the Machine must be replaced.
+    PodMissing,
+}
+
+/// A Kubernetes reason as a condition reason (CamelCase, no spaces), or `fallback`.
+fn reason_or(reason: Option<&str>, fallback: &'static str) -> std::borrow::Cow<'static, str> {
+    match reason {
+        Some(r)
+            if r.starts_with(|c: char| c.is_ascii_alphabetic())
+                && r.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') =>
+        {
+            r.to_owned().into()
+        }
+        _ => fallback.into(),
+    }
+}
+
+/// The conditions that follow the machine Pod: `PodScheduled` (the management cluster found it
+/// a node), `VMRunning` (the launcher container runs; it exits when QEMU dies) and
+/// `BootstrapCompleted` (the launcher's readiness probe: the guest reported bootstrap success).
+pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::conditions::DesiredCondition> {
+    use crate::conditions::DesiredCondition as C;
+    use capk_api::constants::{
+        CONDITION_BOOTSTRAP_COMPLETED, CONDITION_POD_SCHEDULED, CONDITION_VM_RUNNING,
+    };
+    let Some(pod) = pod else {
+        return [
+            CONDITION_POD_SCHEDULED,
+            CONDITION_VM_RUNNING,
+            CONDITION_BOOTSTRAP_COMPLETED,
+        ]
+        .into_iter()
+        .map(|t| C::falsy(t, "NoMachinePod", "there is no machine Pod"))
+        .collect();
+    };
+    let status = pod.status.clone().unwrap_or_default();
+    let scheduled = status
+        .conditions
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|c| c.type_ == "PodScheduled");
+    let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+    let scheduled = match (scheduled, node) {
+        (Some(c), Some(node)) if c.status == "True" => C::truthy(
+            CONDITION_POD_SCHEDULED,
+            "Scheduled",
+            format!("machine Pod is scheduled to node {node}"),
+        ),
+        (Some(c), _) if c.status != "True" => C::falsy(
+            CONDITION_POD_SCHEDULED,
+            reason_or(c.reason.as_deref(), "Unschedulable"),
+            c.message.clone().unwrap_or_default(),
+        ),
+        _ => C::falsy(
+            CONDITION_POD_SCHEDULED,
+            "WaitingForScheduler",
+            "the machine Pod waits for the scheduler",
+        ),
+    };
+    let launcher = status
+        .container_statuses
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|c| c.name == "launcher");
+    let state = launcher.and_then(|c| c.state.as_ref());
+    let restarts = launcher.map(|c| c.restart_count).unwrap_or(0);
+    let last_exit = launcher
+        .and_then(|c| c.last_state.as_ref())
+        .and_then(|s| s.terminated.as_ref())
+        .map(|t| {
+            format!(
+                "; last exit: code {}{}",
+                t.exit_code,
+                t.message
+                    .as_deref()
+                    .map(|m| format!(", {}", m.trim()))
+                    .unwrap_or_default()
+            )
+        })
+        .unwrap_or_default();
+    let running = match state {
+        Some(s) if s.running.is_some() => C::truthy(
+            CONDITION_VM_RUNNING,
+            "LauncherRunning",
+            format!("the launcher runs the VM (restarts: {restarts}{last_exit})"),
+        ),
+        Some(s) if s.waiting.is_some() => {
+            let w = s.waiting.as_ref().expect("checked");
+            C::falsy(
+                CONDITION_VM_RUNNING,
+                reason_or(w.reason.as_deref(), "LauncherWaiting"),
+                format!(
+                    "{} (restarts: {restarts}{last_exit})",
+                    w.message
+                        .as_deref()
+                        .unwrap_or("the launcher container waits to start")
+                ),
+            )
+        }
+        Some(s) if s.terminated.is_some() => {
+            let t = s.terminated.as_ref().expect("checked");
+            C::falsy(
+                CONDITION_VM_RUNNING,
+                "LauncherExited",
+                format!(
+                    "the launcher exited with code {}: {}",
+                    t.exit_code,
+                    t.message.as_deref().unwrap_or("no message").trim()
+                ),
+            )
+        }
+        _ => C::falsy(
+            CONDITION_VM_RUNNING,
+            "LauncherPending",
+            "the launcher container has not started",
+        ),
+    };
+    // The startup probe runs the readiness check every second until it first passes, and the
+    // kubelet marks the container `started` at once; `ready` follows only at the readiness
+    // probe's next period (up to 10 s later). A Pod built without a startup probe (by an older
+    // controller) is `started` as soon as it runs, so there only `ready` counts.
+    let has_startup_probe = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.containers.iter().find(|c| c.name == "launcher"))
+        .is_some_and(|c| c.startup_probe.is_some());
+    let started = has_startup_probe
+        && state.is_some_and(|s| s.running.is_some())
+        && launcher.is_some_and(|c| c.started == Some(true));
+    let bootstrapped = if launcher.is_some_and(|c| c.ready) {
+        C::truthy(
+            CONDITION_BOOTSTRAP_COMPLETED,
+            "BootstrapSucceeded",
+            "the guest reported bootstrap success and sends heartbeats",
+        )
+    } else if started {
+        C::truthy(
+            CONDITION_BOOTSTRAP_COMPLETED,
+            "BootstrapSucceeded",
+            "the guest reported bootstrap success (capk-launcher's startup probe passed)",
+        )
+    } else {
+        C::falsy(
+            CONDITION_BOOTSTRAP_COMPLETED,
+            "WaitingForBootstrap",
+            "waiting for the guest to report bootstrap success (capk-launcher probe readiness)",
+        )
+    };
+    vec![scheduled, running, bootstrapped]
+}
+
+/// The `NodeReady` condition: what the machine Pod's readiness gate says about the workload
+/// cluster's Node, or that there is no machine Pod to gate.
+pub fn node_condition(gate: Option<&crate::workload::Gate>) -> crate::conditions::DesiredCondition {
+    use crate::conditions::DesiredCondition as C;
+    use capk_api::constants::CONDITION_NODE_READY;
+    match gate {
+        Some(g) if g.ready => C::truthy(CONDITION_NODE_READY, g.reason, g.message.clone()),
+        Some(g) => C::falsy(CONDITION_NODE_READY, g.reason, g.message.clone()),
+        None => C::falsy(
+            CONDITION_NODE_READY,
+            "NoMachinePod",
+            "there is no running machine Pod, so no Node",
+        ),
+    }
+}
+
+/// Reads the machine Pod's state: running with an IP, or starting (with why).
+pub fn pod_state(pod: &Pod) -> MachineState {
+    let name = pod.name_any();
+    let status = pod.status.clone().unwrap_or_default();
+    let running = status
+        .container_statuses
+        .as_ref()
+        .and_then(|cs| cs.iter().find(|c| c.name == "launcher"))
+        .and_then(|c| c.state.as_ref())
+        .is_some_and(|s| s.running.is_some());
+    match (status.phase.as_deref(), status.pod_ip, running) {
+        (Some("Running"), Some(ip), true) => MachineState::Running { pod: name, ip },
+        (phase, _, _) => MachineState::PodStarting {
+            pod: name,
+            detail: format!(
+                "phase {}{}",
+                phase.unwrap_or("Pending"),
+                status.reason.map(|r| format!(" ({r})")).unwrap_or_default()
+            ),
+        },
+    }
+}
+
+/// The status the KVMMachine should have.
+pub fn status(
+    km: &KVMMachine,
+    state: &MachineState,
+    pod: &[crate::conditions::DesiredCondition],
+    failure_domain: Option<&str>,
+    now: k8s_openapi::jiff::Timestamp,
+) -> capk_api::v1alpha1::KVMMachineStatus {
+    use crate::conditions::{self, DesiredCondition as C};
+    use capk_api::constants::{CONDITION_PAUSED, CONDITION_READY};
+    use capk_api::v1alpha1::{Initialization, MachineAddress, MachineAddressType};
+
+    let current = km.status.clone().unwrap_or_default();
+    let generation = km.meta().generation;
+    let mut out = current.clone();
+    let mut desired = vec![match state {
+        MachineState::Paused => C::truthy(
+            CONDITION_PAUSED,
+            "Paused",
+            "the Cluster or this object is paused; nothing is changed until it is unpaused",
+        ),
+        _ => C::falsy(CONDITION_PAUSED, "NotPaused", ""),
+    }];
+    let ready = match state {
+        MachineState::Paused => None,
+        MachineState::WaitingForMachineOwner => Some(C::falsy(
+            CONDITION_READY,
+            "WaitingForMachineOwner",
+            "waiting for Cluster API to set a Machine as owner of this KVMMachine",
+        )),
+        MachineState::WaitingForClusterInfrastructure => Some(C::falsy(
+            CONDITION_READY,
+            "WaitingForClusterInfrastructure",
+            "waiting for the Cluster's infrastructure (KVMCluster) to be provisioned",
+        )),
+        MachineState::WaitingForBootstrapData => Some(C::falsy(
+            CONDITION_READY,
+            "WaitingForBootstrapData",
+            "waiting for the bootstrap provider to set the Machine's spec.bootstrap.dataSecretName",
+        )),
+        MachineState::WaitingForBootstrapSecret(name) => Some(C::falsy(
+            CONDITION_READY,
+            "WaitingForBootstrapData",
+            format!("waiting for the Machine's bootstrap data Secret {name} to exist"),
+        )),
+        MachineState::BootstrapDataInvalid(msg) => Some(C::falsy(
+            CONDITION_READY,
+            "BootstrapDataInvalid",
+            format!("cannot convert the bootstrap data to Ignition: {msg}"),
+        )),
+        MachineState::SpecInvalid(msg) => Some(C::falsy(
+            CONDITION_READY,
+            REASON_SPEC_INVALID,
+            format!("the spec cannot be run: {msg}"),
+        )),
+        MachineState::PodStarting { pod, detail } => Some(C::falsy(
+            CONDITION_READY,
+            "VMStarting",
+            format!("machine Pod {pod}: {detail}"),
+        )),
+        MachineState::Running { pod, .. } => Some(C::truthy(
+            CONDITION_READY,
+            "VMRunning",
+            format!("the VM runs in machine Pod {pod}"),
+        )),
+        MachineState::PodMissing => Some(C::falsy(
+            CONDITION_READY,
+            "MachinePodMissing",
+            "the machine Pod is gone or failed, and with it the VM and its disks; the Machine \
+             needs replacing (a MachineHealthCheck does this)",
+        )),
+    };
+    desired.extend(ready);
+    if !matches!(state, MachineState::Paused) {
+        desired.extend_from_slice(pod);
+    }
+    match state {
+        MachineState::PodStarting { pod, .. } => {
+            out.pod_name = Some(pod.clone());
+        }
+        MachineState::Running { pod, ip } => {
+            out.pod_name = Some(pod.clone());
+            out.addresses = Some(vec![
+                MachineAddress {
+                    type_: MachineAddressType::InternalIP,
+                    address: ip.clone(),
+                },
+                MachineAddress {
+                    type_: MachineAddressType::Hostname,
+                    address: hostname(km),
+                },
+            ]);
+            out.initialization = Some(Initialization {
+                provisioned: Some(true),
+            });
+            out.ready = Some(true);
+        }
+        _ => {}
+    }
+    if !matches!(state, MachineState::Paused) {
+        out.failure_domain = failure_domain.map(str::to_owned);
+        out.observed_generation = generation;
+    }
+    out.conditions = Some(conditions::merge(
+        current.conditions.as_deref().unwrap_or_default(),
+        &desired,
+        generation,
+        now,
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kvmmachine::testing::kvm_machine;
+    use serde_json::json;
+
+    #[test]
+    fn a_lost_pod_turns_ready_false_but_keeps_provisioned() {
+        let t0: k8s_openapi::jiff::Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let mut km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
+        );
+        let running = MachineState::Running {
+            pod: "m".into(),
+            ip: "10.0.0.5".into(),
+        };
+        km.status = Some(status(&km, &running, &[], Some("zone-a"), t0));
+        let lost = status(
+            &km,
+            &MachineState::PodMissing,
+            &pod_conditions(None),
+            Some("zone-a"),
+            t0,
+        );
+        let ready = lost
+            .conditions
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .unwrap();
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "MachinePodMissing")
+        );
+        // The contract: provisioned never goes back to false.
+        assert_eq!(lost.initialization.unwrap().provisioned, Some(true));
+        assert_eq!(lost.failure_domain.as_deref(), Some("zone-a"));
+    }
+
+    fn pod(status: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "m"},
+            "spec": {"nodeName": "mc-node-1", "containers": [{"name": "launcher"}]},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    fn summary(cs: &[crate::conditions::DesiredCondition]) -> Vec<(&str, bool, String)> {
+        cs.iter()
+            .map(|c| (c.type_, c.status, c.reason.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn pod_conditions_tell_the_story_of_the_machine_pod() {
+        let none = pod_conditions(None);
+        assert!(none.iter().all(|c| !c.status && c.reason == "NoMachinePod"));
+
+        let unschedulable = pod(json!({"phase": "Pending", "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": "0/3 nodes are available: 3 Insufficient memory."}]}));
+        let cs = pod_conditions(Some(&unschedulable));
+        assert_eq!(
+            summary(&cs)[0],
+            ("PodScheduled", false, "Unschedulable".into())
+        );
+        assert!(cs[0].message.contains("Insufficient memory"));
+
+        let crashing = pod(json!({"phase": "Running",
+            "conditions": [{"type": "PodScheduled", "status": "True"}],
+            "containerStatuses": [{"name": "launcher", "ready": false, "restartCount": 3,
+                "image": "i", "imageID": "", "state": {"waiting": {"reason": "CrashLoopBackOff",
+                "message": "back-off 40s restarting failed container"}},
+                "lastState": {"terminated": {"exitCode": 1,
+                "message": "qemu exited: guest panicked"}}}]}));
+        let cs = pod_conditions(Some(&crashing));
+        assert_eq!(
+            summary(&cs),
+            vec![
+                ("PodScheduled", true, "Scheduled".into()),
+                ("VMRunning", false, "CrashLoopBackOff".into()),
+                ("BootstrapCompleted", false, "WaitingForBootstrap".into()),
+            ]
+        );
+        assert!(
+            cs[1].message.contains("guest panicked"),
+            "{}",
+            cs[1].message
+        );
+        assert!(cs[1].message.contains("restarts: 3"), "{}", cs[1].message);
+
+        let ready = pod(json!({"phase": "Running",
+            "conditions": [{"type": "PodScheduled", "status": "True"}],
+            "containerStatuses": [{"name": "launcher", "ready": true, "restartCount": 0,
+                "image": "i", "imageID": "", "state": {"running": {}}}]}));
+        assert_eq!(
+            summary(&pod_conditions(Some(&ready))),
+            vec![
+                ("PodScheduled", true, "Scheduled".into()),
+                ("VMRunning", true, "LauncherRunning".into()),
+                ("BootstrapCompleted", true, "BootstrapSucceeded".into()),
+            ]
+        );
+
+        // The startup probe passed (started) before the readiness probe's next period: the
+        // bootstrap is complete. Without a startup probe (a Pod of an older controller),
+        // `started` only means the container runs.
+        let started = |probe: bool| {
+            let mut p = pod(json!({"phase": "Running",
+                "conditions": [{"type": "PodScheduled", "status": "True"}],
+                "containerStatuses": [{"name": "launcher", "ready": false, "started": true,
+                    "restartCount": 0, "image": "i", "imageID": "", "state": {"running": {}}}]}));
+            if probe {
+                p.spec.as_mut().unwrap().containers[0].startup_probe = Some(Default::default());
+            }
+            let c = &pod_conditions(Some(&p))[2];
+            (c.type_, c.status, c.reason.to_string())
+        };
+        assert_eq!(
+            started(true),
+            ("BootstrapCompleted", true, "BootstrapSucceeded".into())
+        );
+        assert_eq!(
+            started(false),
+            ("BootstrapCompleted", false, "WaitingForBootstrap".into())
+        );
+
+        // A reason that is not a condition reason is replaced, not copied.
+        let odd = pod(json!({"phase": "Pending", "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "no good"}]}));
+        assert_eq!(pod_conditions(Some(&odd))[0].reason, "Unschedulable");
+    }
+}
