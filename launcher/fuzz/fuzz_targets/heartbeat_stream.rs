@@ -25,7 +25,11 @@ fuzz_target!(|data: &[u8]| {
         while !rest.is_empty() {
             let (taken, frame) = framer.feed(rest);
             assert!(taken > 0 && taken <= rest.len());
-            assert!(framer.buffered() <= cap, "holds {} > {cap}", framer.buffered());
+            assert!(
+                framer.buffered() <= cap,
+                "holds {} > {cap}",
+                framer.buffered()
+            );
             rest = &rest[taken..];
             frames.extend(frame);
         }
