@@ -180,7 +180,8 @@ fn probe_with(
     let start = Instant::now();
     let result = match rx.recv_timeout(timeout) {
         Ok(Outcome::Ran(r)) => r,
-        Ok(Outcome::Cancelled) => unreachable!("only a stop request cancels the probe"),
+        // Only a stop request cancels the probe, and none was sent yet.
+        Ok(Outcome::Cancelled) => Err(KvmUnusable::Timeout(start.elapsed())),
         Err(_) => {
             // The flag is seen by a thread that has not reached its check before KVM_RUN yet;
             // the signal (with immediate_exit) by one past it, in KVM_RUN or about to enter it.
