@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use capk_api::v1alpha1::KVMMachine;
 use capk_tests::env::TestEnv;
 use k8s_openapi::api::{
-    core::v1::{Pod, Secret},
+    core::v1::{PersistentVolumeClaim, Pod, Secret},
     events::v1::Event,
 };
 use kube::{
@@ -391,7 +391,7 @@ async fn a_restarted_controller_makes_no_duplicate_pods() -> Result<()> {
 }
 
 #[tokio::test]
-async fn a_spec_that_cannot_run_is_reported_with_its_field() -> Result<()> {
+async fn a_spec_that_cannot_run_is_reported_and_nothing_is_applied() -> Result<()> {
     let ns = "kvmmachine-bad-spec";
     let (client, _stop) = setup(ns).await?;
     support::bootstrap_secret(&client, ns, "demo-cp-5", CLOUD_CONFIG).await?;
@@ -416,11 +416,40 @@ async fn a_spec_that_cannot_run_is_reported_with_its_field() -> Result<()> {
         }))
     })
     .await?;
+    // Validated before anything is applied: no Ignition Secret, no etcd PVC, no Pod.
     assert!(
         Api::<Pod>::namespaced(client.clone(), ns)
             .get_opt("demo-cp-5")
             .await?
             .is_none()
     );
+    assert!(
+        Api::<Secret>::namespaced(client.clone(), ns)
+            .get_opt("demo-cp-5-ignition")
+            .await?
+            .is_none(),
+        "the Ignition Secret was applied for a spec that cannot run"
+    );
+    assert!(
+        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns)
+            .get_opt("demo-cp-5-etcd")
+            .await?
+            .is_none(),
+        "the etcd PVC was created for a spec that cannot run"
+    );
+
+    // Fixed, the machine goes on.
+    kms.patch(
+        "demo-cp-5",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"spec": {"etcdStorage": {"size": "8Gi"}}})),
+    )
+    .await?;
+    eventually(30, "the machine Pod once the spec is fixed", || async {
+        Ok(Api::<Pod>::namespaced(client.clone(), ns)
+            .get_opt("demo-cp-5")
+            .await?)
+    })
+    .await?;
     Ok(())
 }

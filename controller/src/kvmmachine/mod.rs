@@ -1,5 +1,7 @@
-//! KVMMachine reconciler: fetch (Machine, Cluster, bootstrap Secret) → build (pure, in
-//! [`build`]) → apply (Ignition Secret, etcd PVC, machine Pod) → status.
+//! KVMMachine reconciler, a pipeline read top to bottom in [`apply`]: fetch (Machine, Cluster,
+//! bootstrap data) → validate the spec ([`validate`], pure) → build the desired objects (pure,
+//! one module each: [`ignition_secret`], [`etcd_claim`], [`pod`] with [`node_image`]) → apply
+//! them → one status write ([`status`]).
 
 pub mod etcd_claim;
 pub mod ignition_secret;
@@ -8,6 +10,7 @@ pub mod node_image;
 pub mod pod;
 pub mod pod_layout;
 pub mod status;
+pub mod validate;
 
 use std::{sync::Arc, time::Duration};
 
@@ -41,6 +44,10 @@ use crate::{
     context::{Context, FIELD_MANAGER},
     error::{Error, Result},
     report,
+    workload::{
+        Gate, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_REFUSED, kubeconfig_secret_name,
+        set_gate,
+    },
 };
 
 /// Where the owning Machine puts this machine: its cluster, its role and its failure domain.
@@ -132,69 +139,74 @@ async fn patch_machine(
     Ok(Some(patched))
 }
 
-/// The machine's Ignition Secret, rendered from the bootstrap data when it is missing or was
-/// rendered from another version of it. `Err(state)` when the machine must wait or the data is
-/// bad (reported by the caller).
-async fn ensure_ignition(
-    km: &KVMMachine,
-    placement: &MachinePlacement,
-    secret_name: &str,
-    ctx: &Context,
-) -> Result<std::result::Result<(), MachineState>> {
+/// The bootstrap data, as far as the Ignition Secret needs it.
+enum Bootstrap {
+    /// The Ignition Secret was rendered from the bootstrap data's current version (and this
+    /// controller's converter): nothing to read or render.
+    Rendered,
+    /// The bootstrap data to render: the Secret's `value` and `format`, and what it is (the
+    /// Ignition Secret's annotation, [`ignition_secret::rendered_from`]).
+    Read {
+        value: Vec<u8>,
+        format: Option<String>,
+        source: String,
+    },
+}
+
+/// Fetches the bootstrap data Secret `name`, unless the Ignition Secret was rendered from its
+/// current version. `None` while it does not exist.
+async fn fetch_bootstrap(km: &KVMMachine, name: &str, ctx: &Context) -> Result<Option<Bootstrap>> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
-    let Some(meta) = ctx.caches.secret(&ns, secret_name) else {
-        return Ok(Err(MachineState::WaitingForBootstrapSecret(
-            secret_name.to_owned(),
-        )));
+    let Some(meta) = ctx.caches.secret(&ns, name) else {
+        return Ok(None);
     };
-    let source =
-        ignition_secret::rendered_from(secret_name, &meta.resource_version().unwrap_or_default());
+    let source = ignition_secret::rendered_from(name, &meta.resource_version().unwrap_or_default());
     let current = ctx.caches.secret(&ns, &names::ignition_secret_name(km));
     if current.is_some_and(|s| s.annotations().get(RENDERED_FROM_ANNOTATION) == Some(&source)) {
-        return Ok(Ok(()));
+        return Ok(Some(Bootstrap::Rendered));
     }
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-    let Some(bootstrap) = secrets
-        .get_opt(secret_name)
+    let Some(secret) = secrets
+        .get_opt(name)
         .await
-        .map_err(read_err("Secret", secret_name))?
+        .map_err(read_err("Secret", name))?
     else {
-        return Ok(Err(MachineState::WaitingForBootstrapSecret(
-            secret_name.to_owned(),
-        )));
+        return Ok(None);
     };
     // Render from what was read, recorded with the version that was read.
-    let source = ignition_secret::rendered_from(
-        secret_name,
-        &bootstrap.resource_version().unwrap_or_default(),
-    );
-    let data = bootstrap.data.unwrap_or_default();
-    let value = data.get("value").map(|b| b.0.clone()).unwrap_or_default();
-    let format = data
-        .get("format")
-        .map(|b| String::from_utf8_lossy(&b.0).into_owned());
-    match ignition_secret::render(km, format.as_deref(), &value) {
-        Ok(json) => {
-            let secret = ignition_secret::desired(km, placement, json, &source);
-            apply_object(&secrets, &secret, "Secret").await?;
-            Ok(Ok(()))
-        }
-        Err(msg) => {
-            if !has_ready_reason(km, "BootstrapDataInvalid", &msg) {
-                publish(
-                    ctx,
-                    km,
-                    EventType::Warning,
-                    "BootstrapDataInvalid",
-                    msg.clone(),
-                )
-                .await;
-            }
-            Ok(Err(MachineState::BootstrapDataInvalid(msg)))
+    let source =
+        ignition_secret::rendered_from(name, &secret.resource_version().unwrap_or_default());
+    let data = secret.data.unwrap_or_default();
+    Ok(Some(Bootstrap::Read {
+        value: data.get("value").map(|b| b.0.clone()).unwrap_or_default(),
+        format: data
+            .get("format")
+            .map(|b| String::from_utf8_lossy(&b.0).into_owned()),
+        source,
+    }))
+}
+
+/// What the pipeline found: where the machine is, its Pod and what the Pod's readiness gate
+/// says about its Node.
+struct Observed {
+    state: MachineState,
+    pod: Option<Pod>,
+    gate: Option<Gate>,
+}
+
+impl Observed {
+    fn waiting(state: MachineState) -> Self {
+        Self {
+            state,
+            pod: None,
+            gate: None,
         }
     }
 }
 
+/// The KVMMachine pipeline, top to bottom: fetch what the machine depends on → validate its spec
+/// (pure) → build every desired object (pure) → apply them → write the status, once. A step that
+/// cannot go on says why in the status; nothing after it runs.
 async fn apply(
     api: &Api<KVMMachine>,
     km: &KVMMachine,
@@ -203,187 +215,191 @@ async fn apply(
     ctx: &Context,
 ) -> Result<Action> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
-    let pod_name = names::pod_name(km);
-    let cached_pod = ctx.caches.pods.get(&ObjectRef::new(&pod_name).within(&ns));
-    let waiting = |state: MachineState| async move {
-        let fd = machine.and_then(|m| m.spec.failure_domain.as_deref());
-        let mut conditions = status::pod_conditions(None);
-        conditions.push(status::node_condition(None));
-        write_status(api, km, &state, &conditions, fd).await?;
-        Ok(Action::await_change())
-    };
-    let Some(machine) = machine else {
-        return waiting(MachineState::WaitingForMachineOwner).await;
-    };
-    let fd = machine.spec.failure_domain.as_deref();
-    if !cluster.is_some_and(Cluster::infrastructure_provisioned) {
-        return waiting(MachineState::WaitingForClusterInfrastructure).await;
-    }
-    let Some(secret_name) = machine.spec.bootstrap.data_secret_name.clone() else {
-        return waiting(MachineState::WaitingForBootstrapData).await;
-    };
-    let placement = MachinePlacement {
-        cluster: machine.spec.cluster_name.clone(),
-        control_plane: machine.is_control_plane(),
-        failure_domain: machine.spec.failure_domain.clone(),
-    };
-
-    // Bootstrap data → Ignition Secret. A conversion error is the user's to fix: a condition
-    // and an Event say what is wrong, and no Pod is created.
-    if let Err(state) = ensure_ignition(km, &placement, &secret_name, ctx).await? {
-        return waiting(state).await;
-    }
-
-    if let Some(pvc) = etcd_claim::desired(km, &placement) {
-        let cached = ctx
-            .caches
-            .claims
-            .get(&ObjectRef::new(&pvc.name_any()).within(&ns));
-        if cached.is_none() {
-            let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-            create_if_absent(&pvcs, &pvc, "PersistentVolumeClaim").await?;
-        }
-    }
-
-    // The machine Pod: created once; a Pod's spec is immutable, so drift is not patched.
-    let pod = match pod::machine_pod(km, &placement, &ctx.settings.machine_defaults) {
-        Ok(p) => p,
-        Err(e) => {
-            // The user's to fix: a condition and, once, a Warning Event; no Pod.
-            let msg = e.to_string();
-            if !has_ready_reason(km, status::REASON_SPEC_INVALID, &msg) {
-                publish(
-                    ctx,
-                    km,
-                    EventType::Warning,
-                    status::REASON_SPEC_INVALID,
-                    msg.clone(),
-                )
-                .await;
-            }
-            return waiting(MachineState::SpecInvalid(msg)).await;
-        }
-    };
+    let defaults = &ctx.settings.machine_defaults;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let was_provisioned = km
-        .status
-        .as_ref()
-        .and_then(|s| s.initialization.as_ref())
-        .and_then(|i| i.provisioned)
-        .unwrap_or(false);
-    // The cache can lag: a provisioned machine whose Pod the cache does not show is checked
-    // with the apiserver before it is declared lost.
-    let existing = match cached_pod {
-        Some(p) => Some((*p).clone()),
-        None if was_provisioned => pods
-            .get_opt(&pod_name)
-            .await
-            .map_err(read_err("Pod", &pod_name))?,
-        None => None,
-    };
-    // A provisioned machine whose Pod is gone (or failed for good) lost its VM and ephemeral
-    // disks: report it and let a MachineHealthCheck replace the Machine, rather than silently
-    // booting a fresh VM under the same Machine.
-    let lost = was_provisioned
-        && existing
-            .as_ref()
-            .is_none_or(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed"));
-    if lost {
-        let already = km
+    // The KVMMachine as last written by this reconcile.
+    let mut current = km.clone();
+    let observed = 'pipeline: {
+        // 1. Fetch: the owner Machine, its Cluster's infrastructure, the bootstrap data.
+        let Some(machine) = machine else {
+            break 'pipeline Observed::waiting(MachineState::WaitingForMachineOwner);
+        };
+        if !cluster.is_some_and(Cluster::infrastructure_provisioned) {
+            break 'pipeline Observed::waiting(MachineState::WaitingForClusterInfrastructure);
+        }
+        let Some(secret_name) = machine.spec.bootstrap.data_secret_name.as_deref() else {
+            break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapData);
+        };
+        let placement = MachinePlacement {
+            cluster: machine.spec.cluster_name.clone(),
+            control_plane: machine.is_control_plane(),
+            failure_domain: machine.spec.failure_domain.clone(),
+        };
+        let Some(bootstrap) = fetch_bootstrap(km, secret_name, ctx).await? else {
+            let name = secret_name.to_owned();
+            break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapSecret(name));
+        };
+
+        // 2. Validate: a spec the launcher or the apiserver would refuse is the user's to fix
+        // (a condition, a Warning Event), and nothing is applied for it.
+        let valid = match validate::validate(km, &placement, defaults) {
+            Ok(v) => v,
+            Err(e) => {
+                let msg = e.to_string();
+                warn_once(ctx, km, status::REASON_SPEC_INVALID, &msg).await;
+                break 'pipeline Observed::waiting(MachineState::SpecInvalid(msg));
+            }
+        };
+
+        // 3. Build every desired object. Bootstrap data that does not convert is the user's
+        // (or the bootstrap provider's) to fix, like a bad spec.
+        let ignition = match bootstrap {
+            Bootstrap::Rendered => None,
+            Bootstrap::Read {
+                value,
+                format,
+                source,
+            } => match ignition_secret::render(km, format.as_deref(), &value) {
+                Ok(json) => Some(ignition_secret::desired(km, &placement, json, &source)),
+                Err(msg) => {
+                    warn_once(ctx, km, status::REASON_BOOTSTRAP_DATA_INVALID, &msg).await;
+                    break 'pipeline Observed::waiting(MachineState::BootstrapDataInvalid(msg));
+                }
+            },
+        };
+        let claim = etcd_claim::desired(km, &placement);
+        let desired_pod = pod::machine_pod(km, &placement, &valid, defaults);
+
+        // 4. Apply: the Ignition Secret, the etcd PVC, then the machine Pod.
+        if let Some(secret) = ignition {
+            apply_object(&Api::namespaced(ctx.client.clone(), &ns), &secret, "Secret").await?;
+        }
+        if let Some(pvc) = claim {
+            let cached = ctx
+                .caches
+                .claims
+                .get(&ObjectRef::new(&pvc.name_any()).within(&ns));
+            if cached.is_none() {
+                let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
+                create_if_absent(&pvcs, &pvc, "PersistentVolumeClaim").await?;
+            }
+        }
+        let pod_name = names::pod_name(km);
+        let was_provisioned = km
             .status
             .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|cs| cs.iter().any(|c| c.reason == "MachinePodMissing"));
-        if !already {
+            .and_then(|s| s.initialization.as_ref())
+            .and_then(|i| i.provisioned)
+            .unwrap_or(false);
+        // The cache can lag: a provisioned machine whose Pod the cache does not show is checked
+        // with the apiserver before it is declared lost.
+        let existing = match ctx.caches.pods.get(&ObjectRef::new(&pod_name).within(&ns)) {
+            Some(p) => Some((*p).clone()),
+            None if was_provisioned => pods
+                .get_opt(&pod_name)
+                .await
+                .map_err(read_err("Pod", &pod_name))?,
+            None => None,
+        };
+        // A provisioned machine whose Pod is gone (or failed for good) lost its VM and ephemeral
+        // disks: report it and let a MachineHealthCheck replace the Machine, rather than
+        // silently booting a fresh VM under the same Machine.
+        let lost = was_provisioned
+            && existing.as_ref().is_none_or(|p| {
+                p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")
+            });
+        if lost {
+            let msg = format!(
+                "machine Pod {pod_name} is gone or failed; the VM is lost and the Machine needs replacing"
+            );
+            if !has_ready_reason(km, status::REASON_MACHINE_POD_MISSING, "") {
+                let reason = status::REASON_MACHINE_POD_MISSING;
+                publish(ctx, km, EventType::Warning, reason, msg).await;
+            }
+            break 'pipeline Observed {
+                state: MachineState::PodMissing,
+                pod: existing,
+                gate: None,
+            };
+        }
+        // A Pod's spec is immutable: it is created once, and drift is not patched.
+        let existing = match existing {
+            Some(p) => p,
+            None => {
+                // clusterctl move waits while a Pod is being created: a moved KVMMachine whose
+                // Pod creation was cut short would otherwise look unprovisioned forever.
+                if let Some(patched) = patch_machine(api, km, true).await? {
+                    current = patched;
+                }
+                info!(pod = %pod_name, "creating machine Pod");
+                let (created, new) = create_if_absent(&pods, &desired_pod, "Pod").await?;
+                if new {
+                    let note = format!("created machine Pod {pod_name}");
+                    publish(ctx, km, EventType::Normal, "MachinePodCreated", note).await;
+                }
+                created
+            }
+        };
+
+        // The Node in the workload cluster: the Pod's readiness gate follows it (the Node watch
+        // wakes this machine when it changes). A kubeconfig that is refused or unusable is the
+        // user's to fix: a Warning Event, once.
+        let kubeconfig = ctx
+            .caches
+            .secret(&ns, &kubeconfig_secret_name(&placement.cluster))
+            .map(|m| m.resource_version().unwrap_or_default());
+        let gate = ctx
+            .workloads
+            .node_gate(
+                &ctx.client,
+                kubeconfig.as_deref(),
+                &ns,
+                &placement.cluster,
+                &names::hostname(km),
+                &provider_id(&ns, &km.name_any()),
+            )
+            .await;
+        if [REASON_KUBECONFIG_REFUSED, REASON_KUBECONFIG_INVALID].contains(&gate.reason)
+            && !has_condition(km, &status::node_condition(Some(&gate)))
+        {
             publish(
                 ctx,
                 km,
                 EventType::Warning,
-                "MachinePodMissing",
-                format!("machine Pod {pod_name} is gone or failed; the VM is lost and the Machine needs replacing"),
+                gate.reason,
+                gate.message.clone(),
             )
             .await;
         }
-        let mut conditions = status::pod_conditions(existing.as_ref());
-        conditions.push(status::node_condition(None));
-        write_status(api, km, &MachineState::PodMissing, &conditions, fd).await?;
-        return Ok(Action::await_change());
-    }
-    // The KVMMachine as last written by this reconcile.
-    let mut current = km.clone();
-    let existing = match existing {
-        Some(p) => p,
-        None => {
-            // clusterctl move waits while a Pod is being created: a moved KVMMachine whose Pod
-            // creation was cut short would otherwise look unprovisioned forever.
-            if let Some(patched) = patch_machine(api, km, true).await? {
-                current = patched;
-            }
-            info!(pod = %pod_name, "creating machine Pod");
-            let (created, new) = create_if_absent(&pods, &pod, "Pod").await?;
-            if new {
-                publish(
-                    ctx,
-                    km,
-                    EventType::Normal,
-                    "MachinePodCreated",
-                    format!("created machine Pod {pod_name}"),
-                )
-                .await;
-            }
-            created
+        Observed {
+            state: status::pod_state(&existing),
+            pod: Some(existing),
+            gate: Some(gate),
         }
     };
 
-    let state = status::pod_state(&existing);
-    // The readiness gate follows the workload cluster's Node; the Node watch wakes this
-    // machine when it changes.
-    let gate = ctx
-        .workloads
-        .node_gate(
-            &ctx.client,
-            ctx.caches
-                .secret(
-                    &ns,
-                    &crate::workload::kubeconfig_secret_name(&placement.cluster),
-                )
-                .map(|m| m.resource_version().unwrap_or_default())
-                .as_deref(),
-            &ns,
-            &placement.cluster,
-            &names::hostname(km),
-            &provider_id(&ns, &km.name_any()),
-        )
-        .await;
-    let node = status::node_condition(Some(&gate));
-    // A kubeconfig that is refused or unusable is the user's to fix: a Warning Event, once.
-    if [
-        crate::workload::REASON_KUBECONFIG_REFUSED,
-        crate::workload::REASON_KUBECONFIG_INVALID,
-    ]
-    .contains(&gate.reason)
-        && !has_condition(km, &node)
-    {
-        publish(
-            ctx,
-            km,
-            EventType::Warning,
-            gate.reason,
-            gate.message.clone(),
-        )
-        .await;
-    }
-    let mut conditions = status::pod_conditions(Some(&existing));
-    conditions.push(node);
-    write_status(api, &current, &state, &conditions, fd).await?;
-    // The Pod exists and the status records it: clusterctl move may go (and providerID is set
-    // here if a restart came between the Pod's creation and the first patch).
-    patch_machine(api, &current, false).await?;
-
-    if let Err(e) = crate::workload::set_gate(&pods, &existing, &gate).await {
-        warn!(error = %e, "cannot set the machine Pod's readiness gate");
+    // 5. Status: one write. Then what may only follow it: with the Pod recorded, clusterctl
+    // move may go (and providerID is set here if a restart came between the Pod's creation and
+    // the first patch); the Pod's readiness gate.
+    let mut conditions = status::pod_conditions(observed.pod.as_ref());
+    conditions.push(status::node_condition(observed.gate.as_ref()));
+    let failure_domain = machine.and_then(|m| m.spec.failure_domain.as_deref());
+    write_status(api, &current, &observed.state, &conditions, failure_domain).await?;
+    if let (Some(pod), Some(gate)) = (&observed.pod, &observed.gate) {
+        patch_machine(api, &current, false).await?;
+        if let Err(e) = set_gate(&pods, pod, gate).await {
+            warn!(error = %e, "cannot set the machine Pod's readiness gate");
+        }
     }
     Ok(Action::await_change())
+}
+
+/// Publishes a Warning Event for a condition the user must act on, unless the KVMMachine's
+/// `Ready` condition already reports it (the Event went out with it).
+async fn warn_once(ctx: &Context, km: &KVMMachine, reason: &str, msg: &str) {
+    if !has_ready_reason(km, reason, msg) {
+        publish(ctx, km, EventType::Warning, reason, msg.to_owned()).await;
+    }
 }
 
 /// Whether the KVMMachine's `Ready` condition already reports `reason` with `detail` in its

@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 
 use capk_api::{
     constants::{CLUSTER_NAME_LABEL, MACHINE_ROLE_LABEL, NODE_READY_GATE, ROLE_CONTROL_PLANE},
-    quantity::QuantityError,
     v1alpha1::{Accel, EtcdStorageType, KVMMachine},
 };
 use k8s_openapi::{
@@ -29,6 +28,7 @@ use super::{
     names::{self, etcd_claim_name, hostname, ignition_secret_name, pod_name},
     node_image,
     pod_layout::{ETCD_DIR, IGNITION_DIR, IMAGE_DIR, STATE_DIR, host_path, mount},
+    validate::ValidSpec,
 };
 use crate::settings::MachineDefaults;
 
@@ -60,67 +60,17 @@ pub mod overhead {
     }
 }
 
-/// Why a Pod cannot be built from the spec (shown in a condition and an Event).
-#[derive(Debug, thiserror::Error)]
-pub enum BuildError {
-    /// A size in the spec cannot be turned into bytes.
-    #[error("{field}: {source}")]
-    Size {
-        /// The field's path, e.g. `spec.etcdStorage.size`.
-        field: &'static str,
-        /// Cause.
-        #[source]
-        source: QuantityError,
-    },
-}
-
-fn bytes(
-    q: Option<&capk_api::quantity::SizeQuantity>,
-    field: &'static str,
-    default: u64,
-) -> Result<u64, BuildError> {
-    match q {
-        Some(q) => q
-            .bytes()
-            .map_err(|source| BuildError::Size { field, source }),
-        None => Ok(default),
-    }
-}
-
-/// The machine Pod.
+/// The machine Pod of a spec that passed [`validate`](super::validate::validate).
 pub fn machine_pod(
     km: &KVMMachine,
     placement: &MachinePlacement,
+    valid: &ValidSpec,
     defaults: &MachineDefaults,
-) -> Result<Pod, BuildError> {
+) -> Pod {
     let spec = &km.spec;
-    let vcpus = u64::try_from(spec.resources.cpu.max(1)).unwrap_or(1);
-    let memory = spec
-        .resources
-        .memory
-        .bytes()
-        .map_err(|source| BuildError::Size {
-            field: "spec.resources.memory",
-            source,
-        })?;
-    let disk = spec
-        .resources
-        .disk
-        .bytes()
-        .map_err(|source| BuildError::Size {
-            field: "spec.resources.disk",
-            source,
-        })?;
-    let docker = bytes(
-        spec.resources.docker_volume_size.as_ref(),
-        "spec.resources.dockerVolumeSize",
-        defaults.docker_volume_bytes,
-    )?;
-    let kubelet = bytes(
-        spec.resources.kubelet_volume_size.as_ref(),
-        "spec.resources.kubeletVolumeSize",
-        defaults.kubelet_volume_bytes,
-    )?;
+    let vcpus = u64::from(valid.vcpus);
+    let (memory, disk) = (valid.memory, valid.disk);
+    let (docker, kubelet) = (valid.docker_disk, valid.kubelet_disk);
 
     // No hostPath volumes for /dev/kvm and /dev/net/tun: a privileged container sees the node's
     // devices, and a node without /dev/kvm must still start the Pod (accel auto falls back to TCG).
@@ -203,16 +153,7 @@ pub fn machine_pod(
 
     if placement.control_plane {
         let storage = spec.etcd_storage.as_ref();
-        let etcd_bytes = storage
-            .and_then(|s| s.size.as_ref())
-            .map(|q| {
-                q.bytes().map_err(|source| BuildError::Size {
-                    field: "spec.etcdStorage.size",
-                    source,
-                })
-            })
-            .transpose()?
-            .unwrap_or(defaults.etcd_volume_bytes);
+        let etcd_bytes = valid.etcd_disk;
         let volume = match storage {
             Some(s) if s.type_ == EtcdStorageType::PersistentVolume => Volume {
                 name: "etcd".into(),
@@ -319,7 +260,7 @@ pub fn machine_pod(
         c.resources = container.resources.clone();
     }
 
-    Ok(Pod {
+    Pod {
         metadata: ObjectMeta {
             name: Some(pod_name(km)),
             namespace: km.meta().namespace.clone(),
@@ -353,7 +294,7 @@ pub fn machine_pod(
             ..Default::default()
         }),
         status: None,
-    })
+    }
 }
 
 fn affinity(placement: &MachinePlacement, defaults: &MachineDefaults) -> Option<Affinity> {
@@ -424,6 +365,12 @@ mod tests {
     use crate::settings::NodeImageSource;
     use serde_json::json;
 
+    /// The Pod of a spec that must pass validation.
+    fn build(km: &KVMMachine, placement: &MachinePlacement, defaults: &MachineDefaults) -> Pod {
+        let valid = crate::kvmmachine::validate::validate(km, placement, defaults).unwrap();
+        machine_pod(km, placement, &valid, defaults)
+    }
+
     #[test]
     fn control_plane_pod() {
         let km = kvm_machine(
@@ -440,7 +387,7 @@ mod tests {
             control_plane: true,
             failure_domain: Some("zone-a".into()),
         };
-        let pod = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap();
+        let pod = build(&km, &placement, &MachineDefaults::default());
         insta::assert_yaml_snapshot!(pod);
     }
 
@@ -461,7 +408,7 @@ mod tests {
             control_plane: false,
             failure_domain: None,
         };
-        let pod = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap();
+        let pod = build(&km, &placement, &MachineDefaults::default());
         insta::assert_yaml_snapshot!(pod);
 
         // With image volumes the runtime mounts the image: no init containers, no copy.
@@ -469,10 +416,7 @@ mod tests {
             node_image_source: NodeImageSource::ImageVolume,
             ..Default::default()
         };
-        let spec = machine_pod(&km, &placement, &defaults)
-            .unwrap()
-            .spec
-            .unwrap();
+        let spec = build(&km, &placement, &defaults).spec.unwrap();
         assert!(spec.init_containers.is_none());
         let image = spec
             .volumes
@@ -504,7 +448,7 @@ mod tests {
             control_plane: false,
             failure_domain: None,
         };
-        let pod = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap();
+        let pod = build(&km, &placement, &MachineDefaults::default());
         let c = &pod.spec.unwrap().containers[0];
         let r = c.resources.as_ref().unwrap();
         assert_eq!(r.requests, r.limits, "Guaranteed QoS");
@@ -519,7 +463,7 @@ mod tests {
             cpu_allocation_ratio: 10,
             ..MachineDefaults::default()
         };
-        let pod = machine_pod(&km, &placement, &dense).unwrap();
+        let pod = build(&km, &placement, &dense);
         let c = &pod.spec.unwrap().containers[0];
         let r = c.resources.as_ref().unwrap();
         let (requests, limits) = (r.requests.as_ref().unwrap(), r.limits.as_ref().unwrap());
@@ -551,7 +495,7 @@ mod tests {
                 .contains("abcdef"),
             "bootstrap data leaked into the Secret's metadata"
         );
-        let pod = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap();
+        let pod = build(&km, &placement, &MachineDefaults::default());
         let text = serde_json::to_string(&pod).unwrap();
         assert!(!text.contains("abcdef.0123456789abcdef"));
         let c = &pod.spec.as_ref().unwrap().containers[0];
@@ -562,76 +506,6 @@ mod tests {
         assert_eq!(
             ign.secret.as_ref().unwrap().secret_name.as_deref(),
             secret.metadata.name.as_deref()
-        );
-    }
-
-    #[test]
-    fn the_launcher_accepts_the_arguments_the_controller_builds() {
-        use clap::Parser;
-        for (control_plane, spec) in [
-            (
-                true,
-                json!({"resources": {"cpu": 2, "memory": "4Gi", "disk": "20Gi"},
-                       "etcdStorage": {"type": "persistentVolume", "size": "8Gi"},
-                       "ntp": {"servers": ["10.0.0.1", "pool.ntp.example"]}}),
-            ),
-            (
-                false,
-                json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "kubeletVolumeSize": "3Gi"},
-                       "hostVolumes": [{"mountTag": "data", "hostPath": "/srv"}],
-                       "accel": "tcg"}),
-            ),
-        ] {
-            let km = kvm_machine("m", spec);
-            let placement = MachinePlacement {
-                cluster: "c".into(),
-                control_plane,
-                failure_domain: None,
-            };
-            let pod = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap();
-            let c = &pod.spec.unwrap().containers[0];
-            let argv = c
-                .command
-                .clone()
-                .unwrap()
-                .into_iter()
-                .chain(c.args.clone().unwrap());
-            if let Err(e) = capk_launcher::cli::Cli::try_parse_from(argv) {
-                panic!("capk-launcher rejects the Pod's arguments: {e}");
-            }
-        }
-    }
-
-    #[test]
-    fn a_size_the_launcher_cannot_take_is_a_spec_error_naming_its_field() {
-        // 16Ei is a quantity above 0 (the CRD's rule) and more bytes than 64 bits hold.
-        let km = kvm_machine(
-            "m",
-            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
-                   "etcdStorage": {"type": "persistentVolume", "size": "16Ei"}}),
-        );
-        let placement = MachinePlacement {
-            cluster: "c".into(),
-            control_plane: true,
-            failure_domain: None,
-        };
-        let err = machine_pod(&km, &placement, &MachineDefaults::default()).unwrap_err();
-        let msg = err.to_string();
-        assert!(msg.starts_with("spec.etcdStorage.size: "), "{msg}");
-        let t0: k8s_openapi::jiff::Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
-        let st = super::super::status::status(
-            &km,
-            &super::super::status::MachineState::SpecInvalid(msg),
-            &[],
-            None,
-            t0,
-        );
-        let ready = crate::conditions::find(st.conditions.as_deref().unwrap(), "Ready").unwrap();
-        assert_eq!(ready.reason, "SpecInvalid");
-        assert!(
-            ready.message.contains("spec.etcdStorage.size"),
-            "{}",
-            ready.message
         );
     }
 }

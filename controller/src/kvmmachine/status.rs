@@ -9,6 +9,10 @@ use capk_api::v1alpha1::KVMMachine;
 
 /// Condition and Event reason of a spec that cannot be run.
 pub const REASON_SPEC_INVALID: &str = "SpecInvalid";
+/// Condition and Event reason of bootstrap data that does not convert to Ignition.
+pub const REASON_BOOTSTRAP_DATA_INVALID: &str = "BootstrapDataInvalid";
+/// Condition and Event reason of a provisioned machine whose Pod (and VM) is gone.
+pub const REASON_MACHINE_POD_MISSING: &str = "MachinePodMissing";
 
 /// Where a KVMMachine is on its way to a running VM.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -281,7 +285,7 @@ pub fn status(
         )),
         MachineState::BootstrapDataInvalid(msg) => Some(C::falsy(
             CONDITION_READY,
-            "BootstrapDataInvalid",
+            REASON_BOOTSTRAP_DATA_INVALID,
             format!("cannot convert the bootstrap data to Ignition: {msg}"),
         )),
         MachineState::SpecInvalid(msg) => Some(C::falsy(
@@ -301,7 +305,7 @@ pub fn status(
         )),
         MachineState::PodMissing => Some(C::falsy(
             CONDITION_READY,
-            "MachinePodMissing",
+            REASON_MACHINE_POD_MISSING,
             "the machine Pod is gone or failed, and with it the VM and its disks; the Machine \
              needs replacing (a MachineHealthCheck does this)",
         )),

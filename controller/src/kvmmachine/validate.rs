@@ -1,0 +1,529 @@
+//! Pure: the rules of a KVMMachine's spec that its CRD schema cannot express, and everything
+//! `capk-launcher run` (or the apiserver, for the machine Pod) would refuse. It runs before
+//! anything is applied: a spec that breaks a rule is a `SpecInvalid` condition naming each
+//! field, never a half-built machine or a crash-looping Pod.
+
+use std::net::Ipv4Addr;
+
+use capk_api::{quantity::SizeQuantity, v1alpha1::KVMMachine};
+
+use super::{MachinePlacement, pod::overhead};
+use crate::settings::MachineDefaults;
+
+/// Most vCPUs the launcher runs (its `--vcpus` limit; the CRD allows one more).
+pub const MAX_VCPUS: u32 = 255;
+/// Least guest memory the launcher runs, bytes (its `--memory` limit).
+pub const MIN_MEMORY_BYTES: u64 = 128 << 20;
+
+/// A spec that passed [`validate`], with its sizes in bytes (defaults filled in): what the
+/// builders use, so they cannot fail.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValidSpec {
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Guest memory.
+    pub memory: u64,
+    /// Root disk.
+    pub disk: u64,
+    /// containerd disk.
+    pub docker_disk: u64,
+    /// kubelet disk.
+    pub kubelet_disk: u64,
+    /// etcd disk (control-plane machines).
+    pub etcd_disk: u64,
+}
+
+/// One rule a field breaks.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct FieldError {
+    /// The field's path, e.g. `spec.dns.servers[1]`.
+    pub field: String,
+    /// What is wrong and what to write instead.
+    pub reason: String,
+}
+
+/// Every rule the spec breaks, in field order.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+pub struct SpecErrors(pub Vec<FieldError>);
+
+/// Checks `km`'s spec for a machine placed as `placement`, with `defaults` for what it leaves
+/// out.
+pub fn validate(
+    km: &KVMMachine,
+    placement: &MachinePlacement,
+    defaults: &MachineDefaults,
+) -> Result<ValidSpec, SpecErrors> {
+    let spec = &km.spec;
+    let mut errors = Vec::new();
+    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
+
+    let vcpus = match u32::try_from(spec.resources.cpu) {
+        Ok(n @ 1..=MAX_VCPUS) => n,
+        _ => {
+            fail(
+                "spec.resources.cpu".into(),
+                format!("must be 1 to {MAX_VCPUS} vCPUs"),
+            );
+            1
+        }
+    };
+    let mut size = |q: Option<&SizeQuantity>, field: &str, default: u64, min: u64| match q {
+        None => default,
+        Some(q) => match q.bytes() {
+            Ok(b) if b >= min => b,
+            Ok(_) => {
+                fail(
+                    field.into(),
+                    format!("{q} is below the minimum of {min} bytes"),
+                );
+                default
+            }
+            Err(e) => {
+                fail(field.into(), e.to_string());
+                default
+            }
+        },
+    };
+    let memory = size(
+        Some(&spec.resources.memory),
+        "spec.resources.memory",
+        MIN_MEMORY_BYTES,
+        MIN_MEMORY_BYTES,
+    );
+    let disk = size(Some(&spec.resources.disk), "spec.resources.disk", 1, 1);
+    let docker_disk = size(
+        spec.resources.docker_volume_size.as_ref(),
+        "spec.resources.dockerVolumeSize",
+        defaults.docker_volume_bytes,
+        1,
+    );
+    let kubelet_disk = size(
+        spec.resources.kubelet_volume_size.as_ref(),
+        "spec.resources.kubeletVolumeSize",
+        defaults.kubelet_volume_bytes,
+        1,
+    );
+    // The etcd disk is only made for a control plane: a worker's etcdStorage is not used.
+    let etcd_disk = match &spec.etcd_storage {
+        Some(s) if placement.control_plane => size(
+            s.size.as_ref(),
+            "spec.etcdStorage.size",
+            defaults.etcd_volume_bytes,
+            1,
+        ),
+        _ => defaults.etcd_volume_bytes,
+    };
+    // The disks share the Pod's state volume; the Pod's memory is the guest's and the overhead.
+    if disk
+        .checked_add(docker_disk)
+        .and_then(|s| s.checked_add(kubelet_disk))
+        .is_none()
+    {
+        fail(
+            "spec.resources".into(),
+            "disk, dockerVolumeSize and kubeletVolumeSize add up to more bytes than 64 bits hold"
+                .into(),
+        );
+    }
+    if memory
+        .checked_add(overhead::memory_bytes(u64::from(vcpus), memory))
+        .is_none()
+    {
+        fail(
+            "spec.resources.memory".into(),
+            "with the machine Pod's overhead it is more bytes than 64 bits hold".into(),
+        );
+    }
+
+    if let Some(dns) = &spec.dns {
+        for (i, s) in dns.servers.iter().enumerate() {
+            if s.0.parse::<Ipv4Addr>().is_err() {
+                fail(
+                    format!("spec.dns.servers[{i}]"),
+                    format!(
+                        "{:?} is not an IPv4 address (the guest gets its DNS servers by DHCPv4)",
+                        s.0
+                    ),
+                );
+            }
+        }
+        for (i, s) in dns.searches.iter().enumerate() {
+            if !is_dns_name(s.0.trim_end_matches('.')) {
+                fail(
+                    format!("spec.dns.searches[{i}]"),
+                    format!("{:?} is not a DNS domain name", s.0),
+                );
+            }
+        }
+    }
+    for (i, v) in spec.host_volumes.iter().flatten().enumerate() {
+        if let Err(e) = capk_api::mount_tag::check(&v.mount_tag) {
+            fail(format!("spec.hostVolumes[{i}].mountTag"), e.to_string());
+        }
+        if has_dot_dot(&v.host_path) {
+            fail(
+                format!("spec.hostVolumes[{i}].hostPath"),
+                "must not contain a '..' element (Kubernetes refuses such hostPath volumes)".into(),
+            );
+        }
+    }
+    if let Some(path) = spec
+        .etcd_storage
+        .as_ref()
+        .and_then(|s| s.host_path.as_ref())
+        && has_dot_dot(path)
+    {
+        fail(
+            "spec.etcdStorage.hostPath".into(),
+            "must not contain a '..' element (Kubernetes refuses such hostPath volumes)".into(),
+        );
+    }
+    if let Some(ci) = spec.image.as_ref().and_then(|i| i.container_image.as_ref()) {
+        if ci.image.is_empty() || ci.image.chars().any(char::is_whitespace) {
+            fail(
+                "spec.image.containerImage.image".into(),
+                "must be an image reference without spaces".into(),
+            );
+        }
+        if ci.path.as_deref().is_some_and(has_dot_dot) {
+            fail(
+                "spec.image.containerImage.path".into(),
+                "must not contain a '..' element: it is a path inside the image".into(),
+            );
+        }
+    }
+    for (k, v) in spec.node_selector.iter().flatten() {
+        if !is_qualified_name(k) {
+            fail(
+                format!("spec.nodeSelector[{k:?}]"),
+                "the key must be a label key ([prefix/]name)".into(),
+            );
+        }
+        if !is_label_value(v) {
+            fail(
+                format!("spec.nodeSelector[{k:?}]"),
+                format!("{v:?} is not a label value (at most 63 of A-Z a-z 0-9 - _ .)"),
+            );
+        }
+    }
+    for (i, t) in spec.tolerations.iter().flatten().enumerate() {
+        let at = |f: &str| format!("spec.tolerations[{i}].{f}");
+        let key = t.key.as_deref().unwrap_or_default();
+        let operator = t.operator.as_deref().unwrap_or("Equal");
+        if !key.is_empty() && !is_qualified_name(key) {
+            fail(at("key"), "must be a label key ([prefix/]name)".into());
+        }
+        match operator {
+            "Equal" if key.is_empty() => fail(
+                at("operator"),
+                "must be Exists when the key is empty".into(),
+            ),
+            "Equal" if !is_label_value(t.value.as_deref().unwrap_or_default()) => fail(
+                at("value"),
+                "must be a label value (at most 63 of A-Z a-z 0-9 - _ .)".into(),
+            ),
+            "Exists" if t.value.as_deref().is_some_and(|v| !v.is_empty()) => fail(
+                at("value"),
+                "must be empty when the operator is Exists".into(),
+            ),
+            "Equal" | "Exists" => {}
+            _ => fail(at("operator"), "must be Equal or Exists".into()),
+        }
+        let effect = t.effect.as_deref().unwrap_or_default();
+        if !["", "NoSchedule", "PreferNoSchedule", "NoExecute"].contains(&effect) {
+            fail(
+                at("effect"),
+                "must be NoSchedule, PreferNoSchedule or NoExecute (or empty)".into(),
+            );
+        }
+        if t.toleration_seconds.is_some() && effect != "NoExecute" {
+            fail(
+                at("tolerationSeconds"),
+                "applies only to the effect NoExecute".into(),
+            );
+        }
+    }
+    if let Some(p) = &spec.priority_class_name
+        && !is_dns_subdomain(p)
+    {
+        fail(
+            "spec.priorityClassName".into(),
+            format!("{p:?} is not a PriorityClass name (a DNS subdomain)"),
+        );
+    }
+
+    if !errors.is_empty() {
+        return Err(SpecErrors(errors));
+    }
+    Ok(ValidSpec {
+        vcpus,
+        memory,
+        disk,
+        docker_disk,
+        kubelet_disk,
+        etcd_disk,
+    })
+}
+
+fn has_dot_dot(path: &str) -> bool {
+    path.split('/').any(|e| e == "..")
+}
+
+/// A DNS label as Kubernetes and resolvers take it: 1-63 of `[a-z0-9-]` (any case), not
+/// starting or ending with `-`.
+fn is_dns_label(s: &str, lowercase: bool) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.chars().all(|c| {
+            c.is_ascii_digit()
+                || c == '-'
+                || if lowercase {
+                    c.is_ascii_lowercase()
+                } else {
+                    c.is_ascii_alphabetic()
+                }
+        })
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn is_dns_name(s: &str) -> bool {
+    s.len() <= 253 && s.split('.').all(|l| is_dns_label(l, false))
+}
+
+fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= 253 && s.split('.').all(|l| is_dns_label(l, true))
+}
+
+/// A label value: empty, or 1-63 of `[A-Za-z0-9-_.]` starting and ending with a letter or
+/// digit.
+fn is_label_value(s: &str) -> bool {
+    s.is_empty()
+        || (s.len() <= 63
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            && s.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && s.ends_with(|c: char| c.is_ascii_alphanumeric()))
+}
+
+/// A label key: an optional DNS-subdomain prefix and `/`, then a non-empty label value.
+fn is_qualified_name(s: &str) -> bool {
+    let (prefix, name) = match s.split_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, s),
+    };
+    prefix.is_none_or(is_dns_subdomain) && !name.is_empty() && is_label_value(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kvmmachine::{pod, testing::kvm_machine};
+    use serde_json::{Value, json};
+
+    fn placement(control_plane: bool) -> MachinePlacement {
+        MachinePlacement {
+            cluster: "demo".into(),
+            control_plane,
+            failure_domain: None,
+        }
+    }
+
+    fn spec(extra: Value) -> Value {
+        let mut spec = json!({"resources": {"cpu": 2, "memory": "2Gi", "disk": "20Gi"}});
+        for (k, v) in extra.as_object().unwrap() {
+            if k == "resources" {
+                for (rk, rv) in v.as_object().unwrap() {
+                    spec["resources"][rk] = rv.clone();
+                }
+            } else {
+                spec[k] = v.clone();
+            }
+        }
+        spec
+    }
+
+    fn errors(extra: Value, control_plane: bool) -> Vec<String> {
+        let km = kvm_machine("m", spec(extra));
+        match validate(&km, &placement(control_plane), &MachineDefaults::default()) {
+            Ok(_) => vec![],
+            Err(e) => e.0.into_iter().map(|e| e.field).collect(),
+        }
+    }
+
+    #[test]
+    fn each_broken_rule_names_its_field() {
+        let cases = [
+            (json!({"resources": {"cpu": 256}}), "spec.resources.cpu"),
+            (
+                json!({"resources": {"memory": "100Mi"}}),
+                "spec.resources.memory",
+            ),
+            (
+                json!({"resources": {"memory": "1.5.5Gi"}}),
+                "spec.resources.memory",
+            ),
+            (
+                json!({"resources": {"disk": "15Ei", "dockerVolumeSize": "15Ei"}}),
+                "spec.resources",
+            ),
+            (
+                json!({"resources": {"kubeletVolumeSize": "1Gb"}}),
+                "spec.resources.kubeletVolumeSize",
+            ),
+            (
+                json!({"etcdStorage": {"type": "persistentVolume", "size": "16Ei"}}),
+                "spec.etcdStorage.size",
+            ),
+            (
+                json!({"dns": {"servers": ["10.0.0.10", "fd00::10"]}}),
+                "spec.dns.servers[1]",
+            ),
+            (
+                json!({"dns": {"searches": ["svc.cluster.local", "a,b"]}}),
+                "spec.dns.searches[1]",
+            ),
+            (
+                json!({"hostVolumes": [{"mountTag": "data.1", "hostPath": "/srv"}]}),
+                "spec.hostVolumes[0].mountTag",
+            ),
+            (
+                json!({"hostVolumes": [{"mountTag": "data", "hostPath": "/srv/../etc"}]}),
+                "spec.hostVolumes[0].hostPath",
+            ),
+            (
+                json!({"etcdStorage": {"type": "hostPath", "hostPath": "/var/../etc"}}),
+                "spec.etcdStorage.hostPath",
+            ),
+            (
+                json!({"image": {"containerImage": {"image": "a b"}}}),
+                "spec.image.containerImage.image",
+            ),
+            (
+                json!({"image": {"containerImage": {"image": "i:1", "path": "/../../x"}}}),
+                "spec.image.containerImage.path",
+            ),
+            (
+                json!({"nodeSelector": {"kvm": "yes please"}}),
+                "spec.nodeSelector[\"kvm\"]",
+            ),
+            (
+                json!({"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}),
+                "spec.tolerations[0].value",
+            ),
+            (
+                json!({"tolerations": [{"key": "k", "effect": "NoSchedul"}]}),
+                "spec.tolerations[0].effect",
+            ),
+            (
+                json!({"priorityClassName": "Workload VMs"}),
+                "spec.priorityClassName",
+            ),
+        ];
+        for (extra, field) in cases {
+            let found = errors(extra.clone(), true);
+            assert_eq!(found, [field], "{extra}");
+        }
+        // Everything wrong at once: every field is named, in one message.
+        let km = kvm_machine(
+            "m",
+            spec(json!({"resources": {"cpu": 0}, "dns": {"servers": ["::1"]}})),
+        );
+        let msg = validate(&km, &placement(false), &MachineDefaults::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("spec.resources.cpu: must be 1 to 255 vCPUs")
+                && msg.contains("spec.dns.servers[0]"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_workers_unused_etcd_storage_is_not_checked() {
+        let extra = json!({"etcdStorage": {"type": "persistentVolume", "size": "16Ei"}});
+        assert!(errors(extra, false).is_empty());
+    }
+
+    #[test]
+    fn sizes_come_out_in_bytes_with_the_defaults_filled_in() {
+        let km = kvm_machine(
+            "m",
+            spec(
+                json!({"resources": {"cpu": 4, "memory": "8Gi", "dockerVolumeSize": "5Gi"},
+                        "etcdStorage": {"type": "persistentVolume", "size": "8Gi"}}),
+            ),
+        );
+        let defaults = MachineDefaults::default();
+        let v = validate(&km, &placement(true), &defaults).unwrap();
+        assert_eq!(
+            v,
+            ValidSpec {
+                vcpus: 4,
+                memory: 8 << 30,
+                disk: 20 << 30,
+                docker_disk: 5 << 30,
+                kubelet_disk: defaults.kubelet_volume_bytes,
+                etcd_disk: 8 << 30,
+            }
+        );
+    }
+
+    /// What `validate` lets through, the launcher runs: the Pod's arguments parse and pass the
+    /// launcher's own validation, at the edges of every rule.
+    #[test]
+    fn what_passes_validation_the_launcher_accepts() {
+        use clap::Parser;
+        let edges = [
+            (
+                true,
+                json!({"resources": {"cpu": 255, "memory": "128Mi", "disk": "1"}}),
+            ),
+            (
+                true,
+                json!({"etcdStorage": {"type": "persistentVolume", "size": "1"},
+                       "dns": {"servers": ["10.96.0.10", "10.96.0.11", "10.96.0.12"],
+                               "searches": ["Team-A.svc.cluster.local.", "cluster.local"]},
+                       "ntp": {"servers": ["10.0.0.1", "pool.ntp.example"]}}),
+            ),
+            (
+                false,
+                json!({"resources": {"dockerVolumeSize": "1", "kubeletVolumeSize": "1"},
+                       "hostVolumes": [{"mountTag": "a", "hostPath": "/"},
+                                       {"mountTag": "A_b-012345678901234567890123456", "hostPath": "/srv/x..y"}],
+                       "accel": "kvm",
+                       "nodeSelector": {"example.com/kvm": "", "kvm": "true"},
+                       "tolerations": [{"operator": "Exists"},
+                                       {"key": "k", "value": "v", "effect": "NoExecute",
+                                        "tolerationSeconds": 30}],
+                       "priorityClassName": "workload-vms"}),
+            ),
+        ];
+        for (control_plane, extra) in edges {
+            let km = kvm_machine("m", spec(extra.clone()));
+            let placement = placement(control_plane);
+            let defaults = MachineDefaults::default();
+            let valid =
+                validate(&km, &placement, &defaults).unwrap_or_else(|e| panic!("{extra}: {e}"));
+            let pod = pod::machine_pod(&km, &placement, &valid, &defaults);
+            let c = &pod.spec.unwrap().containers[0];
+            let argv = c
+                .command
+                .clone()
+                .unwrap()
+                .into_iter()
+                .chain(c.args.clone().unwrap());
+            let cli = capk_launcher::cli::Cli::try_parse_from(argv)
+                .unwrap_or_else(|e| panic!("the launcher refuses {extra}: {e}"));
+            let capk_launcher::cli::Command::Run(args) = cli.command else {
+                panic!("not run")
+            };
+            let config = capk_launcher::run::RunConfig::from(*args);
+            if let Err(e) = capk_launcher::run::validate(&config) {
+                panic!("the launcher refuses {extra}: {e}");
+            }
+        }
+    }
+}
