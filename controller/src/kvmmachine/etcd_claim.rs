@@ -10,8 +10,8 @@ use k8s_openapi::{
 use kube::Resource;
 
 use super::{
-    MachinePlacement,
     names::{self, etcd_claim_name},
+    placement::MachinePlacement,
 };
 
 /// The etcd PVC of a control-plane machine with `etcdStorage.type: persistentVolume`.

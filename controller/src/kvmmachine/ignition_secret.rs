@@ -11,8 +11,8 @@ use k8s_openapi::{
 use kube::Resource;
 
 use super::{
-    MachinePlacement,
     names::{self, hostname, ignition_secret_name, pod_name},
+    placement::MachinePlacement,
 };
 
 /// Key of the Ignition config in the machine's Ignition Secret.

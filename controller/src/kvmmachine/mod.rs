@@ -7,6 +7,8 @@ pub mod etcd_claim;
 pub mod ignition_secret;
 pub mod names;
 pub mod node_image;
+pub mod overhead;
+pub mod placement;
 pub mod pod;
 pub mod pod_layout;
 pub mod status;
@@ -39,6 +41,7 @@ use kube::{
 use serde_json::json;
 use tracing::{info, instrument, warn};
 
+pub use self::placement::MachinePlacement;
 use self::status::MachineState;
 use crate::{
     context::{Context, FIELD_MANAGER},
@@ -49,18 +52,6 @@ use crate::{
         set_gate,
     },
 };
-
-/// Where the owning Machine puts this machine: its cluster, its role and its failure domain.
-/// What the builders need to know about the Machine.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MachinePlacement {
-    /// The Cluster's name.
-    pub cluster: String,
-    /// Whether this is a control-plane machine.
-    pub control_plane: bool,
-    /// The Machine's failure domain.
-    pub failure_domain: Option<String>,
-}
 
 /// The owning Machine's name, from the owner reference Cluster API sets.
 pub fn owner_machine_name(km: &KVMMachine) -> Option<String> {
@@ -230,11 +221,7 @@ async fn apply(
         let Some(secret_name) = machine.spec.bootstrap.data_secret_name.as_deref() else {
             break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapData);
         };
-        let placement = MachinePlacement {
-            cluster: machine.spec.cluster_name.clone(),
-            control_plane: machine.is_control_plane(),
-            failure_domain: machine.spec.failure_domain.clone(),
-        };
+        let placement = MachinePlacement::of(machine);
         let Some(bootstrap) = fetch_bootstrap(km, secret_name, ctx).await? else {
             let name = secret_name.to_owned();
             break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapSecret(name));

@@ -12,7 +12,7 @@ use capk_api::constants::{
 use capk_api::v1alpha1::KVMMachine;
 use kube::ResourceExt;
 
-use super::MachinePlacement;
+use super::placement::MachinePlacement;
 use crate::kvmcluster::build::owned_labels;
 
 /// Label on machine Pods and Secrets naming their KVMMachine ([`label_value`]).

@@ -23,10 +23,10 @@ use k8s_openapi::{
 use kube::Resource;
 
 use super::{
-    MachinePlacement,
     ignition_secret::IGNITION_KEY,
     names::{self, etcd_claim_name, hostname, ignition_secret_name, pod_name},
-    node_image,
+    node_image, overhead,
+    placement::MachinePlacement,
     pod_layout::{ETCD_DIR, IGNITION_DIR, IMAGE_DIR, STATE_DIR, host_path, mount},
     validate::ValidSpec,
 };
@@ -34,31 +34,6 @@ use crate::settings::MachineDefaults;
 
 /// Seconds the launcher gives the guest for an ACPI shutdown before killing QEMU.
 pub const GUEST_SHUTDOWN_SECONDS: i64 = 300;
-
-/// Pod resources beyond the VM's own: QEMU's device and code buffers, the launcher, and the
-/// kernel's per-process overhead; requests = limits so machine Pods get Guaranteed QoS.
-///
-/// Measured (`make bench-launcher`, TCG, 1 vCPU, 256 MiB guest, test guest): QEMU RSS 391 MiB,
-/// i.e. about 135 MiB beyond the guest's whole RAM; launcher RSS 8.4 MiB. The fixed 256 MiB
-/// covers that with room for TCG's translation cache, which the launcher bounds at 128 MiB
-/// (QEMU's default is 1 GiB). Under KVM there is no translation cache; a real Flatcar guest's
-/// numbers come with the end-to-end benchmark.
-pub mod overhead {
-    /// Fixed memory overhead per machine Pod, MiB.
-    pub const FIXED_MIB: u64 = 256;
-    /// Memory overhead per vCPU, MiB.
-    pub const PER_VCPU_MIB: u64 = 16;
-    /// Memory overhead per GiB of VM memory (page tables, QEMU's RAM bookkeeping), MiB.
-    pub const PER_GIB_MIB: u64 = 16;
-    /// CPU overhead in millicores for the launcher, QEMU's I/O threads and the DHCP server.
-    pub const CPU_MILLIS: u64 = 250;
-
-    /// Memory overhead in bytes for a VM of `vcpus` vCPUs and `vm_bytes` of memory.
-    pub fn memory_bytes(vcpus: u64, vm_bytes: u64) -> u64 {
-        let mib = FIXED_MIB + PER_VCPU_MIB * vcpus + PER_GIB_MIB * vm_bytes.div_ceil(1 << 30);
-        mib << 20
-    }
-}
 
 /// The machine Pod of a spec that passed [`validate`](super::validate::validate).
 pub fn machine_pod(

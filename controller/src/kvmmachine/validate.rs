@@ -7,7 +7,7 @@ use std::net::Ipv4Addr;
 
 use capk_api::{quantity::SizeQuantity, v1alpha1::KVMMachine};
 
-use super::{MachinePlacement, pod::overhead};
+use super::{overhead, placement::MachinePlacement};
 use crate::settings::MachineDefaults;
 
 /// Most vCPUs the launcher runs (its `--vcpus` limit; the CRD allows one more).
