@@ -176,7 +176,11 @@ for g in docker wheel; do in_root getent group "$g" >/dev/null || in_root groupa
 in_root getent passwd core >/dev/null ||
   in_root useradd --uid 500 --user-group --create-home --shell /bin/bash \
     --groups sudo,docker,wheel,adm,systemd-journal --comment "CoreOS Admin" core
-in_root systemctl disable apt-daily.timer apt-daily-upgrade.timer >/dev/null 2>&1 || true
+in_root systemctl disable apt-daily.timer apt-daily-upgrade.timer dpkg-db-backup.timer cni-dhcp.socket cni-dhcp.service >/dev/null 2>&1 || true
+# No login prompt on the serial console: it is the machine Pod's log, there is no password to log
+# in with, and systemd stops printing unit status to a console a getty holds (the log would end
+# at "login:" while the node keeps booting).
+in_root systemctl mask serial-getty@ttyS0.service >/dev/null 2>&1
 kver=$(ls "$R/lib/modules" | sort -V | tail -1)
 [[ -n $kver && -f $R/boot/vmlinuz-$kver ]] || die "no kernel in the root ($R/boot)"
 log "initramfs for $kver (dracut: systemd, Ignition's module, 50capk)"
