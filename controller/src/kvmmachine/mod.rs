@@ -195,9 +195,10 @@ impl Observed {
     }
 }
 
-/// The KVMMachine pipeline, top to bottom: fetch what the machine depends on → validate its spec
-/// (pure) → build every desired object (pure) → apply them → write the status, once. A step that
-/// cannot go on says why in the status; nothing after it runs.
+/// The KVMMachine pipeline, top to bottom: fetch the owner Machine → validate the spec (pure, as
+/// early as the machine's role is known) → fetch the Cluster and the bootstrap data → build every
+/// desired object (pure) → apply them → write the status, once. A step that cannot go on says why
+/// in the status; nothing after it runs.
 async fn apply(
     api: &Api<KVMMachine>,
     km: &KVMMachine,
@@ -211,24 +212,14 @@ async fn apply(
     // The KVMMachine as last written by this reconcile.
     let mut current = km.clone();
     let observed = 'pipeline: {
-        // 1. Fetch: the owner Machine, its Cluster's infrastructure, the bootstrap data.
+        // 1. Fetch the owner Machine: where it puts this machine.
         let Some(machine) = machine else {
             break 'pipeline Observed::waiting(MachineState::WaitingForMachineOwner);
         };
-        if !cluster.is_some_and(Cluster::infrastructure_provisioned) {
-            break 'pipeline Observed::waiting(MachineState::WaitingForClusterInfrastructure);
-        }
-        let Some(secret_name) = machine.spec.bootstrap.data_secret_name.as_deref() else {
-            break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapData);
-        };
         let placement = MachinePlacement::of(machine);
-        let Some(bootstrap) = fetch_bootstrap(km, secret_name, ctx).await? else {
-            let name = secret_name.to_owned();
-            break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapSecret(name));
-        };
 
-        // 2. Validate: a spec the launcher or the apiserver would refuse is the user's to fix
-        // (a condition, a Warning Event), and nothing is applied for it.
+        // 2. Validate the spec: one the launcher or the apiserver would refuse is the user's to
+        // fix (a condition, a Warning Event), at once, and nothing is applied for it.
         let valid = match validate::validate(km, &placement, defaults) {
             Ok(v) => v,
             Err(e) => {
@@ -238,7 +229,20 @@ async fn apply(
             }
         };
 
-        // 3. Build every desired object. Bootstrap data that does not convert is the user's
+        // 3. Fetch what the machine is built from: its Cluster's infrastructure, the bootstrap
+        // data.
+        if !cluster.is_some_and(Cluster::infrastructure_provisioned) {
+            break 'pipeline Observed::waiting(MachineState::WaitingForClusterInfrastructure);
+        }
+        let Some(secret_name) = machine.spec.bootstrap.data_secret_name.as_deref() else {
+            break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapData);
+        };
+        let Some(bootstrap) = fetch_bootstrap(km, secret_name, ctx).await? else {
+            let name = secret_name.to_owned();
+            break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapSecret(name));
+        };
+
+        // 4. Build every desired object. Bootstrap data that does not convert is the user's
         // (or the bootstrap provider's) to fix, like a bad spec.
         let ignition = match bootstrap {
             Bootstrap::Rendered => None,
@@ -257,7 +261,7 @@ async fn apply(
         let claim = etcd_claim::desired(km, &placement);
         let desired_pod = pod::machine_pod(km, &placement, &valid, defaults);
 
-        // 4. Apply: the Ignition Secret, the etcd PVC, then the machine Pod.
+        // 5. Apply: the Ignition Secret, the etcd PVC, then the machine Pod.
         if let Some(secret) = ignition {
             apply_object(&Api::namespaced(ctx.client.clone(), &ns), &secret, "Secret").await?;
         }
@@ -365,7 +369,7 @@ async fn apply(
         }
     };
 
-    // 5. Status: one write. Then what may only follow it: with the Pod recorded, clusterctl
+    // 6. Status: one write. Then what may only follow it: with the Pod recorded, clusterctl
     // move may go (and providerID is set here if a restart came between the Pod's creation and
     // the first patch); the Pod's readiness gate.
     let mut conditions = status::pod_conditions(observed.pod.as_ref());
