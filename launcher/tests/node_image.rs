@@ -285,7 +285,7 @@ impl Launcher {
         std::thread::spawn(move || {
             for l in BufReader::new(out).lines().map_while(Result::ok) {
                 println!("console| {l}");
-                let _ = tx.send(l);
+                let _ = tx.send(strip_ansi(&l));
             }
         });
         std::thread::spawn(move || {
@@ -386,6 +386,27 @@ impl Drop for Launcher {
     }
 }
 
+/// The line without terminal escape sequences (systemd colours its status lines).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ parameters final-byte (a letter).
+            if chars.next() == Some('[') {
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn sha256_hex(bytes: &[u8]) -> String {
     use std::io::Write;
     let mut c = Command::new("sha256sum")
@@ -458,7 +479,8 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
     // Firmware → SYSLINUX → kernel → Ignition in the initramfs → the real root's systemd.
     l.wait_for("SYSLINUX", Duration::from_secs(60));
     l.wait_for("Ignition (files)", Duration::from_secs(300));
-    l.wait_for("Switching root", Duration::from_secs(600));
+    // The real root's systemd (the initramfs says "(bookworm) dracut-… (Initramfs)!").
+    l.wait_for("Debian GNU/Linux 12 (bookworm)!", Duration::from_secs(600));
     l.wait_for("Started containerd", Duration::from_secs(600));
     // kubeadm.service is enabled by Ignition's preset, in this same first boot.
     l.wait_for("CAPK-NODE report-done", Duration::from_secs(1800));
