@@ -119,6 +119,9 @@ mod tests {
             assert_eq!(source.as_str(), name);
         }
         let err = "image-volumes".parse::<NodeImageSource>().unwrap_err();
-        assert!(err.to_string().contains("host-cache or image-volume"), "{err}");
+        assert!(
+            err.to_string().contains("host-cache or image-volume"),
+            "{err}"
+        );
     }
 }
