@@ -86,7 +86,7 @@ pub struct Context {
     /// Node watches in workload clusters.
     pub workloads: std::sync::Arc<crate::workload::Links>,
     /// What the health check knows of the control-plane apiservers, between reconciles.
-    pub apiserver_health: std::sync::Arc<crate::kvmcluster::health::HealthMonitor>,
+    pub apiserver_health: std::sync::Arc<crate::apiserver_health::HealthMonitor>,
 }
 
 impl Context {

@@ -2,6 +2,7 @@
 //! KVMMachine (machine Pods) for the Cluster API v1beta2 contract.
 #![forbid(unsafe_code)]
 
+pub mod apiserver_health;
 pub mod conditions;
 pub mod context;
 pub mod error;

@@ -4,7 +4,7 @@
 //! The Service has no selector: Kubernetes' EndpointSlice controller would mark an endpoint
 //! ready from the Pod's readiness, which for a control-plane machine comes only after its
 //! workload Node is Ready, long after `kubeadm init` needs its own apiserver through the Service.
-//! Instead an endpoint is ready while its apiserver answers `/readyz` ([`super::health`]).
+//! Instead an endpoint is ready while its apiserver answers `/readyz` ([`crate::apiserver_health`]).
 
 use std::{collections::BTreeMap, net::Ipv4Addr};
 
@@ -25,8 +25,8 @@ use k8s_openapi::{
 };
 use kube::{Resource, ResourceExt};
 
-use super::{build::owned_labels, health::EndpointHealth};
-use crate::conditions::DesiredCondition;
+use super::build::owned_labels;
+use crate::{apiserver_health::EndpointHealth, conditions::DesiredCondition};
 
 /// `kubernetes.io/service-name`: which Service an EndpointSlice belongs to.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -231,7 +231,7 @@ pub fn endpoints_condition(members: &[(ControlPlaneMember, EndpointHealth)]) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kvmcluster::health::ProbeError;
+    use crate::apiserver_health::ProbeError;
     use capk_api::v1alpha1::KVMClusterSpec;
     use serde_json::json;
 

@@ -1,9 +1,8 @@
-//! KVMCluster reconciler: fetch → probe the control-plane apiservers ([`health`]) → build
-//! (pure, in [`build`] and [`endpoints`]) → apply → status.
+//! KVMCluster reconciler: fetch → probe the control-plane apiservers
+//! ([`crate::apiserver_health`]) → build (pure, in [`build`] and [`endpoints`]) → apply → status.
 
 pub mod build;
 pub mod endpoints;
-pub mod health;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -38,9 +37,9 @@ use tracing::{info, instrument, warn};
 use self::{
     build::ClusterState,
     endpoints::{ControlPlaneMember, SERVICE_NAME_LABEL},
-    health::EndpointHealth,
 };
 use crate::{
+    apiserver_health::{self, EndpointHealth},
     conditions::DesiredCondition,
     context::{Context, FIELD_MANAGER},
     error::{Error, Result},
@@ -213,7 +212,7 @@ async fn sync_endpoints(
         })
         .collect();
     let condition = endpoints::endpoints_condition(&observed);
-    let recheck = health::recheck_after(observed.iter().map(|(_, h)| h));
+    let recheck = apiserver_health::recheck_after(observed.iter().map(|(_, h)| h));
 
     let desired = endpoints::endpoint_slice(kc, cluster, &observed);
     let name = desired.name_any();

@@ -1,7 +1,8 @@
 //! The control-plane Service's health check, as a cloud load balancer does it: the controller
 //! probes `https://<Pod IP>:6443/readyz` of every control-plane machine Pod and keeps, per Pod,
-//! whether its apiserver answers. [`crate::kvmcluster::endpoints`] turns that into the Service's
-//! EndpointSlice.
+//! whether its apiserver answers. The KVMCluster reconciler (its `endpoints` step) turns that into
+//! the Service's EndpointSlice. A module of its own, not the reconciler's: the monitor lives in
+//! the shared context between reconciles.
 //!
 //! Only liveness is judged: no credential is sent and the server certificate is not verified
 //! (the controller has no workload cluster CA; nothing read is trusted beyond the status code).
