@@ -55,9 +55,10 @@ pub fn labels(km: &KVMMachine, placement: &MachinePlacement) -> BTreeMap<String,
 }
 
 /// The node's hostname, which is its Node's name in the workload cluster: a DNS label. The
-/// KVMMachine's name when it is one; dots become dashes (a hostname is one label); a name
-/// longer than 63 characters is cut and ends in a hash of the whole name, so two long names
-/// with a common prefix stay two hostnames.
+/// KVMMachine's name when it is one. Otherwise (a dot, which a hostname label cannot hold, or more
+/// than 63 characters) dots become dashes, the result is cut to fit, and it ends in a hash of the
+/// real name: `a.b` and `a-b`, or two long names with a common prefix, stay two hostnames, so two
+/// machines never share a Node.
 pub fn hostname(km: &KVMMachine) -> String {
     let name = km.name_any();
     let dashed: String = name
@@ -70,16 +71,19 @@ pub fn hostname(km: &KVMMachine) -> String {
             }
         })
         .collect();
-    if dashed.len() <= MAX_LABEL_LEN {
-        let label = dashed.trim_matches('-');
-        if !label.is_empty() {
-            return label.to_owned();
-        }
+    let is_label = dashed == name
+        && name.len() <= MAX_LABEL_LEN
+        && !name.is_empty()
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if is_label {
+        return name;
     }
-    // The hash is of the real name: `a.b…` and `a-b…` stay apart. All ASCII: any cut is on a
-    // character boundary.
+    // The hash is of the real name, so names that differ only where the mapping changed them
+    // stay apart. All ASCII: any cut is on a character boundary.
     let hash = capk_api::constants::name_hash(&name);
-    let cut = dashed[..MAX_LABEL_LEN - hash.len() - 1].trim_matches('-');
+    let keep = dashed.len().min(MAX_LABEL_LEN - hash.len() - 1);
+    let cut = dashed[..keep].trim_matches('-');
     if cut.is_empty() {
         format!("m-{hash}")
     } else {
@@ -125,8 +129,29 @@ mod tests {
         assert_eq!(label_value(&m), "demo-md-0-x7k2p-abcde");
         assert_eq!(ignition_secret_name(&m), "demo-md-0-x7k2p-abcde-ignition");
         assert_eq!(etcd_claim_name(&m), "demo-md-0-x7k2p-abcde-etcd");
-        // What earlier releases made of a dotted name, so their Nodes are still found.
-        assert_eq!(hostname(&km("demo.cp.0")), "demo-cp-0");
+    }
+
+    #[test]
+    fn dotted_names_get_a_hash_so_they_never_share_a_node_with_the_dashed_name() {
+        let dotted = hostname(&km("a.b"));
+        let dashed = hostname(&km("a-b"));
+        assert_eq!(dashed, "a-b", "already a DNS label: unchanged");
+        assert_ne!(dotted, dashed);
+        assert!(dotted.starts_with("a-b-"), "{dotted}");
+        for h in [&dotted, &dashed, &hostname(&km("demo.cp.0"))] {
+            assert!(is_dns_label(h), "{h}");
+        }
+        assert_eq!(dotted, hostname(&km("a.b")), "stable");
+        // Two dots where the other has a dot and a dash.
+        assert_ne!(hostname(&km("x.y.z")), hostname(&km("x.y-z")));
+        // A 63-character dotted name still fits once its hash is added.
+        let long = format!("{}.{}", "p".repeat(31), "q".repeat(31));
+        assert!(
+            is_dns_label(&hostname(&km(&long))),
+            "{}",
+            hostname(&km(&long))
+        );
+        assert_ne!(hostname(&km(&long)), hostname(&km(&long.replace('.', "-"))));
     }
 
     #[test]
