@@ -154,6 +154,11 @@ async fn invalid_machines_are_rejected_with_readable_messages() -> Result<()> {
             vec!["spec.resources.cpu", "must be at least 1"],
         ),
         (
+            // The launcher runs at most 255 vCPUs.
+            machine_with("cpu-256", json!({"resources": {"cpu": 256}})),
+            vec!["spec.resources.cpu", "must be at most 255"],
+        ),
+        (
             machine_with("tiny-memory", json!({"resources": {"memory": "128Mi"}})),
             vec!["spec.resources.memory", "at least 256Mi"],
         ),
@@ -253,7 +258,15 @@ async fn invalid_machines_are_rejected_with_readable_messages() -> Result<()> {
         ),
         (
             machine_with("bad-dns", json!({"dns": {"servers": ["dns.example"]}})),
-            vec!["dns.servers must be IP addresses"],
+            vec!["dns.servers must be IPv4 addresses"],
+        ),
+        (
+            // The guest gets its DNS servers by DHCPv4.
+            machine_with(
+                "ipv6-dns",
+                json!({"dns": {"servers": ["10.96.0.10", "fd00::10"]}}),
+            ),
+            vec!["spec.dns.servers", "dns.servers must be IPv4 addresses"],
         ),
         (
             machine_with("bad-accel", json!({"accel": "hvf"})),

@@ -19,8 +19,9 @@ use crate::quantity::SizeQuantity;
 pub const MIN_MEMORY: &str = "256Mi";
 /// The smallest root disk the API accepts.
 pub const MIN_DISK: &str = "1Gi";
-/// The largest vCPU count the API accepts (QEMU's q35 limit is higher; this is a sanity bound).
-pub const MAX_CPU: i32 = 256;
+/// The largest vCPU count the API accepts: what `capk-launcher run --vcpus` takes (the CRD rule
+/// on `spec.resources.cpu` says the same number; a test holds them together).
+pub const MAX_CPU: i32 = 255;
 
 /// A workload-cluster node: a QEMU/KVM virtual machine running in a machine Pod of the
 /// management cluster. The VM takes the Pod's IP and boots Flatcar Linux with the node's Ignition.
@@ -137,9 +138,9 @@ pub struct KVMMachineSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MachineResources {
-    /// Number of vCPUs (at least 1).
+    /// Number of vCPUs (1 to 255, what the launcher runs).
     #[x_kube(validation = Rule::new("self >= 1").message("cpu is the number of vCPUs and must be at least 1"))]
-    #[x_kube(validation = Rule::new("self <= 256").message("cpu must be at most 256"))]
+    #[x_kube(validation = Rule::new("self <= 255").message("cpu must be at most 255 (the most vCPUs a machine runs)"))]
     pub cpu: i32,
 
     /// VM memory, at least 256Mi (e.g. `1Gi`).
@@ -235,10 +236,11 @@ pub struct UrlImage {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DnsConfig {
-    /// Name server IP addresses (at most 3, the resolver's limit).
+    /// Name server IPv4 addresses (at most 3, the resolver's limit; the guest gets them by
+    /// DHCPv4, which carries IPv4 only).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 3))]
-    #[x_kube(validation = Rule::new("self.all(s, isIP(s))").message("dns.servers must be IP addresses"))]
+    #[x_kube(validation = Rule::new("self.all(s, isIP(s) && ip(s).family() == 4)").message("dns.servers must be IPv4 addresses (the guest gets its DNS servers by DHCPv4)"))]
     pub servers: Vec<BoundedString>,
     /// Search domains.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -461,4 +463,33 @@ pub struct NodeInfo {
     /// `linux`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub operating_system: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::CustomResourceExt;
+
+    use super::*;
+
+    /// The CEL rules on `spec.resources.cpu` of a KVMMachine.
+    fn cpu_rules() -> Vec<String> {
+        let crd = serde_json::to_value(KVMMachine::crd()).unwrap();
+        let cpu = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+            ["resources"]["properties"]["cpu"];
+        cpu["x-kubernetes-validations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["rule"].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn the_crds_vcpu_limit_is_max_cpu() {
+        assert!(
+            cpu_rules().contains(&format!("self <= {MAX_CPU}")),
+            "{:?}",
+            cpu_rules()
+        );
+    }
 }

@@ -10,8 +10,9 @@ use capk_api::{quantity::SizeQuantity, v1alpha1::KVMMachine};
 use super::{overhead, placement::MachinePlacement};
 use crate::settings::MachineDefaults;
 
-/// Most vCPUs the launcher runs (its `--vcpus` limit; the CRD allows one more).
-pub const MAX_VCPUS: u32 = 255;
+/// Most vCPUs the launcher runs (its `--vcpus` limit), the CRD's limit too; checked here as well
+/// for objects admitted before the CRD said so.
+pub const MAX_VCPUS: u32 = capk_api::v1alpha1::MAX_CPU as u32;
 /// Least guest memory the launcher runs, bytes (its `--memory` limit).
 pub const MIN_MEMORY_BYTES: u64 = 128 << 20;
 
