@@ -22,26 +22,10 @@ digest=$(sha256sum "$BIN/coredns" | cut -c1-16)
 if ! ctr_k8s images ls "name==$IMAGE" 2>/dev/null | grep -q "capk.binary=$digest"; then
   work=$DEV/images/coredns
   rm -rf "$work"
-  mkdir -p "$work/rootfs/etc/coredns" "$work/oci/blobs/sha256"
+  mkdir -p "$work/rootfs/etc/coredns"
   install -m 0755 "$BIN/coredns" "$work/rootfs/coredns"
-  tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$work/rootfs" -cf "$work/layer.tar" .
-  blob() { local d; d=$(sha256sum "$1" | cut -d' ' -f1); cp "$1" "$work/oci/blobs/sha256/$d"; echo "$d"; }
-  size() { stat -c %s "$1"; }
-  layer=$(blob "$work/layer.tar")
-  cat >"$work/config.json" <<JSON
-{"architecture":"amd64","os":"linux","config":{"Entrypoint":["/coredns"],"WorkingDir":"/","ExposedPorts":{"53/tcp":{},"53/udp":{}}},"rootfs":{"type":"layers","diff_ids":["sha256:$layer"]},"history":[{"created_by":"hack/dev/coredns.sh: coredns $COREDNS_VERSION from the Go module proxy"}]}
-JSON
-  config=$(blob "$work/config.json")
-  cat >"$work/manifest.json" <<JSON
-{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:$config","size":$(size "$work/config.json")},"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar","digest":"sha256:$layer","size":$(size "$work/layer.tar")}]}
-JSON
-  manifest=$(blob "$work/manifest.json")
-  cat >"$work/oci/index.json" <<JSON
-{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:$manifest","size":$(size "$work/manifest.json"),"platform":{"architecture":"amd64","os":"linux"},"annotations":{"io.containerd.image.name":"$IMAGE","org.opencontainers.image.ref.name":"${IMAGE##*:}"}}]}
-JSON
-  echo '{"imageLayoutVersion":"1.0.0"}' >"$work/oci/oci-layout"
-  tar -C "$work/oci" -cf "$work/coredns.tar" .
-  ctr_k8s images import "$work/coredns.tar" >/dev/null
+  oci_image_import "$IMAGE" "$work" '{"Entrypoint":["/coredns"],"WorkingDir":"/","ExposedPorts":{"53/tcp":{},"53/udp":{}}}' \
+    "hack/dev/coredns.sh: coredns $COREDNS_VERSION from the Go module proxy"
   ctr_k8s images label "$IMAGE" "capk.binary=$digest" >/dev/null
   log "CoreDNS image $IMAGE imported"
 fi

@@ -164,3 +164,28 @@ write_config() {
 
 kc() { "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
 ctr_k8s() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
+
+# oci_image_import NAME WORK CONFIG_OBJECT CREATED_BY: packs WORK/rootfs as the one layer of an OCI
+# image named NAME (reproducible tar: fixed order, owner and mtime), whose image config's "config"
+# is the JSON CONFIG_OBJECT (e.g. '{"Entrypoint":["/x"]}') and whose history says CREATED_BY, and
+# imports it into containerd's k8s.io namespace. No registry is involved.
+oci_image_import() {
+  local name=$1 work=$2 config_object=$3 created_by=$4 layer config manifest
+  rm -rf "$work/oci"
+  mkdir -p "$work/oci/blobs/sha256"
+  tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$work/rootfs" -cf "$work/layer.tar" .
+  _oci_blob() { local d; d=$(sha256sum "$1" | cut -d' ' -f1); cp "$1" "$work/oci/blobs/sha256/$d"; echo "$d"; }
+  layer=$(_oci_blob "$work/layer.tar")
+  printf '{"architecture":"amd64","os":"linux","config":%s,"rootfs":{"type":"layers","diff_ids":["sha256:%s"]},"history":[{"created_by":"%s"}]}\n' \
+    "$config_object" "$layer" "$created_by" >"$work/config.json"
+  config=$(_oci_blob "$work/config.json")
+  printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:%s","size":%s},"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar","digest":"sha256:%s","size":%s}]}\n' \
+    "$config" "$(stat -c %s "$work/config.json")" "$layer" "$(stat -c %s "$work/layer.tar")" >"$work/manifest.json"
+  manifest=$(_oci_blob "$work/manifest.json")
+  printf '{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:%s","size":%s,"platform":{"architecture":"amd64","os":"linux"},"annotations":{"io.containerd.image.name":"%s","org.opencontainers.image.ref.name":"%s"}}]}\n' \
+    "$manifest" "$(stat -c %s "$work/manifest.json")" "$name" "${name##*:}" >"$work/oci/index.json"
+  echo '{"imageLayoutVersion":"1.0.0"}' >"$work/oci/oci-layout"
+  tar -C "$work/oci" -cf "$work/image.tar" .
+  ctr_k8s images import "$work/image.tar" >/dev/null
+  ctr_k8s images ls -q | grep -qxF "$name" || die "import did not produce $name"
+}
