@@ -202,10 +202,18 @@ fn machine_ignition() -> Vec<u8> {
             entries.retain(|e| e["device"] != "/dev/vdb");
         }
     }
-    config["systemd"]["units"]
-        .as_array_mut()
-        .expect("units")
-        .retain(|u| u["name"] != "var-lib-etcddisk.mount");
+    let units = config["systemd"]["units"].as_array_mut().expect("units");
+    units.retain(|u| u["name"] != "var-lib-etcddisk.mount");
+    // Its Flatcar drop-in makes kubeadm.service require containerd.service, and its pre-kubeadm
+    // commands `systemctl restart containerd`: the restart propagates through Requires= and
+    // kills kubeadm.service in the middle (systemd does that on Flatcar too). Keep the ordering.
+    for u in units.iter_mut() {
+        for d in u["dropins"].as_array_mut().into_iter().flatten() {
+            if let Some(c) = d["contents"].as_str() {
+                d["contents"] = c.replace("Requires=containerd.service\n", "").into();
+            }
+        }
+    }
     config["storage"]["files"]
         .as_array_mut()
         .expect("files")
