@@ -152,7 +152,7 @@ rust_image "$CONTROLLER_IMAGE" Dockerfile.controller api bootstrap controller
 rust_image "$LAUNCHER_IMAGE" Dockerfile.launcher bootstrap launcher
 
 # --- Cluster API managers: static binaries at /manager -----------------------------------------------
-# What upstream's gcr.io/distroless/static:nonroot image gives them: /etc/passwd and /etc/group with
+# What upstream's distroless static:nonroot base image gives them: /etc/passwd and /etc/group with
 # nonroot (65532), a world-writable /tmp, the CA bundle (Debian's, from the base image's rootfs).
 capi_image() {
   local name=$1 bin=$BIN/$2 key stage ctr old
