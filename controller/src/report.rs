@@ -1,11 +1,12 @@
 //! What both reconcilers do the same way: find their CAPI owner, write status only when it
-//! changes, and turn a failed step into a metric, a log line and a Warning Event.
+//! changes, delete what they own, and turn a failed step into a metric, a log line and a Warning
+//! Event.
 
 use std::fmt::Debug;
 
 use kube::{
     Api, Resource, ResourceExt,
-    api::{Patch, PatchParams},
+    api::{DeleteParams, Patch, PatchParams},
     runtime::events::{Event, EventType},
 };
 use serde::{Serialize, de::DeserializeOwned};
@@ -132,4 +133,20 @@ where
     .await
     .map_err(Error::UpdateStatus)?;
     Ok(())
+}
+
+/// Deletes `kind` `name` through `api`; already gone (404) counts as done.
+pub async fn delete_if_present<K>(api: &Api<K>, kind: &'static str, name: &str) -> Result<()>
+where
+    K: Clone + DeserializeOwned + Debug,
+{
+    match api.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(source) => Err(Error::Delete {
+            kind,
+            name: name.to_owned(),
+            source,
+        }),
+    }
 }

@@ -23,7 +23,7 @@ use k8s_openapi::{
 };
 use kube::{
     Api, Resource, ResourceExt,
-    api::{DeleteParams, ListParams, Patch, PatchParams},
+    api::{ListParams, Patch, PatchParams},
     runtime::{
         controller::Action,
         events::EventType,
@@ -298,29 +298,14 @@ async fn remove_left_by_kubernetes(
             .map(String::as_str)
             == Some(endpoints::KUBE_ENDPOINTS_CONTROLLER)
     }) {
-        delete_if_present(&legacy, "Endpoints", svc).await?;
+        report::delete_if_present(&legacy, "Endpoints", svc).await?;
     }
     let api: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), ns);
     for name in slices {
-        delete_if_present(&api, "EndpointSlice", name).await?;
+        report::delete_if_present(&api, "EndpointSlice", name).await?;
     }
     warn!(service = %svc, ?slices, "deleted the endpoints Kubernetes kept from when the control-plane Service had a selector");
     Ok(())
-}
-
-async fn delete_if_present<K>(api: &Api<K>, kind: &'static str, name: &str) -> Result<()>
-where
-    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    match api.delete(name, &DeleteParams::default()).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-        Err(source) => Err(Error::Delete {
-            kind,
-            name: name.to_owned(),
-            source,
-        }),
-    }
 }
 
 /// The health monitor's key of a KVMCluster.
@@ -375,7 +360,7 @@ where
             .iter()
             .any(|r| Some(&r.uid) == kc.meta().uid.as_ref())
     }) {
-        delete_if_present(api, kind, name).await?;
+        report::delete_if_present(api, kind, name).await?;
     }
     Ok(())
 }

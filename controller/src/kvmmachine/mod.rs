@@ -466,25 +466,10 @@ async fn cleanup(km: &KVMMachine, ctx: &Context) -> Result<Action> {
         return Err(Error::PodStillTerminating(name));
     }
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-    delete_if_present(&secrets, &names::ignition_secret_name(km), "Secret").await?;
+    report::delete_if_present(&secrets, "Secret", &names::ignition_secret_name(km)).await?;
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-    delete_if_present(&pvcs, &names::etcd_claim_name(km), "PersistentVolumeClaim").await?;
+    report::delete_if_present(&pvcs, "PersistentVolumeClaim", &names::etcd_claim_name(km)).await?;
     Ok(Action::await_change())
-}
-
-async fn delete_if_present<K>(api: &Api<K>, name: &str, kind: &'static str) -> Result<()>
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    match api.delete(name, &DeleteParams::default()).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-        Err(source) => Err(Error::Delete {
-            kind,
-            name: name.to_owned(),
-            source,
-        }),
-    }
 }
 
 async fn write_status(
