@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e testenv testenv-down dev-up dev-down e2e fuzz clean help node-image test-node-image
+.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e testenv testenv-down dev-up dev-down e2e e2e-stub e2e-workload fuzz clean help node-image test-node-image
 
 all: build
 
@@ -55,9 +55,17 @@ test-node-image: node-image ## Boot the node image under QEMU: Ignition, preload
 dev-up: ## The local management cluster with Cluster API and CAPK (clusterctl init) and a sample cluster
 	bash hack/dev-up.sh
 
-e2e: ## End to end on the local management cluster (make dev-up without the sample): create, scale, upgrade, faults, pause, delete
+e2e: ## End to end on the local management cluster (make dev-up without the sample): the stub-guest journey (create, scale, upgrade, faults, pause, delete), then a real workload cluster of the node image (Nodes Ready, CNI, DNS, host volume, delete)
+	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_journey_on_the_local_management_cluster workload_cluster_journey_on_the_local_management_cluster
+
+e2e-stub: ## Only the stub-guest journey of make e2e
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_journey_on_the_local_management_cluster
+
+e2e-workload: ## Only the real workload-cluster journey of make e2e (the node image under TCG: tens of minutes)
+	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact workload_cluster_journey_on_the_local_management_cluster
 
 bench-e2e: ## Machine created -> guest up (P50/P95 over 10 machines) and machine Pod memory beyond guest RAM, on the local MC
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh

@@ -296,11 +296,14 @@ bash "$ROOT/hack/dev/coredns.sh"
 # --- Cluster API, this provider, a sample cluster ----------------------------------------------------
 # Images built here (never pulled), cert-manager, then the real `clusterctl init` from a local
 # repository, then a sample workload cluster whose control-plane VM boots. Each step skips what is
-# done. CAPK_DEV_PROVIDERS=0: the bare cluster only; CAPK_DEV_SAMPLE=0: no sample cluster.
+# done. CAPK_DEV_PROVIDERS=0: the bare cluster only; CAPK_DEV_SAMPLE=0: no sample cluster;
+# CAPK_DEV_NODE_IMAGE=0: without the Kubernetes node image (make node-image) in containerd, which
+# workload clusters of `--flavor node-image` boot (its name: _output/dev/node-image.env).
 if [[ ${CAPK_DEV_PROVIDERS:-1} != 0 ]]; then
   bash "$ROOT/hack/dev/images.sh"
   bash "$ROOT/hack/dev/cert-manager.sh"
   bash "$ROOT/hack/dev/capi.sh" >/dev/null
+  [[ ${CAPK_DEV_NODE_IMAGE:-1} == 0 ]] || bash "$ROOT/hack/dev/node-image.sh"
   [[ ${CAPK_DEV_SAMPLE:-1} == 0 ]] || bash "$ROOT/hack/dev/sample.sh"
 fi
 

@@ -64,6 +64,7 @@ key=$(
     cat "$ROOT/hack/versions.env" "$WORK/rootfs.stamp" "$WORK/iptables-base.stamp"
     for p in "${programs[@]}"; do echo "$p $(sha256sum <"$BIN/$p" | cut -d' ' -f1)"; done
     echo "catatonit $(sha256sum <"$(command -v catatonit)" | cut -d' ' -f1)"
+    echo "busybox $(sha256sum <"$(command -v busybox)" | cut -d' ' -f1)"
     (cd "$ignition_src/dracut/30ignition" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum)
   } | sha256sum | cut -c1-12
 )

@@ -3,7 +3,7 @@
 # imports with a single `ctr -n k8s.io images import` (images/node/rootfs/usr/lib/capk/preload-images):
 # the control-plane images under exactly the names `kubeadm config images list` prints for
 # $KUBERNETES_VERSION (no registry host is written here: the names come from kubeadm's output),
-# and the flannel images of the workload clusters' CNI.
+# the flannel images of the workload clusters' CNI, and a toolbox (Debian's static busybox).
 #
 # Images are assembled directly as OCI layouts (as hack/dev/pause-image.sh does): reproducible
 # tar layers, compressed with zstd (a quarter of the size; containerd unpacks zstd layers, and
@@ -45,6 +45,12 @@ FLANNEL_CNI_IMAGE=localhost/capk/flannel-cni-plugin:$FLANNEL_CNI_PLUGIN_VERSION
 
 catatonit=$(command -v catatonit) || die "catatonit not found (apt-get install catatonit)"
 file -L "$catatonit" | grep -q 'statically linked' || die "$catatonit is not statically linked"
+busybox=$(command -v busybox) || die "busybox not found (apt-get install busybox-static)"
+file -L "$busybox" | grep -q 'statically linked' || die "$busybox is not statically linked (apt-get install busybox-static)"
+# "BusyBox v1.35.0 (Debian ...) multi-call binary." -> v1.35.0
+busybox_version=$("$busybox" 2>&1 | sed -n '1s/^BusyBox \(v[0-9.]*\).*/\1/p')
+[[ -n $busybox_version ]] || die "cannot read the version of $busybox"
+TOOLBOX_IMAGE=localhost/capk/toolbox:busybox-$busybox_version
 for b in kube-apiserver kube-controller-manager kube-scheduler kube-proxy etcd coredns flanneld flannel-cni-plugin; do
   [[ -x $BIN/$b ]] || die "$BIN/$b missing (images/node/build.sh builds it first)"
 done
@@ -142,6 +148,16 @@ image "$(kubeadm_name pause)" '{"Entrypoint":["/catatonit","-P"],"WorkingDir":"/
 # --- flannel: flanneld at /opt/bin (its DaemonSet's command), the CNI plugin at /flannel --------------
 image "$FLANNEL_IMAGE" "{$PATH_ENV,\"Entrypoint\":[\"/opt/bin/flanneld\"]}" "$IPTABLES" "$(bin_layer /opt/bin/flanneld "$BIN/flanneld")"
 image "$FLANNEL_CNI_IMAGE" "{$PATH_ENV,\"Entrypoint\":[\"/flannel\"]}" "$IPTABLES" "$(bin_layer /flannel "$BIN/flannel-cni-plugin")"
+
+# --- toolbox: a shell and the tools to look at a cluster from a Pod (nslookup, wget, httpd, nc,
+# nsenter), so a workload cluster of this image can be checked with nothing pulled ------------------
+t=$stage/toolbox
+mkdir -p "$t/bin"
+install -m 0755 "$busybox" "$t/bin/busybox"
+for a in $("$busybox" --list); do [[ $a == busybox ]] || ln -s busybox "$t/bin/$a"; done
+tar_dir "$t" "$t.tar"
+image "$TOOLBOX_IMAGE" "{$PATH_ENV,\"Cmd\":[\"/bin/sh\"],\"Labels\":{\"org.opencontainers.image.version\":\"$busybox_version\"}}" \
+  "$STATIC" "$(layer "$t.tar")"
 
 index=$(IFS=,; echo "${manifests[*]}")
 printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[%s]}\n' "$index" >"$layout/index.json"

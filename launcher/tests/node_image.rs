@@ -29,6 +29,12 @@ const HOSTNAME: &str = "capk-node-test";
 /// The fixture's `controlPlaneEndpoint` host: the Pod IP, so the endpoint is the VM itself.
 const POD_IP: &str = "10.0.0.10";
 const FIXTURE: &str = "ignition-control-plane-init.secret.json";
+/// Where the test adds kubeadm's timeouts in the fixture's `/etc/kubeadm.yml`.
+const INIT_KIND: &str = "kind: InitConfiguration\n";
+/// The flavors' defaults (`KUBEADM_*_SECONDS` in manifests/templates) as kubeadm v1beta4 writes them.
+const TCG_TIMEOUTS: &str = "timeouts:\n  controlPlaneComponentHealthCheck: 10m0s\n  \
+    kubeletHealthCheck: 10m0s\n  kubernetesAPICall: 3m0s\n  etcdAPICall: 6m0s\n  \
+    tlsBootstrap: 10m0s\n  discovery: 10m0s\n";
 /// What the guest's report unit writes into the host volume's file and reads back.
 const HOST_VOLUME_TEXT: &str = "written on the host for the guest";
 
@@ -169,6 +175,15 @@ r "node $(kc get nodes --no-headers -o custom-columns=N:.metadata.name,V:.status
 for p in $(kc -n kube-system get pods --no-headers -o custom-columns=N:.metadata.name,P:.status.phase 2>&1 | tr -s ' ' =); do r "pod $p"; done
 if [ "$(systemctl show -p Result --value kubeadm.service)" != success ]; then
   journalctl -b -u kubeadm.service -o cat | grep -vi token | tail -40 | sed 's/^/CAPK-NODE kubeadm| /'
+  # What the control plane's containers did (their logs hold no bootstrap token), and the load.
+  crictl ps -a 2>&1 | sed 's/^/CAPK-NODE crictl| /'
+  for c in etcd kube-apiserver; do
+    for id in $(crictl ps -a -q --name "^$c\$" 2>/dev/null | head -2); do
+      crictl logs --tail 25 "$id" 2>&1 | grep -vi token | sed "s/^/CAPK-NODE $c| /"
+    done
+  done
+  top -b -n 1 | head -20 | sed 's/^/CAPK-NODE top| /'
+  journalctl -b -u kubelet.service -o cat | grep -vi token | tail -15 | sed 's/^/CAPK-NODE kubelet| /'
 fi
 r "report-done"
 # Boot-to-multi-user once the boot transaction (which waits for this unit) is over.
@@ -200,6 +215,28 @@ fn machine_ignition() -> Vec<u8> {
     for kind in ["disks", "filesystems"] {
         if let Some(entries) = config["storage"][kind].as_array_mut() {
             entries.retain(|e| e["device"] != "/dev/vdb");
+        }
+    }
+    // The fixture was rendered with kubeadm's default timeouts (4 minutes for the control-plane
+    // components); the shipped flavors raise them for emulated nodes (KUBEADM_*_SECONDS, see
+    // manifests/templates), and so does the test, the same way CABPK writes them.
+    for f in config["storage"]["files"].as_array_mut().expect("files") {
+        if f["path"] == "/etc/kubeadm.yml" {
+            let source = f["contents"]["source"]
+                .as_str()
+                .expect("kubeadm.yml source");
+            let yaml = data_url::DataUrl::process(source)
+                .unwrap()
+                .decode_to_vec()
+                .unwrap()
+                .0;
+            let yaml = String::from_utf8(yaml).unwrap();
+            assert!(
+                yaml.contains(INIT_KIND),
+                "kubeadm.yml has no InitConfiguration"
+            );
+            let raised = yaml.replace(INIT_KIND, &format!("{INIT_KIND}{TCG_TIMEOUTS}"));
+            f["contents"]["source"] = capk_bootstrap::content::data_url(raised.as_bytes()).into();
         }
     }
     let units = config["systemd"]["units"].as_array_mut().expect("units");
@@ -502,7 +539,7 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
         sha256_hex(&fixture_file("/etc/capk/plain.txt"))
     );
     // The launcher's containerd disk is mounted over /var/lib/containerd: the images came from
-    // the boot-time import, and they are exactly kubeadm's (plus the CNI's), nothing pulled.
+    // the boot-time import, and they are exactly kubeadm's (plus the CNI's and the toolbox), nothing pulled.
     assert_eq!(l.fact("containerd-disk="), "dockerfs,ext4");
     let images = l.facts("image ");
     for w in &want {
@@ -510,7 +547,11 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
     }
     let extra: Vec<&String> = images
         .iter()
-        .filter(|i| !want.contains(i) && !i.starts_with("localhost/capk/flannel"))
+        .filter(|i| {
+            !want.contains(i)
+                && !i.starts_with("localhost/capk/flannel")
+                && !i.starts_with("localhost/capk/toolbox:")
+        })
         .collect();
     assert!(extra.is_empty(), "unexpected images: {extra:?}");
     assert_eq!(l.fact("pulls="), "0", "containerd pulled an image");

@@ -22,6 +22,9 @@ use std::{
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Value, json};
 
+#[path = "e2e/workload.rs"]
+mod workload;
+
 thread_local! {
     /// The namespace of the running scenario (the journey's or the benchmark's).
     static NS: std::cell::Cell<&'static str> = const { std::cell::Cell::new("capk-e2e") };
@@ -1068,6 +1071,12 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
 #[ignore = "end to end on the local management cluster: `make e2e`"]
 fn cluster_journey_on_the_local_management_cluster() {
     run_scenario("capk-e2e", the_journey);
+}
+
+#[test]
+#[ignore = "a real workload cluster on the local management cluster, minutes under TCG: `make e2e`"]
+fn workload_cluster_journey_on_the_local_management_cluster() {
+    run_scenario("capk-e2e-workload", workload::workload_journey);
 }
 
 /// Resident KiB of QEMU's guest-RAM mapping: the anonymous mapping whose size is the guest's
