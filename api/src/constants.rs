@@ -52,6 +52,9 @@ pub const CONDITION_NODE_READY: &str = "NodeReady";
 /// Condition on a KVMCluster: some control-plane machine's apiserver answers `/readyz`, so the
 /// control-plane Service has a ready endpoint (the message says how many of how many answer).
 pub const CONDITION_CONTROL_PLANE_ENDPOINTS_READY: &str = "ControlPlaneEndpointsReady";
+/// Condition on a KVMCluster and its KVMMachines: the cluster where their objects live (the
+/// management cluster, or the hosting cluster named by `spec.hostingCluster`) can be reached.
+pub const CONDITION_HOSTING_CLUSTER_AVAILABLE: &str = "HostingClusterAvailable";
 /// `endpointslice.kubernetes.io/managed-by` of the control-plane Service's EndpointSlice: the
 /// controller, not Kubernetes' EndpointSlice controller, decides its endpoints.
 pub const ENDPOINT_SLICE_MANAGED_BY: &str = "capk-controller.infrastructure.cluster.x-k8s.io";
@@ -71,6 +74,26 @@ pub const MACHINE_ROLE_LABEL: &str = "infrastructure.cluster.x-k8s.io/machine-ro
 pub const ROLE_CONTROL_PLANE: &str = "control-plane";
 /// Value of [`MACHINE_ROLE_LABEL`] on worker machine Pods.
 pub const ROLE_WORKER: &str = "worker";
+/// Label on every object the controller makes (machine Pods, Ignition Secrets, PVCs, the
+/// control-plane Service and its EndpointSlice): the namespace, in the management cluster, of
+/// the KVMMachine or KVMCluster it belongs to. With the kind's own label
+/// ([`KVMMACHINE_LABEL`], [`KVMCLUSTER_LABEL`]) it names the owner: objects in a
+/// hosting cluster cannot carry owner references to it, and are adopted by these labels.
+pub const OWNER_NAMESPACE_LABEL: &str = "infrastructure.cluster.x-k8s.io/owner-namespace";
+/// Label on a machine's objects (Pod, Ignition Secret, PVC) naming their KVMMachine (its name,
+/// cut and hashed when longer than a label value may be).
+pub const KVMMACHINE_LABEL: &str = "infrastructure.cluster.x-k8s.io/kvmmachine";
+/// Label naming the UID of the KVMMachine or KVMCluster that made or last adopted the object
+/// (a moved object has a new UID; adoption is by namespace and name, and updates this label).
+pub const OWNER_UID_LABEL: &str = "infrastructure.cluster.x-k8s.io/owner-uid";
+/// Label on the control-plane Service and its EndpointSlice naming their KVMCluster (its name,
+/// cut and hashed when longer than a label value may be).
+pub const KVMCLUSTER_LABEL: &str = "infrastructure.cluster.x-k8s.io/kvmcluster";
+/// clusterctl's label for objects `clusterctl move` takes along although no owner reference
+/// leads to them, such as a hosting cluster's kubeconfig Secret.
+pub const MOVE_LABEL: &str = "clusterctl.cluster.x-k8s.io/move";
+/// Key of the kubeconfig in a hosting cluster's kubeconfig Secret (Cluster API's convention).
+pub const HOSTING_KUBECONFIG_KEY: &str = "value";
 /// `app.kubernetes.io/managed-by` value on every object the controller creates.
 pub const MANAGED_BY: &str = "capk-controller";
 /// Port of the workload cluster's API server (on the VMs and on the control-plane Service).

@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 use super::shared::{ApiEndpoint, FailureDomain, Initialization};
 
 /// The infrastructure of a workload cluster: its control-plane endpoint (a Service in the
-/// management cluster that selects the control-plane machine Pods) and its failure domains.
+/// hosting cluster whose endpoints are the control-plane machine Pods), its failure domains and
+/// where its machines run (the management cluster, or a hosting cluster).
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[kube(
     group = "infrastructure.cluster.x-k8s.io",
@@ -68,6 +69,44 @@ pub struct KVMClusterSpec {
     #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     #[schemars(length(max = 64))]
     pub failure_domains: Option<Vec<FailureDomain>>,
+
+    /// Where the machine Pods, their Ignition Secrets and PVCs and the control-plane Service
+    /// live. Absent: the management cluster itself, in the KVMCluster's namespace. Set: the
+    /// cluster a kubeconfig Secret reaches, so that `clusterctl move` of the Cluster API objects
+    /// leaves every VM running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hosting_cluster: Option<HostingCluster>,
+}
+
+/// A hosting cluster: where a workload cluster's machine Pods run, reached through a kubeconfig.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.namespace) == has(oldSelf.namespace)").message("hostingCluster.namespace cannot be added or removed while hostingCluster is set: the machines and the control-plane Service are where it says, and changing it would not move them"))]
+pub struct HostingCluster {
+    /// The Secret, in the KVMCluster's namespace, whose key `value` holds the hosting cluster's
+    /// kubeconfig (the Cluster API convention). Inline credentials only (`*-data`, `token`):
+    /// a kubeconfig that runs a command or names a file is refused. Label the Secret
+    /// `clusterctl.cluster.x-k8s.io/move: ""` so that `clusterctl move` takes it along (the
+    /// controller adds the label too).
+    pub kubeconfig_secret_ref: SecretReference,
+
+    /// The namespace in the hosting cluster for this cluster's objects (it must exist; the
+    /// controller does not create it). Defaults to the KVMCluster's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 63))]
+    #[x_kube(validation = Rule::new("self.size() <= 63 && self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')").message("hostingCluster.namespace must be a namespace name: at most 63 lowercase letters, digits or '-', starting and ending with a letter or digit"))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("hostingCluster.namespace cannot be changed once set: the machines and the control-plane Service are where it says, and changing it would not move them"))]
+    pub namespace: Option<String>,
+}
+
+/// A Secret in the referring object's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretReference {
+    /// The Secret's name.
+    #[schemars(length(max = 253))]
+    #[x_kube(validation = Rule::new("self.size() <= 253 && self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')").message("kubeconfigSecretRef.name must be the name of a Secret in the KVMCluster's namespace (a lowercase DNS subdomain such as demo-hosting-kubeconfig)"))]
+    pub name: String,
 }
 
 /// How the control-plane Service is exposed.
