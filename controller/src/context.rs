@@ -3,9 +3,9 @@
 
 use capk_api::{
     capi::{Cluster, Machine},
-    v1alpha1::KVMMachine,
+    v1alpha1::{KVMCluster, KVMMachine},
 };
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Secret};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Secret, Service};
 use kube::{
     Client,
     core::PartialObjectMeta,
@@ -21,11 +21,13 @@ pub const FIELD_MANAGER: &str = capk_api::constants::MANAGED_BY;
 pub use crate::settings::Settings;
 
 /// Read-only views of the watches that also trigger reconciles. Each is filled by exactly one
-/// watch; Secrets and PVCs are watched as metadata only (their data is read when needed).
+/// watch; Secrets, PVCs and Services are watched as metadata only (data is read when needed).
 #[derive(Clone)]
 pub struct Caches {
     /// KVMMachines (the KVMMachine controller's own store).
     pub kvm_machines: Store<KVMMachine>,
+    /// KVMClusters (a watch apart from the KVMCluster controller's).
+    pub kvm_clusters: Store<KVMCluster>,
     /// Cluster API Machines.
     pub machines: Store<Machine>,
     /// Cluster API Clusters.
@@ -36,6 +38,8 @@ pub struct Caches {
     pub secrets: Store<PartialObjectMeta<Secret>>,
     /// Our etcd PVCs' metadata.
     pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
+    /// Our control-plane Services' metadata.
+    pub services: Store<PartialObjectMeta<Service>>,
     /// Turns true once every store above has listed (see [`Caches::watch_readiness`]).
     pub synced: tokio::sync::watch::Receiver<bool>,
 }
@@ -52,12 +56,24 @@ impl Caches {
     /// 5.0 keeps one waker), which left all but one of the first reconciles waiting forever.
     /// The KVMMachine store is the Controller's own, which it awaits before any reconcile.
     pub async fn watch_readiness(self, synced: tokio::sync::watch::Sender<bool>) {
+        let _ = self.kvm_clusters.wait_until_ready().await;
         let _ = self.machines.wait_until_ready().await;
         let _ = self.clusters.wait_until_ready().await;
         let _ = self.pods.wait_until_ready().await;
         let _ = self.secrets.wait_until_ready().await;
         let _ = self.claims.wait_until_ready().await;
+        let _ = self.services.wait_until_ready().await;
         let _ = synced.send(true);
+    }
+
+    /// The management cluster's caches of the objects the controller makes.
+    pub fn objects(&self) -> crate::hosting::ObjectCaches {
+        crate::hosting::ObjectCaches {
+            pods: self.pods.clone(),
+            secrets: self.secrets.clone(),
+            claims: self.claims.clone(),
+            services: self.services.clone(),
+        }
     }
 
     /// The metadata of Secret `name` in `ns`, if it exists.
@@ -85,6 +101,8 @@ pub struct Context {
     pub caches: Caches,
     /// Node watches in workload clusters.
     pub workloads: std::sync::Arc<crate::workload::Links>,
+    /// Clients and watches of hosting clusters.
+    pub hosting: std::sync::Arc<crate::hosting::Links>,
     /// What the health check knows of the control-plane apiservers, between reconciles.
     pub apiserver_health: std::sync::Arc<crate::apiserver_health::HealthMonitor>,
 }
@@ -97,6 +115,7 @@ impl Context {
         metrics: std::sync::Arc<crate::metrics::Metrics>,
         caches: Caches,
         workloads: std::sync::Arc<crate::workload::Links>,
+        hosting: std::sync::Arc<crate::hosting::Links>,
     ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),
@@ -109,6 +128,7 @@ impl Context {
             metrics,
             caches,
             workloads,
+            hosting,
             apiserver_health: Default::default(),
         }
     }

@@ -49,6 +49,26 @@ pub enum Error {
     /// The object lacks a namespace (our kinds are namespaced; this is a bug).
     #[error("object has no namespace")]
     MissingNamespace,
+    /// An object of the name the controller would make exists and belongs to someone else.
+    #[error(
+        "{kind} {name} in {place} belongs to someone else (its labels name another owner); \
+         it is left alone: rename or remove it"
+    )]
+    Foreign {
+        /// Kind found.
+        kind: &'static str,
+        /// Its name.
+        name: String,
+        /// Where it is.
+        place: String,
+    },
+    /// The cluster where the objects live cannot be used now (the condition says why).
+    #[error("hosting cluster unavailable: {0}")]
+    HostingUnavailable(String),
+    /// A KVMCluster with a hosting cluster waits for its KVMMachines to be deleted: each needs
+    /// it to find the hosting cluster its machine Pod is in.
+    #[error("{0} KVMMachines of the cluster still exist; they are deleted first")]
+    MachinesRemain(usize),
 }
 
 impl Error {
@@ -62,6 +82,22 @@ impl Error {
             Error::Finalizer(_) => "FinalizerFailed",
             Error::PodStillTerminating(_) => "WaitingForPodDeletion",
             Error::MissingNamespace => "InvalidObject",
+            Error::Foreign { .. } => "ForeignObject",
+            Error::HostingUnavailable(_) => "HostingClusterUnavailable",
+            Error::MachinesRemain(_) => "WaitingForMachines",
+        }
+    }
+
+    /// Waiting for something else to happen, which a condition already shows: retried, logged,
+    /// no Warning Event each time.
+    pub fn is_waiting(&self) -> bool {
+        match self {
+            Error::HostingUnavailable(_) | Error::MachinesRemain(_) => true,
+            Error::Finalizer(f) => matches!(
+                f.as_ref(),
+                kube::runtime::finalizer::Error::CleanupFailed(e) | kube::runtime::finalizer::Error::ApplyFailed(e) if e.is_waiting()
+            ),
+            _ => false,
         }
     }
 }

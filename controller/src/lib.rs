@@ -6,11 +6,13 @@ pub mod apiserver_health;
 pub mod conditions;
 pub mod context;
 pub mod error;
+pub mod hosting;
 pub mod inline_kubeconfig;
 pub mod kvmcluster;
 pub mod kvmmachine;
 pub mod leader;
 pub mod metrics;
+pub mod ownership;
 pub mod redact;
 pub mod report;
 pub mod settings;
@@ -20,11 +22,18 @@ use std::sync::Arc;
 
 use capk_api::{
     capi::{Cluster, Machine},
-    constants::{CLUSTER_NAME_LABEL, MANAGED_BY},
+    constants::{
+        CLUSTER_NAME_LABEL, KVMCLUSTER_LABEL, KVMMACHINE_LABEL, MACHINE_ROLE_LABEL, MANAGED_BY,
+        MAX_LABEL_LEN, OWNER_NAMESPACE_LABEL, ROLE_CONTROL_PLANE,
+    },
     v1alpha1::{KVMCluster, KVMMachine},
 };
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Secret, Service};
+use hosting::HostingKey;
+use k8s_openapi::{
+    api::core::v1::{PersistentVolumeClaim, Pod, Secret, Service},
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
 use kube::{
     Api, Client, Resource, ResourceExt,
     core::PartialObjectMeta,
@@ -51,7 +60,7 @@ where
 }
 
 /// One watch of `K` that fills a cache and yields the changed objects (to trigger reconciles).
-fn cached<K>(
+pub(crate) fn cached<K>(
     api: Api<K>,
     config: watcher::Config,
     strip: fn(&mut K),
@@ -82,6 +91,25 @@ where
     (store, stream)
 }
 
+/// Of a machine Pod only its status, node and whether its containers have a startup probe are
+/// read; the spec is most of its size.
+pub(crate) fn strip_pod(p: &mut Pod) {
+    if let Some(spec) = p.spec.as_mut() {
+        *spec = k8s_openapi::api::core::v1::PodSpec {
+            node_name: spec.node_name.take(),
+            containers: std::mem::take(&mut spec.containers)
+                .into_iter()
+                .map(|c| k8s_openapi::api::core::v1::Container {
+                    name: c.name,
+                    startup_probe: c.startup_probe,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+    }
+}
+
 /// The KVMMachines that belong to Cluster `name` in `ns`.
 fn machines_of(
     store: &Store<KVMMachine>,
@@ -97,6 +125,31 @@ fn machines_of(
         })
         .map(|km| ObjectRef::from(&*km))
         .collect()
+}
+
+/// The Cluster a KVMCluster belongs to: its owner, else its cluster-name label.
+fn cluster_of(kc: &KVMCluster) -> Option<String> {
+    kvmcluster::owner_cluster_name(kc).or_else(|| kc.labels().get(CLUSTER_NAME_LABEL).cloned())
+}
+
+/// The object of `store` in `ns` whose name label (the name, cut and hashed when long) is
+/// `label`.
+fn named_by_label<K>(store: &Store<K>, ns: &str, label: &str) -> Option<ObjectRef<K>>
+where
+    K: Resource<DynamicType = ()> + Clone + 'static,
+{
+    let direct = ObjectRef::new(label).within(ns);
+    if store.get(&direct).is_some() {
+        return Some(direct);
+    }
+    store
+        .state()
+        .into_iter()
+        .find(|o| {
+            o.namespace().as_deref() == Some(ns)
+                && capk_api::constants::bounded_name(&o.name_any(), "", MAX_LABEL_LEN) == label
+        })
+        .map(|o| ObjectRef::from(&*o))
 }
 
 /// Runs the reconcilers until `shutdown` resolves.
@@ -131,33 +184,19 @@ pub async fn run_with_metrics(
         let _ = rx.wait_for(|s| *s).await;
     };
 
-    // The KVMMachine controller's watches, each feeding a cache its reconciles read.
+    // The watches, each feeding a cache the reconciles read. (The KVMCluster controller keeps a
+    // watch of its own: a store awaited by two tasks at once wakes only one of them.)
     let (kvm_machines, kvm_machine_events) =
         cached(api::<KVMMachine>(&client, ns), Default::default(), |_| {});
     let machine_controller = Controller::for_stream(kvm_machine_events, kvm_machines.clone());
+    let (kvm_clusters, kvm_cluster_events) =
+        cached(api::<KVMCluster>(&client, ns), Default::default(), |_| {});
     let (machines, machine_events) =
         cached(api::<Machine>(&client, ns), Default::default(), |_| {});
     let (clusters, cluster_events) =
         cached(api::<Cluster>(&client, ns), Default::default(), |_| {});
-    // Of a machine Pod only its status, node and whether its containers have a startup probe
-    // are read; the spec is most of its size.
-    let (pods, pod_events) = cached(api::<Pod>(&client, ns), owned.clone(), |p: &mut Pod| {
-        if let Some(spec) = p.spec.as_mut() {
-            *spec = k8s_openapi::api::core::v1::PodSpec {
-                node_name: spec.node_name.take(),
-                containers: std::mem::take(&mut spec.containers)
-                    .into_iter()
-                    .map(|c| k8s_openapi::api::core::v1::Container {
-                        name: c.name,
-                        startup_probe: c.startup_probe,
-                        ..Default::default()
-                    })
-                    .collect(),
-                ..Default::default()
-            };
-        }
-    });
-    // Secrets and PVCs as metadata only: their data is read when needed.
+    let (pods, pod_events) = cached(api::<Pod>(&client, ns), owned.clone(), strip_pod);
+    // Secrets, PVCs and Services as metadata only: their data is read when needed.
     let (secrets, secret_events) = cached(
         api::<PartialObjectMeta<Secret>>(&client, ns),
         Default::default(),
@@ -168,14 +207,21 @@ pub async fn run_with_metrics(
         owned.clone(),
         |_| {},
     );
+    let (services, service_events) = cached(
+        api::<PartialObjectMeta<Service>>(&client, ns),
+        owned.clone(),
+        |_| {},
+    );
     let (synced_tx, synced) = tokio::sync::watch::channel(false);
     let caches = Caches {
         kvm_machines: kvm_machines.clone(),
+        kvm_clusters: kvm_clusters.clone(),
         machines: machines.clone(),
         clusters,
         pods,
         secrets,
         claims,
+        services,
         synced,
     };
     let (node_trigger, node_events) = futures::channel::mpsc::unbounded();
@@ -195,12 +241,72 @@ pub async fn run_with_metrics(
         })
     };
     let workloads = Arc::new(workload::Links::new(node_trigger, machines_of_node));
+
+    // Hosting clusters: an object there wakes whoever its labels name; a change of the link's
+    // availability wakes every KVMCluster naming it and their machines.
+    let (hosted_machine_trigger, hosted_machine_events) = futures::channel::mpsc::unbounded();
+    let (cluster_trigger, cluster_triggers) = futures::channel::mpsc::unbounded();
+    let hosting_changed: hosting::OnChange = {
+        let (kvm_machines, kvm_clusters) = (kvm_machines.clone(), kvm_clusters.clone());
+        let clusters = caches.clusters.clone();
+        let (machine_trigger, cluster_trigger) =
+            (hosted_machine_trigger.clone(), cluster_trigger.clone());
+        Arc::new(
+            move |key: &hosting::HostingKey, meta: Option<&ObjectMeta>| {
+                let Some(meta) = meta else {
+                    for kc in kvm_clusters.state() {
+                        if hosting::HostingKey::of(&kc).as_ref() != Some(key) {
+                            continue;
+                        }
+                        let _ = cluster_trigger.unbounded_send(ObjectRef::from(&*kc));
+                        if let Some(cluster) = cluster_of(&kc) {
+                            for km in
+                                machines_of(&kvm_machines, kc.namespace().as_deref(), &cluster)
+                            {
+                                let _ = machine_trigger.unbounded_send(km);
+                            }
+                        }
+                    }
+                    return;
+                };
+                let labels = meta.labels.clone().unwrap_or_default();
+                let Some(owner_ns) = labels.get(OWNER_NAMESPACE_LABEL) else {
+                    return;
+                };
+                if let Some(km) = labels
+                    .get(KVMMACHINE_LABEL)
+                    .and_then(|l| named_by_label(&kvm_machines, owner_ns, l))
+                {
+                    let _ = machine_trigger.unbounded_send(km);
+                }
+                if let Some(kc) = labels
+                    .get(KVMCLUSTER_LABEL)
+                    .and_then(|l| named_by_label(&kvm_clusters, owner_ns, l))
+                {
+                    let _ = cluster_trigger.unbounded_send(kc);
+                }
+                // A control-plane machine Pod is an endpoint of its cluster's Service.
+                if labels.get(MACHINE_ROLE_LABEL).map(String::as_str) == Some(ROLE_CONTROL_PLANE)
+                    && let Some(cluster) = labels
+                        .get(CLUSTER_NAME_LABEL)
+                        .and_then(|c| clusters.get(&ObjectRef::new(c).within(owner_ns)))
+                    && let Some(infra) = cluster.spec.infrastructure_ref.as_ref()
+                    && infra.kind == "KVMCluster"
+                {
+                    let _ = cluster_trigger
+                        .unbounded_send(ObjectRef::new(&infra.name).within(owner_ns));
+                }
+            },
+        )
+    };
+    let hosting = Arc::new(hosting::Links::new(hosting_changed));
     let ctx = Arc::new(Context::new(
         client.clone(),
         settings,
         metrics.clone(),
         caches.clone(),
         workloads,
+        hosting,
     ));
     {
         let (caches, metrics) = (caches.clone(), metrics.clone());
@@ -213,20 +319,33 @@ pub async fn run_with_metrics(
 
     // A control-plane machine Pod that changes (an IP, deletion) concerns its KVMCluster too:
     // it is an endpoint of the control-plane Service. The one Pod watch feeds both controllers.
-    let (cp_pod_trigger, cp_pod_events) = futures::channel::mpsc::unbounded();
     let pod_events = {
         let clusters = caches.clusters.clone();
+        let cluster_trigger = cluster_trigger.clone();
         pod_events.inspect(move |pod| {
             if let Ok(pod) = pod
                 && let Some(kc) = kvmcluster::kvmcluster_of_pod(pod, &clusters)
             {
-                let _ = cp_pod_trigger.unbounded_send(kc);
+                let _ = cluster_trigger.unbounded_send(kc);
+            }
+        })
+    };
+    // A hosting kubeconfig Secret that changes concerns the KVMClusters naming it (and their
+    // machines, through the Secret mapping below).
+    let secret_events = {
+        let kvm_clusters = kvm_clusters.clone();
+        let cluster_trigger = cluster_trigger.clone();
+        secret_events.inspect(move |s| {
+            if let Ok(s) = s {
+                for kc in hosting_users(&kvm_clusters, s) {
+                    let _ = cluster_trigger.unbounded_send(kc);
+                }
             }
         })
     };
     let clusters = Controller::new(api::<KVMCluster>(&client, ns), watcher::Config::default())
         .with_config(controller_config.clone())
-        .owns(api::<Service>(&client, ns), owned.clone())
+        .owns_stream(service_events)
         .watches(
             api::<Cluster>(&client, ns),
             watcher::Config::default(),
@@ -236,7 +355,7 @@ pub async fn run_with_metrics(
                 (r.kind == "KVMCluster").then(|| ObjectRef::new(&r.name).within(&ns))
             },
         )
-        .reconcile_on(cp_pod_events)
+        .reconcile_on(cluster_triggers)
         .graceful_shutdown_on(stopped(rx.clone()))
         .run(kvmcluster::reconcile, kvmcluster::error_policy, ctx.clone())
         .for_each(|res| async move {
@@ -246,7 +365,13 @@ pub async fn run_with_metrics(
             }
         });
 
-    let (by_cluster, by_secret) = (kvm_machines.clone(), kvm_machines.clone());
+    let (by_cluster, by_secret, by_kvm_cluster) = (
+        kvm_machines.clone(),
+        kvm_machines.clone(),
+        kvm_machines.clone(),
+    );
+    // The hosting cluster each KVMCluster named when last seen.
+    let hosted_in = std::sync::Mutex::new(std::collections::HashMap::new());
     let machines = machine_controller
         .with_config(controller_config)
         .owns_stream(pod_events)
@@ -256,12 +381,30 @@ pub async fn run_with_metrics(
             let r = &m.spec.infrastructure_ref;
             (r.kind == "KVMMachine").then(|| ObjectRef::new(&r.name).within(&ns))
         })
+        // A KVMCluster that names another hosting cluster (or none any more) concerns its
+        // machines.
+        .watches_stream(kvm_cluster_events, move |kc: KVMCluster| {
+            let key = HostingKey::of(&kc);
+            let uid = kc.uid().unwrap_or_default();
+            let moved = hosted_in
+                .lock()
+                .expect("hosted_in lock")
+                .insert(uid, key.clone())
+                != Some(key);
+            match cluster_of(&kc) {
+                Some(cluster) if moved => {
+                    machines_of(&by_kvm_cluster, kc.namespace().as_deref(), &cluster)
+                }
+                _ => Vec::new(),
+            }
+        })
         // A Cluster's infrastructure becoming provisioned (or pausing) concerns its machines.
         .watches_stream(cluster_events, move |c: Cluster| {
             machines_of(&by_cluster, c.namespace().as_deref(), &c.name_any())
         })
         // Secrets: our Ignition Secrets (owner), a Machine's bootstrap data (it may appear after
-        // the Machine names it), and `<cluster>-kubeconfig` (the workload cluster link).
+        // the Machine names it), `<cluster>-kubeconfig` (the workload cluster link) and a
+        // hosting cluster's kubeconfig.
         .watches_stream(secret_events, move |s: PartialObjectMeta<Secret>| {
             let ns = s.namespace();
             let name = s.name_any();
@@ -287,10 +430,18 @@ pub async fn run_with_metrics(
             if let Some(cluster) = name.strip_suffix("-kubeconfig") {
                 refs.extend(machines_of(&by_secret, ns.as_deref(), cluster));
             }
+            for kc in hosting_users(&kvm_clusters, &s) {
+                if let Some(kc) = kvm_clusters.get(&kc)
+                    && let Some(cluster) = cluster_of(&kc)
+                {
+                    refs.extend(machines_of(&by_secret, ns.as_deref(), &cluster));
+                }
+            }
             refs
         })
-        // Node changes in workload clusters.
+        // Node changes in workload clusters; objects in hosting clusters.
         .reconcile_on(node_events)
+        .reconcile_on(hosted_machine_events)
         .graceful_shutdown_on(stopped(rx))
         .run(kvmmachine::reconcile, kvmmachine::error_policy, ctx)
         .for_each(|res| async move {
@@ -300,4 +451,21 @@ pub async fn run_with_metrics(
             }
         });
     futures::join!(clusters, machines);
+}
+
+/// The KVMClusters whose hosting cluster's kubeconfig is Secret `s`.
+fn hosting_users(
+    kvm_clusters: &Store<KVMCluster>,
+    s: &PartialObjectMeta<Secret>,
+) -> Vec<ObjectRef<KVMCluster>> {
+    let (ns, name) = (s.namespace(), s.name_any());
+    kvm_clusters
+        .state()
+        .into_iter()
+        .filter(|kc| {
+            HostingKey::of(kc)
+                .is_some_and(|k| Some(&k.secret_namespace) == ns.as_ref() && k.secret == name)
+        })
+        .map(|kc| ObjectRef::from(&*kc))
+        .collect()
 }

@@ -11,7 +11,7 @@ use kube::{
 };
 use serde::{Serialize, de::DeserializeOwned};
 use serde_json::json;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     context::{Context, FIELD_MANAGER},
@@ -64,6 +64,8 @@ where
         if e.is_conflict() {
             // Someone else wrote the object first; the retry reads the new version.
             debug!(error = %e, "reconcile lost a write race; retrying");
+        } else if e.is_waiting() {
+            info!(error = %e, "reconcile waits");
         } else {
             warn!(error = %e, "reconcile failed");
             publish(ctx, obj, EventType::Warning, e.category(), e.to_string()).await;

@@ -17,9 +17,13 @@ use k8s_openapi::{
 };
 use kube::Resource;
 
-use crate::conditions::{self, DesiredCondition};
+use crate::{
+    conditions::{self, DesiredCondition},
+    ownership::{Home, Owner},
+};
 
-/// Labels on every object the controller creates for a cluster.
+/// Labels on every object the controller creates for a cluster (to which each adds the labels
+/// naming its owner, [`Owner::labels`]).
 pub fn owned_labels(cluster: &str) -> BTreeMap<String, String> {
     BTreeMap::from([
         (CLUSTER_NAME_LABEL.to_owned(), cluster.to_owned()),
@@ -37,21 +41,24 @@ pub fn owned_labels(cluster: &str) -> BTreeMap<String, String> {
 /// from the Pod's readiness, which comes long after the first control-plane VM needs its own
 /// apiserver through this Service during `kubeadm init`; publishing not-ready addresses instead
 /// (what this Service did before) sends traffic to dead control planes too. Applying this
-/// Service removes both fields from a Service made that way.
-pub fn control_plane_service(kc: &KVMCluster, cluster: &str) -> Service {
+/// Service removes both fields from a Service made that way. It lives in `home`.
+pub fn control_plane_service(kc: &KVMCluster, cluster: &str, home: &Home) -> Service {
     let svc_spec = kc.spec.control_plane_service.clone().unwrap_or_default();
     let type_ = match svc_spec.type_.unwrap_or_default() {
         ServiceType::ClusterIP => "ClusterIP",
         ServiceType::NodePort => "NodePort",
         ServiceType::LoadBalancer => "LoadBalancer",
     };
+    let owner = Owner::cluster(kc);
+    let mut labels = owned_labels(cluster);
+    labels.extend(owner.labels());
     Service {
         metadata: ObjectMeta {
             name: Some(control_plane_service_name(cluster)),
-            namespace: kc.meta().namespace.clone(),
-            labels: Some(owned_labels(cluster)),
+            namespace: Some(home.namespace.clone()),
+            labels: Some(labels),
             annotations: svc_spec.annotations.filter(|a| !a.is_empty()),
-            owner_references: kc.controller_owner_ref(&()).map(|o| vec![o]),
+            owner_references: owner.owner_references(home),
             ..Default::default()
         },
         spec: Some(ServiceSpec {
@@ -70,11 +77,13 @@ pub fn control_plane_service(kc: &KVMCluster, cluster: &str) -> Service {
 }
 
 /// The endpoint to record when the user left `spec.controlPlaneEndpoint` empty: the external
-/// host when configured, else the Service's in-cluster DNS name. `None` keeps the user's value.
+/// host when configured, else the DNS name of the Service in `home` (which the VMs, Pods
+/// there, resolve). `None` keeps the user's value.
 pub fn endpoint_to_set(
     kc: &KVMCluster,
     cluster: &str,
     cluster_domain: &str,
+    home: &Home,
 ) -> Option<ApiEndpoint> {
     if kc
         .spec
@@ -84,7 +93,7 @@ pub fn endpoint_to_set(
     {
         return None;
     }
-    let ns = kc.meta().namespace.as_deref().unwrap_or("default");
+    let ns = &home.namespace;
     let host = kc
         .spec
         .control_plane_service
@@ -113,7 +122,13 @@ pub enum ClusterState {
     Provisioned {
         /// The `ControlPlaneEndpointsReady` condition ([`super::endpoints::endpoints_condition`]).
         endpoints: DesiredCondition,
+        /// The `HostingClusterAvailable` condition: where the objects live.
+        hosting: DesiredCondition,
     },
+    /// The cluster where the objects live cannot be used now (the `HostingClusterAvailable`
+    /// condition says why). What was last seen stands: a provisioned cluster stays provisioned
+    /// and Ready, the VMs run on untouched.
+    HostingUnavailable(DesiredCondition),
 }
 
 /// The status the KVMCluster should have.
@@ -137,10 +152,26 @@ pub fn status(kc: &KVMCluster, state: &ClusterState, now: Timestamp) -> KVMClust
             "waiting for Cluster API to set a Cluster as owner of this KVMCluster",
         )),
         ClusterState::Paused => {}
-        ClusterState::Provisioned { endpoints } => {
+        ClusterState::HostingUnavailable(hosting) => {
+            desired.push(hosting.clone());
+            let provisioned = current
+                .initialization
+                .as_ref()
+                .and_then(|i| i.provisioned)
+                .unwrap_or(false);
+            if !provisioned {
+                desired.push(DesiredCondition::falsy(
+                    CONDITION_READY,
+                    hosting.reason.clone(),
+                    hosting.message.clone(),
+                ));
+            }
+        }
+        ClusterState::Provisioned { endpoints, hosting } => {
             // Not part of Ready (which CAPI mirrors to the Cluster): the cluster must keep
             // provisioning while its first control plane boots and nothing answers yet.
             desired.push(endpoints.clone());
+            desired.push(hosting.clone());
             desired.push(DesiredCondition::truthy(
                 CONDITION_READY,
                 "Provisioned",
@@ -181,6 +212,19 @@ mod tests {
     fn provisioned() -> ClusterState {
         ClusterState::Provisioned {
             endpoints: crate::kvmcluster::endpoints::endpoints_condition(&[]),
+            hosting: DesiredCondition::truthy(
+                "HostingClusterAvailable",
+                "ManagementCluster",
+                "machines and the control-plane Service live in namespace team-a of the management cluster",
+            ),
+        }
+    }
+
+    /// The management cluster, the KVMCluster's namespace.
+    fn management() -> Home {
+        Home {
+            namespace: "team-a".into(),
+            management: true,
         }
     }
 
@@ -194,7 +238,7 @@ mod tests {
             }),
             ..Default::default()
         });
-        let svc = control_plane_service(&kc, "demo");
+        let svc = control_plane_service(&kc, "demo", &management());
         let spec = svc.spec.as_ref().unwrap();
         assert_eq!(spec.selector, None);
         assert_eq!(spec.publish_not_ready_addresses, None);
@@ -205,7 +249,7 @@ mod tests {
     fn endpoint_defaults_to_the_service_dns_name_and_keeps_a_user_value() {
         let kc = kvm_cluster(KVMClusterSpec::default());
         assert_eq!(
-            endpoint_to_set(&kc, "demo", "cluster.local"),
+            endpoint_to_set(&kc, "demo", "cluster.local", &management()),
             Some(ApiEndpoint {
                 host: Some("demo-apiserver.team-a.svc.cluster.local".into()),
                 port: Some(6443)
@@ -219,7 +263,7 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(
-            endpoint_to_set(&external, "demo", "cluster.local")
+            endpoint_to_set(&external, "demo", "cluster.local", &management())
                 .and_then(|e| e.host)
                 .as_deref(),
             Some("demo.k8s.example.com")
@@ -231,7 +275,67 @@ mod tests {
             }),
             ..Default::default()
         });
-        assert_eq!(endpoint_to_set(&user, "demo", "cluster.local"), None);
+        assert_eq!(
+            endpoint_to_set(&user, "demo", "cluster.local", &management()),
+            None
+        );
+    }
+
+    #[test]
+    fn in_a_hosting_cluster_the_service_names_its_owner_by_labels_only() {
+        let kc = kvm_cluster(KVMClusterSpec::default());
+        let hosted = Home {
+            namespace: "tenant-1".into(),
+            management: false,
+        };
+        let svc = control_plane_service(&kc, "demo", &hosted);
+        assert_eq!(svc.metadata.namespace.as_deref(), Some("tenant-1"));
+        assert_eq!(svc.metadata.owner_references, None);
+        let labels = svc.metadata.labels.unwrap();
+        assert_eq!(
+            labels["infrastructure.cluster.x-k8s.io/owner-namespace"],
+            "team-a"
+        );
+        assert_eq!(labels["infrastructure.cluster.x-k8s.io/kvmcluster"], "demo");
+        assert_eq!(
+            labels["infrastructure.cluster.x-k8s.io/owner-uid"],
+            "0000-1111"
+        );
+        // The VMs resolve the Service where it is.
+        assert_eq!(
+            endpoint_to_set(&kc, "demo", "cluster.local", &hosted).and_then(|e| e.host),
+            Some("demo-apiserver.tenant-1.svc.cluster.local".into())
+        );
+    }
+
+    #[test]
+    fn an_unreachable_hosting_cluster_keeps_a_provisioned_cluster_ready() {
+        let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let down = DesiredCondition::falsy(
+            "HostingClusterAvailable",
+            "HostingClusterUnreachable",
+            "the hosting cluster does not answer",
+        );
+        let mut kc = kvm_cluster(KVMClusterSpec::default());
+        let fresh = status(&kc, &ClusterState::HostingUnavailable(down.clone()), t0);
+        let conds = fresh.conditions.clone().unwrap();
+        let ready = conditions::find(&conds, "Ready").unwrap();
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "HostingClusterUnreachable"),
+            "never provisioned: Ready says why"
+        );
+        kc.status = Some(status(&kc, &provisioned(), t0));
+        let later = status(&kc, &ClusterState::HostingUnavailable(down), t0);
+        let conds = later.conditions.clone().unwrap();
+        assert_eq!(conditions::find(&conds, "Ready").unwrap().status, "True");
+        assert_eq!(
+            conditions::find(&conds, "HostingClusterAvailable")
+                .unwrap()
+                .reason,
+            "HostingClusterUnreachable"
+        );
+        assert_eq!(later.ready, Some(true));
     }
 
     #[test]

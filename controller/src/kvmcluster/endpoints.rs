@@ -26,7 +26,11 @@ use k8s_openapi::{
 use kube::{Resource, ResourceExt};
 
 use super::build::owned_labels;
-use crate::{apiserver_health::EndpointHealth, conditions::DesiredCondition};
+use crate::{
+    apiserver_health::EndpointHealth,
+    conditions::DesiredCondition,
+    ownership::{Home, Owner},
+};
 
 /// `kubernetes.io/service-name`: which Service an EndpointSlice belongs to.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -101,26 +105,30 @@ pub fn control_plane_members<'a>(
 
 /// The control-plane Service's EndpointSlice: one endpoint per member, ready while its apiserver
 /// answers and its Pod is not being deleted. `serving` ignores deletion, so that kube-proxy
-/// still reaches a terminating control plane when it is the last one answering.
+/// still reaches a terminating control plane when it is the last one answering. It lives next
+/// to the Service, in `home`.
 pub fn endpoint_slice(
     kc: &KVMCluster,
     cluster: &str,
     members: &[(ControlPlaneMember, EndpointHealth)],
+    home: &Home,
 ) -> EndpointSlice {
     let svc = control_plane_service_name(cluster);
+    let owner = Owner::cluster(kc);
     let mut labels = owned_labels(cluster);
+    labels.extend(owner.labels());
     labels.insert(SERVICE_NAME_LABEL.to_owned(), svc.clone());
     labels.insert(
         MANAGED_BY_LABEL.to_owned(),
         ENDPOINT_SLICE_MANAGED_BY.to_owned(),
     );
-    let ns = kc.meta().namespace.clone();
+    let ns = Some(home.namespace.clone());
     EndpointSlice {
         metadata: ObjectMeta {
             name: Some(svc),
             namespace: ns.clone(),
             labels: Some(labels),
-            owner_references: kc.controller_owner_ref(&()).map(|o| vec![o]),
+            owner_references: owner.owner_references(home),
             ..Default::default()
         },
         address_type: "IPv4".to_owned(),
@@ -154,16 +162,24 @@ pub fn endpoint_slice(
 }
 
 /// Whether `current` already is `desired` (so nothing needs writing): same endpoints and ports,
-/// our labels and owner in place.
+/// our labels in place, and owner references to a KVMCluster exactly the desired ones (none in
+/// a hosting cluster).
 pub fn slice_is_current(current: &EndpointSlice, desired: &EndpointSlice) -> bool {
     let labels_in_place = desired
         .labels()
         .iter()
         .all(|(k, v)| current.labels().get(k) == Some(v));
-    let owners_in_place = desired
-        .owner_references()
-        .iter()
-        .all(|o| current.owner_references().iter().any(|c| c.uid == o.uid));
+    let kvm_owners = |s: &EndpointSlice| -> Vec<String> {
+        let mut uids: Vec<String> = s
+            .owner_references()
+            .iter()
+            .filter(|o| o.kind == "KVMCluster")
+            .map(|o| o.uid.clone())
+            .collect();
+        uids.sort();
+        uids
+    };
+    let owners_in_place = kvm_owners(current) == kvm_owners(desired);
     current.address_type == desired.address_type
         && current.endpoints == desired.endpoints
         && current.ports == desired.ports
@@ -240,6 +256,13 @@ mod tests {
         kc.metadata.namespace = Some("team-a".into());
         kc.metadata.uid = Some("0000-1111".into());
         kc
+    }
+
+    fn management() -> Home {
+        Home {
+            namespace: "team-a".into(),
+            management: true,
+        }
     }
 
     fn pod(name: &str, cluster: &str, role: &str, status: serde_json::Value) -> Pod {
@@ -351,12 +374,17 @@ mod tests {
             // Being deleted but still answering: serving, not ready.
             (member("demo-cp-d", [10, 0, 0, 4], true), health(true, None)),
         ];
-        insta::assert_yaml_snapshot!(endpoint_slice(&kvm_cluster(), "demo", &members));
+        insta::assert_yaml_snapshot!(endpoint_slice(
+            &kvm_cluster(),
+            "demo",
+            &members,
+            &management()
+        ));
     }
 
     #[test]
     fn no_members_make_an_empty_slice() {
-        let slice = endpoint_slice(&kvm_cluster(), "demo", &[]);
+        let slice = endpoint_slice(&kvm_cluster(), "demo", &[], &management());
         assert!(slice.endpoints.is_empty());
         assert_eq!(slice.labels()[SERVICE_NAME_LABEL], "demo-apiserver");
     }
@@ -367,7 +395,7 @@ mod tests {
             member("demo-cp-a", [10, 0, 0, 1], false),
             health(true, None),
         )];
-        let desired = endpoint_slice(&kvm_cluster(), "demo", &members);
+        let desired = endpoint_slice(&kvm_cluster(), "demo", &members, &management());
         // As read back: the apiserver added metadata of its own.
         let mut current = desired.clone();
         current.metadata.resource_version = Some("42".into());
@@ -384,10 +412,18 @@ mod tests {
         )];
         assert!(!slice_is_current(
             &current,
-            &endpoint_slice(&kvm_cluster(), "demo", &flipped)
+            &endpoint_slice(&kvm_cluster(), "demo", &flipped, &management())
         ));
         current.metadata.owner_references = None;
         assert!(!slice_is_current(&current, &desired), "owner missing");
+        // Switched to a hosting cluster: the KVMCluster's owner reference must go.
+        let hosted = Home {
+            namespace: "team-a".into(),
+            management: false,
+        };
+        let desired_hosted = endpoint_slice(&kvm_cluster(), "demo", &members, &hosted);
+        assert!(!slice_is_current(&desired, &desired_hosted), "stale owner");
+        assert!(slice_is_current(&desired_hosted, &desired_hosted));
     }
 
     #[test]

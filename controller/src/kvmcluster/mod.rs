@@ -9,7 +9,8 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use capk_api::{
     capi::Cluster,
     constants::{
-        API_SERVER_PORT, CLUSTER_NAME_LABEL, KVMCLUSTER_FINALIZER, MACHINE_ROLE_LABEL,
+        API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_HOSTING_CLUSTER_AVAILABLE,
+        KVMCLUSTER_FINALIZER, MACHINE_ROLE_LABEL, MOVE_LABEL, OWNER_NAMESPACE_LABEL,
         PAUSED_ANNOTATION, ROLE_CONTROL_PLANE, control_plane_service_name,
     },
     v1alpha1::KVMCluster,
@@ -24,6 +25,7 @@ use k8s_openapi::{
 use kube::{
     Api, Resource, ResourceExt,
     api::{ListParams, Patch, PatchParams},
+    core::PartialObjectMeta,
     runtime::{
         controller::Action,
         events::EventType,
@@ -43,6 +45,8 @@ use crate::{
     conditions::DesiredCondition,
     context::{Context, FIELD_MANAGER},
     error::{Error, Result},
+    hosting::{HostingKey, Target, Unavailable},
+    ownership::{Claim, Owner},
     report,
 };
 
@@ -90,7 +94,7 @@ async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
         match event {
             Finalizer::Apply(kc) => apply(&api, &kc, cluster.as_ref(), ctx).await,
             Finalizer::Cleanup(kc) => {
-                let done = cleanup(&kc, cluster.as_ref(), ctx).await;
+                let done = cleanup(&api, &kc, cluster.as_ref(), ctx).await;
                 // Without the Cluster, its workload cluster link still goes.
                 if cluster.is_none()
                     && let Some(name) = &owner
@@ -121,6 +125,27 @@ async fn get_cluster(ctx: &Context, ns: &str, name: &str) -> Result<Option<Clust
         })
 }
 
+/// Where `kc`'s objects live, or why that cluster cannot be used now; a Warning Event when it
+/// stops being usable.
+async fn target(ctx: &Context, kc: &KVMCluster) -> std::result::Result<Target, Unavailable> {
+    let result = ctx
+        .hosting
+        .target(&ctx.client, &ctx.caches.objects(), kc)
+        .await;
+    if let Err(u) = &result {
+        let shown = kc
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_deref())
+            .and_then(|cs| crate::conditions::find(cs, CONDITION_HOSTING_CLUSTER_AVAILABLE))
+            .is_some_and(|c| c.status == "False" && c.reason == u.reason);
+        if !shown {
+            report::publish(ctx, kc, EventType::Warning, u.reason, u.message.clone()).await;
+        }
+    }
+    result
+}
+
 async fn apply(
     api: &Api<KVMCluster>,
     kc: &KVMCluster,
@@ -133,29 +158,130 @@ async fn apply(
     };
     let cluster_name = cluster.name_any();
     let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
+    // The caches this reconcile reads (the hosting kubeconfig Secret among them) have listed.
+    ctx.caches.ready().await;
+    retain_hosting_links(ctx, None);
 
-    apply_service(ctx, &ns, &build::control_plane_service(kc, &cluster_name)).await?;
-    let (endpoints, recheck) = sync_endpoints(kc, &cluster_name, &ns, ctx).await?;
+    // Where the Service and the machines live. A hosting cluster that cannot be used now is a
+    // condition; nothing there is touched until it can (its recovery wakes this reconcile).
+    let target = match target(ctx, kc).await {
+        Ok(t) => t,
+        Err(u) => {
+            write_status(api, kc, &ClusterState::HostingUnavailable(u.condition())).await?;
+            return Ok(Action::requeue(Duration::from_secs(60)));
+        }
+    };
+    if let Some(key) = target.key() {
+        label_for_move(ctx, key).await?;
+    }
 
-    if let Some(endpoint) = build::endpoint_to_set(kc, &cluster_name, &ctx.settings.cluster_domain)
-    {
+    let service = build::control_plane_service(kc, &cluster_name, &target.home);
+    refuse_foreign_service(kc, &target, &service.name_any()).await?;
+    apply_service(&target, &service).await?;
+    let (endpoints, recheck) = sync_endpoints(kc, &cluster_name, &ns, &target, ctx).await?;
+
+    if let Some(endpoint) = build::endpoint_to_set(
+        kc,
+        &cluster_name,
+        &ctx.settings.cluster_domain,
+        &target.home,
+    ) {
         info!(host = ?endpoint.host, port = ?endpoint.port, "setting controlPlaneEndpoint");
         let patch = json!({"spec": {"controlPlaneEndpoint": endpoint}});
         crate::report::merge_patch(api, kc, "KVMCluster", &patch).await?;
     }
-    write_status(api, kc, &ClusterState::Provisioned { endpoints }).await?;
+    let state = ClusterState::Provisioned {
+        endpoints,
+        hosting: target.condition(),
+    };
+    write_status(api, kc, &state).await?;
     // The health check's pace: the apiservers are probed again then, or sooner when a
     // control-plane machine Pod changes.
     Ok(Action::requeue(recheck))
+}
+
+/// Drops the links of hosting clusters no KVMCluster names any more (`leaving`: one that is
+/// about to be gone).
+fn retain_hosting_links(ctx: &Context, leaving: Option<&str>) {
+    let in_use: Vec<HostingKey> = ctx
+        .caches
+        .kvm_clusters
+        .state()
+        .iter()
+        .filter(|kc| leaving.is_none_or(|l| kc.uid().as_deref() != Some(l)))
+        .filter_map(|kc| HostingKey::of(kc))
+        .collect();
+    ctx.hosting.retain(|k| in_use.contains(k));
+}
+
+/// Labels the hosting kubeconfig Secret for `clusterctl move`, which then takes it along with
+/// the cluster: the moved KVMCluster still reaches its machines.
+async fn label_for_move(ctx: &Context, key: &HostingKey) -> Result<()> {
+    let Some(meta) = ctx.caches.secret(&key.secret_namespace, &key.secret) else {
+        return Ok(());
+    };
+    if meta.labels().contains_key(MOVE_LABEL) {
+        return Ok(());
+    }
+    info!(secret = %key.secret, "labelling the hosting kubeconfig Secret for clusterctl move");
+    let patch = json!({"metadata": {"labels": {MOVE_LABEL: ""}}});
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(
+        ctx.client.clone(),
+        &key.secret_namespace,
+    )
+    .patch_metadata(
+        &key.secret,
+        &PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..Default::default()
+        },
+        &Patch::Merge(&patch),
+    )
+    .await
+    .map_err(|source| Error::Apply {
+        kind: "Secret",
+        name: key.secret.clone(),
+        source,
+    })?;
+    Ok(())
+}
+
+/// Refuses a Service of the control-plane Service's name that belongs to someone else (the
+/// apply would take it over). Ours carry our label, so are cached; one the cache does not show
+/// is looked up.
+async fn refuse_foreign_service(kc: &KVMCluster, target: &Target, name: &str) -> Result<()> {
+    let meta = match target.service(name) {
+        Some(cached) => Some(cached.metadata.clone()),
+        None => target
+            .api::<Service>()
+            .get_metadata_opt(name)
+            .await
+            .map_err(|source| Error::Read {
+                kind: "Service",
+                name: name.to_owned(),
+                source,
+            })?
+            .map(|m| m.metadata),
+    };
+    match meta.map(|m| crate::ownership::claim(&m, &Owner::cluster(kc), &target.home)) {
+        Some(Claim::Foreign) => Err(Error::Foreign {
+            kind: "Service",
+            name: name.to_owned(),
+            place: target.describe(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Server-side applies the control-plane Service. A Service made by an earlier controller had a
 /// selector and `publishNotReadyAddresses`; the apply drops both (this field manager set them).
 /// Should another manager hold them, they are removed explicitly: a selector would keep
 /// Kubernetes' controllers writing endpoints for every control-plane Pod, answering or not.
-async fn apply_service(ctx: &Context, ns: &str, svc: &Service) -> Result<()> {
+/// The apply also sets the labels naming the KVMCluster and, outside the management cluster,
+/// drops the owner reference an earlier apply set: adoption is the apply itself.
+async fn apply_service(target: &Target, svc: &Service) -> Result<()> {
     let name = svc.name_any();
-    let services: Api<Service> = Api::namespaced(ctx.client.clone(), ns);
+    let services: Api<Service> = target.api();
     let applied = services
         .patch(
             &name,
@@ -185,12 +311,27 @@ async fn sync_endpoints(
     kc: &KVMCluster,
     cluster: &str,
     ns: &str,
+    target: &Target,
     ctx: &Context,
 ) -> Result<(DesiredCondition, Duration)> {
-    // An unsynced Pod cache would look like "no control plane" and empty the Service.
-    ctx.caches.ready().await;
-    let pods = ctx.caches.pods.state();
-    let members = endpoints::control_plane_members(pods.iter().map(|p| &**p), ns, cluster);
+    // An unsynced Pod cache would look like "no control plane" and empty the Service: the
+    // management cluster's caches have listed (see `apply`), a hosting cluster's target exists
+    // only once its caches have. In a namespace several management namespaces share, only this
+    // one's machines count.
+    let pods: Vec<Arc<Pod>> = target
+        .pods()
+        .into_iter()
+        .filter(|p| {
+            p.labels()
+                .get(OWNER_NAMESPACE_LABEL)
+                .is_none_or(|o| o == ns)
+        })
+        .collect();
+    let members = endpoints::control_plane_members(
+        pods.iter().map(|p| &**p),
+        &target.home.namespace,
+        cluster,
+    );
     let targets: Vec<(String, SocketAddr)> = members
         .iter()
         .map(|m| {
@@ -214,9 +355,9 @@ async fn sync_endpoints(
     let condition = endpoints::endpoints_condition(&observed);
     let recheck = apiserver_health::recheck_after(observed.iter().map(|(_, h)| h));
 
-    let desired = endpoints::endpoint_slice(kc, cluster, &observed);
+    let desired = endpoints::endpoint_slice(kc, cluster, &observed, &target.home);
     let name = desired.name_any();
-    let slices: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), ns);
+    let slices: Api<EndpointSlice> = target.api();
     // A consistent read: a stale copy that happened to equal the desired slice would skip a
     // needed write.
     let current = slices
@@ -268,7 +409,7 @@ async fn sync_endpoints(
     }
     let left = endpoints::left_by_kubernetes(&current);
     if !left.is_empty() {
-        remove_left_by_kubernetes(ctx, ns, &name, &left).await?;
+        remove_left_by_kubernetes(target, &name, &left).await?;
     }
     Ok((condition, recheck))
 }
@@ -277,13 +418,8 @@ async fn sync_endpoints(
 /// v1 Endpoints of its Endpoints controller (its EndpointSliceMirroring controller copies the
 /// Endpoints of a selector-less Service into a slice), then the slices. Neither controller
 /// removes them by itself once the selector is gone.
-async fn remove_left_by_kubernetes(
-    ctx: &Context,
-    ns: &str,
-    svc: &str,
-    slices: &[String],
-) -> Result<()> {
-    let legacy: Api<Endpoints> = Api::namespaced(ctx.client.clone(), ns);
+async fn remove_left_by_kubernetes(target: &Target, svc: &str, slices: &[String]) -> Result<()> {
+    let legacy: Api<Endpoints> = target.api();
     let meta = legacy
         .get_metadata_opt(svc)
         .await
@@ -300,7 +436,7 @@ async fn remove_left_by_kubernetes(
     }) {
         report::delete_if_present(&legacy, "Endpoints", svc).await?;
     }
-    let api: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), ns);
+    let api: Api<EndpointSlice> = target.api();
     for name in slices {
         report::delete_if_present(&api, "EndpointSlice", name).await?;
     }
@@ -313,23 +449,54 @@ fn health_key(ns: &str, kvmcluster: &str) -> String {
     format!("{ns}/{kvmcluster}")
 }
 
-async fn cleanup(kc: &KVMCluster, cluster: Option<&Cluster>, ctx: &Context) -> Result<Action> {
+/// Deletes the control-plane Service and its EndpointSlice where they live (only when they are
+/// this KVMCluster's). With a hosting cluster, its machines go first: each needs the KVMCluster
+/// to find the hosting cluster its Pod is in.
+async fn cleanup(
+    api: &Api<KVMCluster>,
+    kc: &KVMCluster,
+    cluster: Option<&Cluster>,
+    ctx: &Context,
+) -> Result<Action> {
     let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
+    ctx.caches.ready().await;
+    let cluster_name = cluster
+        .map(ResourceExt::name_any)
+        .or_else(|| kc.labels().get(CLUSTER_NAME_LABEL).cloned());
+    if HostingKey::of(kc).is_some()
+        && let Some(name) = &cluster_name
+    {
+        let machines = ctx
+            .caches
+            .kvm_machines
+            .state()
+            .iter()
+            .filter(|km| {
+                km.namespace().as_deref() == Some(ns.as_str())
+                    && km.labels().get(CLUSTER_NAME_LABEL) == Some(name)
+            })
+            .count();
+        if machines > 0 {
+            return Err(Error::MachinesRemain(machines));
+        }
+    }
+    let target = match target(ctx, kc).await {
+        Ok(t) => t,
+        Err(u) => {
+            write_status(api, kc, &ClusterState::HostingUnavailable(u.condition())).await?;
+            return Err(Error::HostingUnavailable(u.message));
+        }
+    };
     if let Some(cluster) = cluster {
         let name = control_plane_service_name(&cluster.name_any());
+        let owner = Owner::cluster(kc);
         // Only delete the Service and EndpointSlice this KVMCluster owns.
+        delete_owned(&target.api::<Service>(), "Service", &name, &owner).await?;
         delete_owned(
-            &Api::<Service>::namespaced(ctx.client.clone(), &ns),
-            "Service",
-            &name,
-            kc,
-        )
-        .await?;
-        delete_owned(
-            &Api::<EndpointSlice>::namespaced(ctx.client.clone(), &ns),
+            &target.api::<EndpointSlice>(),
             "EndpointSlice",
             &name,
-            kc,
+            &owner,
         )
         .await?;
         // The workload cluster goes with it: stop watching its Nodes.
@@ -337,29 +504,24 @@ async fn cleanup(kc: &KVMCluster, cluster: Option<&Cluster>, ctx: &Context) -> R
     }
     ctx.apiserver_health
         .forget(&health_key(&ns, &kc.name_any()));
+    retain_hosting_links(ctx, kc.uid().as_deref());
     Ok(Action::await_change())
 }
 
-/// Deletes `name` when `kc` owns it.
-async fn delete_owned<K>(
-    api: &Api<K>,
-    kind: &'static str,
-    name: &str,
-    kc: &KVMCluster,
-) -> Result<()>
+/// Deletes `name` when `owner` owns it (labels or owner reference).
+async fn delete_owned<K>(api: &Api<K>, kind: &'static str, name: &str, owner: &Owner) -> Result<()>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    let current = api.get_opt(name).await.map_err(|source| Error::Read {
-        kind,
-        name: name.to_owned(),
-        source,
-    })?;
-    if current.is_some_and(|o| {
-        o.owner_references()
-            .iter()
-            .any(|r| Some(&r.uid) == kc.meta().uid.as_ref())
-    }) {
+    let current: Option<PartialObjectMeta<K>> =
+        api.get_metadata_opt(name)
+            .await
+            .map_err(|source| Error::Read {
+                kind,
+                name: name.to_owned(),
+                source,
+            })?;
+    if current.is_some_and(|o| owner.owns(&o.metadata)) {
         report::delete_if_present(api, kind, name).await?;
     }
     Ok(())

@@ -7,15 +7,20 @@ use k8s_openapi::{
     api::core::v1::{PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements},
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::ObjectMeta},
 };
-use kube::Resource;
 
 use super::{
     names::{self, etcd_claim_name},
     placement::MachinePlacement,
 };
+use crate::ownership::{Home, Owner};
 
-/// The etcd PVC of a control-plane machine with `etcdStorage.type: persistentVolume`.
-pub fn desired(km: &KVMMachine, placement: &MachinePlacement) -> Option<PersistentVolumeClaim> {
+/// The etcd PVC of a control-plane machine with `etcdStorage.type: persistentVolume`, made in
+/// `home` (next to the machine Pod that mounts it).
+pub fn desired(
+    km: &KVMMachine,
+    placement: &MachinePlacement,
+    home: &Home,
+) -> Option<PersistentVolumeClaim> {
     let storage = km.spec.etcd_storage.as_ref()?;
     if !placement.control_plane || storage.type_ != EtcdStorageType::PersistentVolume {
         return None;
@@ -24,9 +29,9 @@ pub fn desired(km: &KVMMachine, placement: &MachinePlacement) -> Option<Persiste
     Some(PersistentVolumeClaim {
         metadata: ObjectMeta {
             name: Some(etcd_claim_name(km)),
-            namespace: km.meta().namespace.clone(),
+            namespace: Some(home.namespace.clone()),
             labels: Some(names::labels(km, placement)),
-            owner_references: km.controller_owner_ref(&()).map(|o| vec![o]),
+            owner_references: Owner::machine(km).owner_references(home),
             ..Default::default()
         },
         spec: Some(PersistentVolumeClaimSpec {
@@ -45,7 +50,7 @@ pub fn desired(km: &KVMMachine, placement: &MachinePlacement) -> Option<Persiste
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kvmmachine::testing::kvm_machine;
+    use crate::kvmmachine::testing::{kvm_machine, management};
     use serde_json::json;
 
     #[test]
@@ -61,7 +66,7 @@ mod tests {
             control_plane: true,
             failure_domain: None,
         };
-        let pvc = desired(&km, &cp).unwrap();
+        let pvc = desired(&km, &cp, &management()).unwrap();
         assert_eq!(pvc.metadata.name.as_deref(), Some("demo-cp-0-etcd"));
         let spec = pvc.spec.unwrap();
         assert_eq!(spec.storage_class_name.as_deref(), Some("fast"));
@@ -74,12 +79,12 @@ mod tests {
             control_plane: false,
             ..cp.clone()
         };
-        assert!(desired(&km, &worker).is_none());
+        assert!(desired(&km, &worker, &management()).is_none());
         let host = kvm_machine(
             "demo-cp-1",
             json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
                    "etcdStorage": {"type": "hostPath", "hostPath": "/srv/etcd"}}),
         );
-        assert!(desired(&host, &cp).is_none());
+        assert!(desired(&host, &cp, &management()).is_none());
     }
 }

@@ -14,6 +14,7 @@ use super::{
     names::{self, hostname, ignition_secret_name, pod_name},
     placement::MachinePlacement,
 };
+use crate::ownership::{Home, Owner};
 
 /// Key of the Ignition config in the machine's Ignition Secret.
 pub const IGNITION_KEY: &str = "config.ign";
@@ -28,23 +29,24 @@ pub fn rendered_from(bootstrap_secret: &str, resource_version: &str) -> String {
 }
 
 /// The Secret holding the machine's Ignition config, annotated with what it was rendered from
-/// ([`rendered_from`]).
+/// ([`rendered_from`]), made in `home` (next to the machine Pod that mounts it).
 pub fn desired(
     km: &KVMMachine,
     placement: &MachinePlacement,
+    home: &Home,
     ignition: Vec<u8>,
     rendered_from: &str,
 ) -> Secret {
     Secret {
         metadata: ObjectMeta {
             name: Some(ignition_secret_name(km)),
-            namespace: km.meta().namespace.clone(),
+            namespace: Some(home.namespace.clone()),
             labels: Some(names::labels(km, placement)),
             annotations: Some(BTreeMap::from([(
                 capk_api::constants::RENDERED_FROM_ANNOTATION.to_owned(),
                 rendered_from.to_owned(),
             )])),
-            owner_references: km.controller_owner_ref(&()).map(|o| vec![o]),
+            owner_references: Owner::machine(km).owner_references(home),
             ..Default::default()
         },
         type_: Some("infrastructure.cluster.x-k8s.io/ignition".into()),

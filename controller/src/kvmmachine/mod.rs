@@ -19,18 +19,20 @@ use std::{sync::Arc, time::Duration};
 use capk_api::{
     capi::{Cluster, Machine},
     constants::{
-        BLOCK_MOVE_ANNOTATION, KVMMACHINE_FINALIZER, PAUSED_ANNOTATION, RENDERED_FROM_ANNOTATION,
-        provider_id,
+        BLOCK_MOVE_ANNOTATION, CLUSTER_NAME_LABEL, KVMMACHINE_FINALIZER, PAUSED_ANNOTATION,
+        RENDERED_FROM_ANNOTATION, provider_id,
     },
-    v1alpha1::KVMMachine,
+    v1alpha1::{KVMCluster, KVMMachine},
 };
 use k8s_openapi::{
     api::core::v1::{PersistentVolumeClaim, Pod, Secret},
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
     jiff::Timestamp,
 };
 use kube::{
     Api, Resource, ResourceExt,
     api::{DeleteParams, Patch, PatchParams, PostParams},
+    core::PartialObjectMeta,
     runtime::{
         controller::Action,
         events::EventType,
@@ -44,8 +46,11 @@ use tracing::{info, instrument, warn};
 pub use self::placement::MachinePlacement;
 use self::status::MachineState;
 use crate::{
+    conditions::DesiredCondition,
     context::{Context, FIELD_MANAGER},
     error::{Error, Result},
+    hosting::{Target, Unavailable},
+    ownership::{Claim, Owner},
     report,
     workload::{
         Gate, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_REFUSED, kubeconfig_secret_name,
@@ -94,16 +99,130 @@ async fn reconcile_inner(km: Arc<KVMMachine>, ctx: &Context) -> Result<Action> {
         write_status(&api, &km, &MachineState::Paused, &[], None).await?;
         return Ok(Action::await_change());
     }
+    let kvm_cluster = kvm_cluster_of(ctx, &ns, &km, machine.as_deref(), cluster.as_deref()).await?;
     finalizer(&api, KVMMACHINE_FINALIZER, km, |event| async {
         match event {
             Finalizer::Apply(km) => {
-                apply(&api, &km, machine.as_deref(), cluster.as_deref(), ctx).await
+                let found = (
+                    machine.as_deref(),
+                    cluster.as_deref(),
+                    kvm_cluster.as_deref(),
+                );
+                apply(&api, &km, found, ctx).await
             }
-            Finalizer::Cleanup(km) => cleanup(&km, ctx).await,
+            Finalizer::Cleanup(km) => cleanup(&api, &km, kvm_cluster.as_deref(), ctx).await,
         }
     })
     .await
     .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+/// The KVMCluster of the machine's cluster, which says where the machine's objects live: the
+/// one the Cluster's infrastructureRef names, or (the Cluster gone) the one labelled with the
+/// cluster's name. One the Cluster names but the cache does not show yet is asked of the
+/// apiserver: taking the management cluster for a hosting cluster would boot a second VM.
+async fn kvm_cluster_of(
+    ctx: &Context,
+    ns: &str,
+    km: &KVMMachine,
+    machine: Option<&Machine>,
+    cluster: Option<&Cluster>,
+) -> Result<Option<Arc<KVMCluster>>> {
+    if let Some(cluster) = cluster {
+        let Some(infra) = cluster
+            .spec
+            .infrastructure_ref
+            .as_ref()
+            .filter(|r| r.kind == "KVMCluster")
+        else {
+            return Ok(None);
+        };
+        if let Some(kc) = ctx
+            .caches
+            .kvm_clusters
+            .get(&ObjectRef::new(&infra.name).within(ns))
+        {
+            return Ok(Some(kc));
+        }
+        let read = Api::<KVMCluster>::namespaced(ctx.client.clone(), ns)
+            .get_opt(&infra.name)
+            .await
+            .map_err(read_err("KVMCluster", &infra.name))?;
+        return Ok(read.map(Arc::new));
+    }
+    let Some(name) = machine
+        .map(|m| m.spec.cluster_name.clone())
+        .filter(|n| !n.is_empty())
+        .or_else(|| km.labels().get(CLUSTER_NAME_LABEL).cloned())
+    else {
+        return Ok(None);
+    };
+    Ok(ctx.caches.kvm_clusters.state().into_iter().find(|kc| {
+        kc.namespace().as_deref() == Some(ns)
+            && (crate::kvmcluster::owner_cluster_name(kc).as_ref() == Some(&name)
+                || kc.labels().get(CLUSTER_NAME_LABEL) == Some(&name))
+    }))
+}
+
+/// Where the machine's objects live: as its KVMCluster says, or (none) the management cluster,
+/// in the machine's namespace.
+async fn target_of(
+    ctx: &Context,
+    ns: &str,
+    kvm_cluster: Option<&KVMCluster>,
+) -> std::result::Result<Target, Unavailable> {
+    match kvm_cluster {
+        Some(kc) => {
+            ctx.hosting
+                .target(&ctx.client, &ctx.caches.objects(), kc)
+                .await
+        }
+        None => Ok(Target::management(&ctx.client, ctx.caches.objects(), ns)),
+    }
+}
+
+/// Makes `meta` (an existing object of the name the controller would give it) the machine's:
+/// nothing when it already is; its labels and owner references patched when it is the
+/// machine's by its labels or an owner reference ([`crate::ownership`]); an error when it is
+/// someone else's. Returns whether it was patched.
+async fn adopt<K>(
+    api: &Api<K>,
+    kind: &'static str,
+    meta: &ObjectMeta,
+    owner: &Owner,
+    target: &Target,
+) -> Result<bool>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let name = meta.name.clone().unwrap_or_default();
+    match crate::ownership::claim(meta, owner, &target.home) {
+        Claim::Current => Ok(false),
+        Claim::Foreign => Err(Error::Foreign {
+            kind,
+            name,
+            place: target.describe(),
+        }),
+        Claim::Adopt(patch) => {
+            let _: PartialObjectMeta<K> = api
+                .patch_metadata(
+                    &name,
+                    &PatchParams {
+                        field_manager: Some(FIELD_MANAGER.into()),
+                        ..Default::default()
+                    },
+                    &Patch::Merge(&patch),
+                )
+                .await
+                .map_err(|source| Error::Apply {
+                    kind,
+                    name: name.clone(),
+                    source,
+                })?;
+            info!(kind, name = %name, place = %target.describe(), "adopted");
+            Ok(true)
+        }
+    }
 }
 
 /// One merge patch of the KVMMachine: clusterctl's block-move annotation set or removed (while
@@ -144,15 +263,20 @@ enum Bootstrap {
     },
 }
 
-/// Fetches the bootstrap data Secret `name`, unless the Ignition Secret was rendered from its
-/// current version. `None` while it does not exist.
-async fn fetch_bootstrap(km: &KVMMachine, name: &str, ctx: &Context) -> Result<Option<Bootstrap>> {
+/// Fetches the bootstrap data Secret `name` (next to the KVMMachine), unless the Ignition
+/// Secret (in `target`) was rendered from its current version. `None` while it does not exist.
+async fn fetch_bootstrap(
+    km: &KVMMachine,
+    name: &str,
+    target: &Target,
+    ctx: &Context,
+) -> Result<Option<Bootstrap>> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
     let Some(meta) = ctx.caches.secret(&ns, name) else {
         return Ok(None);
     };
     let source = ignition_secret::rendered_from(name, &meta.resource_version().unwrap_or_default());
-    let current = ctx.caches.secret(&ns, &names::ignition_secret_name(km));
+    let current = target.secret(&names::ignition_secret_name(km));
     if current.is_some_and(|s| s.annotations().get(RENDERED_FROM_ANNOTATION) == Some(&source)) {
         return Ok(Some(Bootstrap::Rendered));
     }
@@ -202,15 +326,14 @@ impl Observed {
 async fn apply(
     api: &Api<KVMMachine>,
     km: &KVMMachine,
-    machine: Option<&Machine>,
-    cluster: Option<&Cluster>,
+    (machine, cluster, kvm_cluster): (Option<&Machine>, Option<&Cluster>, Option<&KVMCluster>),
     ctx: &Context,
 ) -> Result<Action> {
-    let ns = km.namespace().ok_or(Error::MissingNamespace)?;
     let defaults = &ctx.settings.machine_defaults;
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     // The KVMMachine as last written by this reconcile.
     let mut current = km.clone();
+    // Where the objects live, once known.
+    let mut target: Option<Target> = None;
     let observed = 'pipeline: {
         // 1. Fetch the owner Machine: where it puts this machine.
         let Some(machine) = machine else {
@@ -234,10 +357,20 @@ async fn apply(
         if !cluster.is_some_and(Cluster::infrastructure_provisioned) {
             break 'pipeline Observed::waiting(MachineState::WaitingForClusterInfrastructure);
         }
+        // Where the machine's objects live: its KVMCluster says. A hosting cluster that cannot
+        // be used now is a condition, and nothing there is touched meanwhile: a Pod not seen is
+        // not a Pod lost.
+        let ns = km.namespace().ok_or(Error::MissingNamespace)?;
+        let there = match target_of(ctx, &ns, kvm_cluster).await {
+            Ok(t) => target.insert(t),
+            Err(u) => {
+                break 'pipeline Observed::waiting(MachineState::HostingUnavailable(u.condition()));
+            }
+        };
         let Some(secret_name) = machine.spec.bootstrap.data_secret_name.as_deref() else {
             break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapData);
         };
-        let Some(bootstrap) = fetch_bootstrap(km, secret_name, ctx).await? else {
+        let Some(bootstrap) = fetch_bootstrap(km, secret_name, there, ctx).await? else {
             let name = secret_name.to_owned();
             break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapSecret(name));
         };
@@ -251,30 +384,70 @@ async fn apply(
                 format,
                 source,
             } => match ignition_secret::render(km, format.as_deref(), &value) {
-                Ok(json) => Some(ignition_secret::desired(km, &placement, json, &source)),
+                Ok(json) => Some(ignition_secret::desired(
+                    km,
+                    &placement,
+                    &there.home,
+                    json,
+                    &source,
+                )),
                 Err(msg) => {
                     warn_once(ctx, km, status::REASON_BOOTSTRAP_DATA_INVALID, &msg).await;
                     break 'pipeline Observed::waiting(MachineState::BootstrapDataInvalid(msg));
                 }
             },
         };
-        let claim = etcd_claim::desired(km, &placement);
-        let desired_pod = pod::machine_pod(km, &placement, &valid, defaults);
+        let claim = etcd_claim::desired(km, &placement, &there.home);
+        let desired_pod = pod::machine_pod(km, &placement, &there.home, &valid, defaults);
 
-        // 5. Apply: the Ignition Secret, the etcd PVC, then the machine Pod.
-        if let Some(secret) = ignition {
-            apply_object(&Api::namespaced(ctx.client.clone(), &ns), &secret, "Secret").await?;
-        }
-        if let Some(pvc) = claim {
-            let cached = ctx
-                .caches
-                .claims
-                .get(&ObjectRef::new(&pvc.name_any()).within(&ns));
-            if cached.is_none() {
-                let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-                create_if_absent(&pvcs, &pvc, "PersistentVolumeClaim").await?;
+        // 5. Apply: the Ignition Secret, the etcd PVC, then the machine Pod. What exists under
+        // their names is adopted when its labels name this machine (a moved KVMMachine, a switch
+        // to an explicit hosting cluster) and refused when they name someone else: nothing is
+        // ever made twice, nobody else's object taken over.
+        let owner = Owner::machine(km);
+        let secrets: Api<Secret> = there.api();
+        if let Some(meta) = there.secret(&names::ignition_secret_name(km)) {
+            // A new rendering's apply (below) sets labels and owner references itself; only a
+            // foreign Secret must stop it.
+            let foreign =
+                crate::ownership::claim(&meta.metadata, &owner, &there.home) == Claim::Foreign;
+            if ignition.is_none() || foreign {
+                adopt(&secrets, "Secret", &meta.metadata, &owner, there).await?;
             }
         }
+        if let Some(secret) = ignition {
+            apply_object(&secrets, &secret, "Secret").await?;
+        }
+        if let Some(pvc) = claim {
+            let pvcs: Api<PersistentVolumeClaim> = there.api();
+            match there.claim(&pvc.name_any()) {
+                Some(meta) => {
+                    adopt(
+                        &pvcs,
+                        "PersistentVolumeClaim",
+                        &meta.metadata,
+                        &owner,
+                        there,
+                    )
+                    .await?;
+                }
+                None => {
+                    let (stored, new) =
+                        create_if_absent(&pvcs, &pvc, "PersistentVolumeClaim").await?;
+                    if !new {
+                        adopt(
+                            &pvcs,
+                            "PersistentVolumeClaim",
+                            &stored.metadata,
+                            &owner,
+                            there,
+                        )
+                        .await?;
+                    }
+                }
+            }
+        }
+        let pods: Api<Pod> = there.api();
         let pod_name = names::pod_name(km);
         let was_provisioned = km
             .status
@@ -284,7 +457,7 @@ async fn apply(
             .unwrap_or(false);
         // The cache can lag: a provisioned machine whose Pod the cache does not show is checked
         // with the apiserver before it is declared lost.
-        let existing = match ctx.caches.pods.get(&ObjectRef::new(&pod_name).within(&ns)) {
+        let existing = match there.pod(&pod_name) {
             Some(p) => Some((*p).clone()),
             None if was_provisioned => pods
                 .get_opt(&pod_name)
@@ -315,7 +488,13 @@ async fn apply(
         }
         // A Pod's spec is immutable: it is created once, and drift is not patched.
         let existing = match existing {
-            Some(p) => p,
+            Some(p) => {
+                if adopt(&pods, "Pod", &p.metadata, &owner, there).await? {
+                    let note = format!("adopted machine Pod {pod_name} in {}", there.describe());
+                    publish(ctx, km, EventType::Normal, "MachinePodAdopted", note).await;
+                }
+                p
+            }
             None => {
                 // clusterctl move waits while a Pod is being created: a moved KVMMachine whose
                 // Pod creation was cut short would otherwise look unprovisioned forever.
@@ -325,8 +504,11 @@ async fn apply(
                 info!(pod = %pod_name, "creating machine Pod");
                 let (created, new) = create_if_absent(&pods, &desired_pod, "Pod").await?;
                 if new {
-                    let note = format!("created machine Pod {pod_name}");
+                    let note = format!("created machine Pod {pod_name} in {}", there.describe());
                     publish(ctx, km, EventType::Normal, "MachinePodCreated", note).await;
+                } else if adopt(&pods, "Pod", &created.metadata, &owner, there).await? {
+                    let note = format!("adopted machine Pod {pod_name} in {}", there.describe());
+                    publish(ctx, km, EventType::Normal, "MachinePodAdopted", note).await;
                 }
                 created
             }
@@ -372,15 +554,28 @@ async fn apply(
     // 6. Status: one write. Then what may only follow it: with the Pod recorded, clusterctl
     // move may go (and providerID is set here if a restart came between the Pod's creation and
     // the first patch); the Pod's readiness gate.
-    let mut conditions = status::pod_conditions(observed.pod.as_ref());
-    conditions.push(status::node_condition(observed.gate.as_ref()));
+    // Unseen (the hosting cluster cannot be used): the Pod's and the Node's conditions stay as
+    // last seen.
+    let conditions: Vec<DesiredCondition> = match &observed.state {
+        MachineState::HostingUnavailable(hosting) => vec![hosting.clone()],
+        _ => {
+            let mut c = status::pod_conditions(observed.pod.as_ref());
+            c.push(status::node_condition(observed.gate.as_ref()));
+            c.extend(target.as_ref().map(Target::condition));
+            c
+        }
+    };
     let failure_domain = machine.and_then(|m| m.spec.failure_domain.as_deref());
     write_status(api, &current, &observed.state, &conditions, failure_domain).await?;
-    if let (Some(pod), Some(gate)) = (&observed.pod, &observed.gate) {
+    if let (Some(pod), Some(gate), Some(there)) = (&observed.pod, &observed.gate, &target) {
         patch_machine(api, &current, false).await?;
-        if let Err(e) = set_gate(&pods, pod, gate).await {
+        if let Err(e) = set_gate(&there.api(), pod, gate).await {
             warn!(error = %e, "cannot set the machine Pod's readiness gate");
         }
+    }
+    if matches!(observed.state, MachineState::HostingUnavailable(_)) {
+        // Recovery wakes this machine; this is a safety net.
+        return Ok(Action::requeue(Duration::from_secs(60)));
     }
     Ok(Action::await_change())
 }
@@ -447,29 +642,81 @@ where
 }
 
 /// Deletes the Pod (the launcher shuts the guest down by ACPI), then the Secret and the etcd
-/// PVC; the finalizer goes once the Pod is gone so no VM outlives its KVMMachine.
-async fn cleanup(km: &KVMMachine, ctx: &Context) -> Result<Action> {
+/// PVC, wherever they live and only when they are this machine's; the finalizer goes once the
+/// Pod is gone so no VM outlives its KVMMachine. A hosting cluster that cannot be reached holds
+/// the finalizer (and says so) until it can.
+async fn cleanup(
+    api: &Api<KVMMachine>,
+    km: &KVMMachine,
+    kvm_cluster: Option<&KVMCluster>,
+    ctx: &Context,
+) -> Result<Action> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let name = names::pod_name(km);
-    if let Some(pod) = pods.get_opt(&name).await.map_err(read_err("Pod", &name))? {
-        if pod.metadata.deletion_timestamp.is_none() {
-            pods.delete(&name, &DeleteParams::default())
-                .await
-                .map_err(|source| Error::Delete {
-                    kind: "Pod",
-                    name: name.clone(),
-                    source,
-                })?;
+    let there = match target_of(ctx, &ns, kvm_cluster).await {
+        Ok(t) => t,
+        Err(u) => {
+            let state = MachineState::HostingUnavailable(u.condition());
+            write_status(api, km, &state, &[u.condition()], None).await?;
+            return Err(Error::HostingUnavailable(u.message));
         }
-        // The Pod's deletion event wakes us; the requeue is a safety net.
-        return Err(Error::PodStillTerminating(name));
+    };
+    let owner = Owner::machine(km);
+    let pods: Api<Pod> = there.api();
+    let name = names::pod_name(km);
+    let pod = pods
+        .get_metadata_opt(&name)
+        .await
+        .map_err(read_err("Pod", &name))?;
+    match pod {
+        Some(pod) if owner.owns(&pod.metadata) => {
+            if pod.metadata.deletion_timestamp.is_none() {
+                pods.delete(&name, &DeleteParams::default())
+                    .await
+                    .map_err(|source| Error::Delete {
+                        kind: "Pod",
+                        name: name.clone(),
+                        source,
+                    })?;
+            }
+            // The Pod's deletion event wakes us; the requeue is a safety net.
+            return Err(Error::PodStillTerminating(name));
+        }
+        Some(_) => {
+            warn!(pod = %name, place = %there.describe(), "not deleting a Pod that belongs to someone else")
+        }
+        None => {}
     }
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
-    report::delete_if_present(&secrets, "Secret", &names::ignition_secret_name(km)).await?;
-    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &ns);
-    report::delete_if_present(&pvcs, "PersistentVolumeClaim", &names::etcd_claim_name(km)).await?;
+    let secrets: Api<Secret> = there.api();
+    delete_if_owned(&secrets, "Secret", &names::ignition_secret_name(km), &owner).await?;
+    let pvcs: Api<PersistentVolumeClaim> = there.api();
+    delete_if_owned(
+        &pvcs,
+        "PersistentVolumeClaim",
+        &names::etcd_claim_name(km),
+        &owner,
+    )
+    .await?;
     Ok(Action::await_change())
+}
+
+/// Deletes `name` when `owner` owns it.
+async fn delete_if_owned<K>(
+    api: &Api<K>,
+    kind: &'static str,
+    name: &str,
+    owner: &Owner,
+) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let meta = api
+        .get_metadata_opt(name)
+        .await
+        .map_err(read_err(kind, name))?;
+    if meta.is_some_and(|m| owner.owns(&m.metadata)) {
+        report::delete_if_present(api, kind, name).await?;
+    }
+    Ok(())
 }
 
 async fn write_status(
@@ -491,7 +738,7 @@ async fn write_status(
 /// Requeue after a failure; a Pod still terminating is checked again soon.
 pub fn error_policy(_km: Arc<KVMMachine>, error: &Error, _ctx: Arc<Context>) -> Action {
     match error {
-        Error::Finalizer(_) => Action::requeue(Duration::from_secs(2)),
+        Error::Finalizer(_) if !error.is_waiting() => Action::requeue(Duration::from_secs(2)),
         _ => Action::requeue(Duration::from_secs(10)),
     }
 }
@@ -512,5 +759,13 @@ pub(crate) mod testing {
         .unwrap();
         km.metadata.generation = Some(1);
         km
+    }
+
+    /// The management cluster, namespace `team-a`: where objects were always made.
+    pub fn management() -> crate::ownership::Home {
+        crate::ownership::Home {
+            namespace: "team-a".into(),
+            management: true,
+        }
     }
 }

@@ -13,10 +13,10 @@ use capk_api::v1alpha1::KVMMachine;
 use kube::ResourceExt;
 
 use super::placement::MachinePlacement;
-use crate::kvmcluster::build::owned_labels;
+use crate::{kvmcluster::build::owned_labels, ownership::Owner};
 
 /// Label on machine Pods and Secrets naming their KVMMachine ([`label_value`]).
-pub const KVMMACHINE_LABEL: &str = "infrastructure.cluster.x-k8s.io/kvmmachine";
+pub use capk_api::constants::KVMMACHINE_LABEL;
 
 /// Name of the machine Pod: the KVMMachine's name (both are DNS subdomains).
 pub fn pod_name(km: &KVMMachine) -> String {
@@ -40,11 +40,12 @@ pub fn label_value(km: &KVMMachine) -> String {
 }
 
 /// The labels of every object made for a machine: the cluster's ([`owned_labels`]), the
-/// KVMMachine's and the role's (the control-plane Service's endpoints are the `control-plane`
-/// Pods).
+/// KVMMachine's ([`Owner::labels`]: namespace, name, UID) and the role's (the control-plane
+/// Service's endpoints are the `control-plane` Pods).
 pub fn labels(km: &KVMMachine, placement: &MachinePlacement) -> BTreeMap<String, String> {
     let mut labels = owned_labels(&placement.cluster);
-    labels.insert(KVMMACHINE_LABEL.into(), label_value(km));
+    labels.extend(Owner::machine(km).labels());
+    debug_assert_eq!(labels.get(KVMMACHINE_LABEL), Some(&label_value(km)));
     let role = if placement.control_plane {
         ROLE_CONTROL_PLANE
     } else {

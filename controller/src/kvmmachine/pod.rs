@@ -30,15 +30,20 @@ use super::{
     pod_layout::{ETCD_DIR, IGNITION_DIR, IMAGE_DIR, STATE_DIR, host_path, mount},
     validate::ValidSpec,
 };
-use crate::settings::MachineDefaults;
+use crate::{
+    ownership::{Home, Owner},
+    settings::MachineDefaults,
+};
 
 /// Seconds the launcher gives the guest for an ACPI shutdown before killing QEMU.
 pub const GUEST_SHUTDOWN_SECONDS: i64 = 300;
 
-/// The machine Pod of a spec that passed [`validate`](super::validate::validate).
+/// The machine Pod of a spec that passed [`validate`](super::validate::validate), made in
+/// `home`.
 pub fn machine_pod(
     km: &KVMMachine,
     placement: &MachinePlacement,
+    home: &Home,
     valid: &ValidSpec,
     defaults: &MachineDefaults,
 ) -> Pod {
@@ -238,7 +243,7 @@ pub fn machine_pod(
     Pod {
         metadata: ObjectMeta {
             name: Some(pod_name(km)),
-            namespace: km.meta().namespace.clone(),
+            namespace: Some(home.namespace.clone()),
             labels: Some(names::labels(km, placement)),
             // `kubectl logs|exec POD` go to the launcher (the console, capk-launcher status)
             // without `-c launcher` and without naming the init containers.
@@ -246,7 +251,7 @@ pub fn machine_pod(
                 "kubectl.kubernetes.io/default-container".to_owned(),
                 "launcher".to_owned(),
             )])),
-            owner_references: km.controller_owner_ref(&()).map(|o| vec![o]),
+            owner_references: Owner::machine(km).owner_references(home),
             ..Default::default()
         },
         spec: Some(PodSpec {
@@ -336,14 +341,17 @@ fn sanitize(tag: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kvmmachine::{ignition_secret, testing::kvm_machine};
+    use crate::kvmmachine::{
+        ignition_secret,
+        testing::{kvm_machine, management},
+    };
     use crate::settings::NodeImageSource;
     use serde_json::json;
 
     /// The Pod of a spec that must pass validation.
     fn build(km: &KVMMachine, placement: &MachinePlacement, defaults: &MachineDefaults) -> Pod {
         let valid = crate::kvmmachine::validate::validate(km, placement, defaults).unwrap();
-        machine_pod(km, placement, &valid, defaults)
+        machine_pod(km, placement, &management(), &valid, defaults)
     }
 
     #[test]
@@ -461,6 +469,7 @@ mod tests {
         let secret = ignition_secret::desired(
             &km,
             &placement,
+            &management(),
             b"{\"token\":\"abcdef.0123456789abcdef\"}".to_vec(),
             &ignition_secret::rendered_from("m-bootstrap", "42"),
         );

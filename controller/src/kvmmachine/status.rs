@@ -48,6 +48,10 @@ pub enum MachineState {
     },
     /// The machine Pod disappeared (or failed) after the VM ran; the Machine must be replaced.
     PodMissing,
+    /// The cluster where the machine's objects live cannot be used now (the
+    /// `HostingClusterAvailable` condition says why). What was last seen stands: a provisioned
+    /// machine stays provisioned and Ready, its VM runs on untouched.
+    HostingUnavailable(crate::conditions::DesiredCondition),
 }
 
 /// A Kubernetes reason as a condition reason (CamelCase, no spaces), or `fallback`.
@@ -303,6 +307,20 @@ pub fn status(
             "VMRunning",
             format!("the VM runs in machine Pod {pod}"),
         )),
+        MachineState::HostingUnavailable(hosting) => {
+            let provisioned = current
+                .initialization
+                .as_ref()
+                .and_then(|i| i.provisioned)
+                .unwrap_or(false);
+            (!provisioned).then(|| {
+                C::falsy(
+                    CONDITION_READY,
+                    hosting.reason.clone(),
+                    hosting.message.clone(),
+                )
+            })
+        }
         MachineState::PodMissing => Some(C::falsy(
             CONDITION_READY,
             REASON_MACHINE_POD_MISSING,
@@ -337,7 +355,10 @@ pub fn status(
         }
         _ => {}
     }
-    if !matches!(state, MachineState::Paused) {
+    if !matches!(
+        state,
+        MachineState::Paused | MachineState::HostingUnavailable(_)
+    ) {
         out.failure_domain = failure_domain.map(str::to_owned);
         out.observed_generation = generation;
     }

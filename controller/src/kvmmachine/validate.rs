@@ -508,7 +508,8 @@ mod tests {
             let defaults = MachineDefaults::default();
             let valid =
                 validate(&km, &placement, &defaults).unwrap_or_else(|e| panic!("{extra}: {e}"));
-            let pod = pod::machine_pod(&km, &placement, &valid, &defaults);
+            let home = crate::kvmmachine::testing::management();
+            let pod = pod::machine_pod(&km, &placement, &home, &valid, &defaults);
             let c = &pod.spec.unwrap().containers[0];
             let argv = c
                 .command

@@ -1,0 +1,662 @@
+//! Hosting clusters: where a workload cluster's machine Pods, Ignition Secrets, etcd PVCs and
+//! control-plane Service live when its KVMCluster names one (`spec.hostingCluster`), reached
+//! through a kubeconfig Secret in the management cluster. Without one they live in the management
+//! cluster, in the KVMCluster's namespace, as they always did.
+//!
+//! One [`Link`] per hosting cluster and namespace, however many KVMClusters and machines use it:
+//! one client and one watch per kind (machine Pods, our Secrets, PVCs and Services, selected by
+//! label), whose caches the reconcilers read exactly as they read the management cluster's. A
+//! link is started when a reconcile first needs it, rebuilt when the Secret changes and dropped
+//! when no KVMCluster names it. Its watch events wake the KVMMachine or KVMCluster that the
+//! object's labels name ([`crate::ownership`]).
+//!
+//! Reachability: a failing watch makes the link unavailable at once; while it is, the link lists
+//! each watched kind every [`PROBE_INTERVAL`] (the watches themselves resume silently), and the
+//! first full success makes it available again. Each change wakes every KVMCluster and
+//! KVMMachine of the link, which say so in their `HostingClusterAvailable` condition. Meanwhile
+//! nothing is created, adopted or deleted there: the VMs keep running, untouched.
+
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use capk_api::{
+    constants::{CONDITION_HOSTING_CLUSTER_AVAILABLE, HOSTING_KUBECONFIG_KEY, MANAGED_BY},
+    v1alpha1::KVMCluster,
+};
+use futures::{StreamExt, stream};
+use k8s_openapi::{
+    NamespaceResourceScope,
+    api::core::v1::{PersistentVolumeClaim, Pod, Secret, Service},
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+use kube::{
+    Api, Client, Resource, ResourceExt,
+    api::ListParams,
+    core::PartialObjectMeta,
+    runtime::{
+        reflector::{ObjectRef, Store},
+        watcher,
+    },
+};
+use tracing::{info, warn};
+
+use crate::{
+    conditions::DesiredCondition,
+    inline_kubeconfig::{InlineKubeconfig, KubeconfigError},
+    ownership::Home,
+};
+
+/// Reason: the objects live in the management cluster (no hosting cluster is named).
+pub const REASON_MANAGEMENT_CLUSTER: &str = "ManagementCluster";
+/// Reason: the hosting cluster answers and its watches are in sync.
+pub const REASON_CONNECTED: &str = "HostingClusterConnected";
+/// Reason: the kubeconfig Secret does not exist.
+pub const REASON_KUBECONFIG_MISSING: &str = "HostingKubeconfigMissing";
+/// Reason: the kubeconfig would run a command or read a file of the controller.
+pub const REASON_KUBECONFIG_REFUSED: &str = "HostingKubeconfigRefused";
+/// Reason: the kubeconfig cannot be read or used.
+pub const REASON_KUBECONFIG_INVALID: &str = "HostingKubeconfigInvalid";
+/// Reason: the first list of the hosting cluster's objects has not arrived yet.
+pub const REASON_CONNECTING: &str = "WaitingForHostingCluster";
+/// Reason: the hosting cluster does not answer.
+pub const REASON_UNREACHABLE: &str = "HostingClusterUnreachable";
+/// Reason: the hosting cluster answers, but refuses the credential (401) or what it may do (403).
+pub const REASON_FORBIDDEN: &str = "HostingClusterForbidden";
+
+/// How often an unavailable hosting cluster is tried again.
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(2);
+/// Time allowed for one probe.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A hosting cluster and namespace, as a KVMCluster names them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostingKey {
+    /// Namespace of the kubeconfig Secret in the management cluster (the KVMCluster's).
+    pub secret_namespace: String,
+    /// Name of the kubeconfig Secret.
+    pub secret: String,
+    /// The namespace in the hosting cluster.
+    pub namespace: String,
+}
+
+impl HostingKey {
+    /// The hosting cluster `kc` names; `None` for the management cluster.
+    pub fn of(kc: &KVMCluster) -> Option<Self> {
+        let hosting = kc.spec.hosting_cluster.as_ref()?;
+        let ns = kc.namespace()?;
+        Some(Self {
+            namespace: hosting.namespace.clone().unwrap_or_else(|| ns.clone()),
+            secret_namespace: ns,
+            secret: hosting.kubeconfig_secret_ref.name.clone(),
+        })
+    }
+}
+
+impl fmt::Display for HostingKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "namespace {} of the hosting cluster of Secret {}",
+            self.namespace, self.secret
+        )
+    }
+}
+
+/// Why the objects' cluster cannot be used now. The message never quotes the kubeconfig.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unavailable {
+    /// CamelCase reason (`REASON_*`).
+    pub reason: &'static str,
+    /// What is wrong, and what to do about it where that is the user's.
+    pub message: String,
+}
+
+impl Unavailable {
+    /// The `HostingClusterAvailable` condition saying so.
+    pub fn condition(&self) -> DesiredCondition {
+        DesiredCondition::falsy(
+            CONDITION_HOSTING_CLUSTER_AVAILABLE,
+            self.reason,
+            self.message.clone(),
+        )
+    }
+}
+
+/// The watch caches of the objects the controller makes in one cluster (metadata only but for
+/// the Pods). In the management cluster the Secrets are all of them (bootstrap data and
+/// kubeconfigs too); in a hosting cluster only ours.
+#[derive(Clone)]
+pub struct ObjectCaches {
+    /// Machine Pods (ours, by label).
+    pub pods: Store<Pod>,
+    /// Secrets.
+    pub secrets: Store<PartialObjectMeta<Secret>>,
+    /// etcd PVCs (ours, by label).
+    pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
+    /// Control-plane Services (ours, by label).
+    pub services: Store<PartialObjectMeta<Service>>,
+}
+
+/// The cluster and namespace where a reconcile's objects live, with the watch caches of it.
+#[derive(Clone)]
+pub struct Target {
+    /// A client of that cluster.
+    pub client: Client,
+    /// The namespace, and whether it is the management cluster.
+    pub home: Home,
+    caches: ObjectCaches,
+    key: Option<HostingKey>,
+}
+
+impl Target {
+    /// The management cluster, namespace `ns`, through the controller's own caches.
+    pub fn management(client: &Client, caches: ObjectCaches, ns: &str) -> Self {
+        Self {
+            client: client.clone(),
+            home: Home {
+                namespace: ns.to_owned(),
+                management: true,
+            },
+            caches,
+            key: None,
+        }
+    }
+
+    /// An API of kind `K` in the target namespace.
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: Resource<Scope = NamespaceResourceScope, DynamicType = ()>,
+    {
+        Api::namespaced(self.client.clone(), &self.home.namespace)
+    }
+
+    fn at<K: Resource<DynamicType = ()>>(&self, name: &str) -> ObjectRef<K> {
+        ObjectRef::new(name).within(&self.home.namespace)
+    }
+
+    /// Machine Pod `name`, as cached.
+    pub fn pod(&self, name: &str) -> Option<Arc<Pod>> {
+        self.caches.pods.get(&self.at(name))
+    }
+
+    /// Every cached machine Pod of the target namespace.
+    pub fn pods(&self) -> Vec<Arc<Pod>> {
+        self.caches
+            .pods
+            .state()
+            .into_iter()
+            .filter(|p| p.namespace().as_deref() == Some(self.home.namespace.as_str()))
+            .collect()
+    }
+
+    /// Secret `name`'s metadata, as cached.
+    pub fn secret(&self, name: &str) -> Option<Arc<PartialObjectMeta<Secret>>> {
+        self.caches.secrets.get(&self.at(name))
+    }
+
+    /// PVC `name`'s metadata, as cached.
+    pub fn claim(&self, name: &str) -> Option<Arc<PartialObjectMeta<PersistentVolumeClaim>>> {
+        self.caches.claims.get(&self.at(name))
+    }
+
+    /// Service `name`'s metadata, as cached.
+    pub fn service(&self, name: &str) -> Option<Arc<PartialObjectMeta<Service>>> {
+        self.caches.services.get(&self.at(name))
+    }
+
+    /// The hosting cluster, `None` for the management cluster.
+    pub fn key(&self) -> Option<&HostingKey> {
+        self.key.as_ref()
+    }
+
+    /// Where the objects are, in words: "namespace x of the management cluster".
+    pub fn describe(&self) -> String {
+        match &self.key {
+            Some(key) => key.to_string(),
+            None => format!(
+                "namespace {} of the management cluster",
+                self.home.namespace
+            ),
+        }
+    }
+
+    /// The `HostingClusterAvailable` condition of a target in use.
+    pub fn condition(&self) -> DesiredCondition {
+        let reason = if self.key.is_some() {
+            REASON_CONNECTED
+        } else {
+            REASON_MANAGEMENT_CLUSTER
+        };
+        DesiredCondition::truthy(
+            CONDITION_HOSTING_CLUSTER_AVAILABLE,
+            reason,
+            format!(
+                "machines and the control-plane Service live in {}",
+                self.describe()
+            ),
+        )
+    }
+}
+
+/// Called on every change a link sees: an object's metadata (wake whoever its labels name), or
+/// `None` when the link's availability changed (wake everyone on it).
+pub type OnChange = Arc<dyn Fn(&HostingKey, Option<&ObjectMeta>) + Send + Sync>;
+
+/// The links to every hosting cluster in use.
+pub struct Links {
+    links: Mutex<HashMap<HostingKey, Arc<Link>>>,
+    /// Kubeconfig Secrets that cannot be used, by the resourceVersion found so: not read again
+    /// until they change.
+    refused: Mutex<HashMap<HostingKey, (String, Unavailable)>>,
+    /// One connection at a time, so that two reconciles never start two links for one key.
+    connecting: tokio::sync::Mutex<()>,
+    on_change: OnChange,
+}
+
+/// One hosting cluster and namespace: its client, watch caches and availability.
+struct Link {
+    /// The kubeconfig Secret's resourceVersion the link was built from.
+    source: String,
+    client: Client,
+    caches: ObjectCaches,
+    state: Arc<LinkState>,
+    tasks: Vec<tokio::task::AbortHandle>,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// What the link's tasks tell the reconcilers.
+#[derive(Default)]
+struct LinkState {
+    /// Why the hosting cluster cannot be used, while it cannot.
+    failure: Mutex<Option<Unavailable>>,
+    /// Every watch has listed once.
+    synced: AtomicBool,
+    /// A watch failed: probe.
+    failed: tokio::sync::Notify,
+}
+
+impl LinkState {
+    /// Records a failure; true when the reason changed (a condition to rewrite).
+    fn fail(&self, u: Unavailable) -> bool {
+        let mut f = self.failure.lock().expect("failure lock");
+        let changed = f.as_ref().map(|c| c.reason) != Some(u.reason);
+        *f = Some(u);
+        changed
+    }
+
+    /// Clears the failure; true when there was one.
+    fn recover(&self) -> bool {
+        self.failure.lock().expect("failure lock").take().is_some()
+    }
+
+    fn failure(&self) -> Option<Unavailable> {
+        self.failure.lock().expect("failure lock").clone()
+    }
+}
+
+impl Links {
+    /// No links yet; `on_change` hears of every change the links will see.
+    pub fn new(on_change: OnChange) -> Self {
+        Self {
+            links: Mutex::default(),
+            refused: Mutex::default(),
+            connecting: tokio::sync::Mutex::new(()),
+            on_change,
+        }
+    }
+
+    /// How many hosting clusters are linked.
+    pub fn len(&self) -> usize {
+        self.links.lock().expect("links lock").len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops the links (and remembered refusals) of the keys `in_use` does not keep.
+    pub fn retain(&self, in_use: impl Fn(&HostingKey) -> bool) {
+        let dropped: Vec<HostingKey> = {
+            let mut links = self.links.lock().expect("links lock");
+            let gone = links.keys().filter(|k| !in_use(k)).cloned().collect();
+            links.retain(|k, _| in_use(k));
+            gone
+        };
+        self.refused
+            .lock()
+            .expect("refused lock")
+            .retain(|k, _| in_use(k));
+        for key in dropped {
+            info!(hosting = %key, "stopped watching the hosting cluster: no KVMCluster names it");
+        }
+    }
+
+    /// Where `kc`'s objects live: the management cluster (no `hostingCluster`; `mc` and its
+    /// caches), or the hosting cluster it names once its watches are in sync; otherwise why not.
+    pub async fn target(
+        &self,
+        mc: &Client,
+        caches: &ObjectCaches,
+        kc: &KVMCluster,
+    ) -> Result<Target, Unavailable> {
+        let Some(key) = HostingKey::of(kc) else {
+            let ns = kc.namespace().unwrap_or_default();
+            return Ok(Target::management(mc, caches.clone(), &ns));
+        };
+        let link = self.link(mc, &caches.secrets, &key).await?;
+        if let Some(failure) = link.state.failure() {
+            return Err(failure);
+        }
+        if !link.state.synced.load(Ordering::SeqCst) {
+            return Err(Unavailable {
+                reason: REASON_CONNECTING,
+                message: format!("listing the machine Pods, Secrets, PVCs and Services in {key}"),
+            });
+        }
+        Ok(Target {
+            client: link.client.clone(),
+            home: Home {
+                namespace: key.namespace.clone(),
+                management: false,
+            },
+            caches: link.caches.clone(),
+            key: Some(key),
+        })
+    }
+
+    /// The link of `key` as of the kubeconfig Secret's current version, built if needed.
+    async fn link(
+        &self,
+        mc: &Client,
+        mc_secrets: &Store<PartialObjectMeta<Secret>>,
+        key: &HostingKey,
+    ) -> Result<Arc<Link>, Unavailable> {
+        let missing = || Unavailable {
+            reason: REASON_KUBECONFIG_MISSING,
+            message: format!(
+                "Secret {} does not exist in namespace {}; create it with the hosting cluster's kubeconfig in key `{HOSTING_KUBECONFIG_KEY}`",
+                key.secret, key.secret_namespace
+            ),
+        };
+        let Some(source) = mc_secrets
+            .get(&ObjectRef::new(&key.secret).within(&key.secret_namespace))
+            .map(|m| m.resource_version().unwrap_or_default())
+        else {
+            self.links.lock().expect("links lock").remove(key);
+            return Err(missing());
+        };
+        let current = || {
+            self.links
+                .lock()
+                .expect("links lock")
+                .get(key)
+                .filter(|l| l.source == source)
+                .cloned()
+        };
+        if let Some(link) = current() {
+            return Ok(link);
+        }
+        let _one = self.connecting.lock().await;
+        if let Some(link) = current() {
+            return Ok(link);
+        }
+        if let Some((_, u)) = self
+            .refused
+            .lock()
+            .expect("refused lock")
+            .get(key)
+            .filter(|(s, _)| *s == source)
+        {
+            return Err(u.clone());
+        }
+        let secret = Api::<Secret>::namespaced(mc.clone(), &key.secret_namespace)
+            .get_opt(&key.secret)
+            .await
+            .map_err(|e| Unavailable {
+                reason: REASON_KUBECONFIG_INVALID,
+                message: format!("read Secret {}: {e}", key.secret),
+            })?
+            .ok_or_else(missing)?;
+        let source = secret.resource_version().unwrap_or_default();
+        let value = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(HOSTING_KUBECONFIG_KEY))
+            .map(|v| v.0.as_slice())
+            .unwrap_or_default();
+        let client = match InlineKubeconfig::parse(value) {
+            Ok(kc) => kc.client().await,
+            Err(e) => Err(e),
+        };
+        let client = match client {
+            Ok(c) => c,
+            Err(e) => {
+                let reason = match e {
+                    KubeconfigError::Refused { .. } => REASON_KUBECONFIG_REFUSED,
+                    _ => REASON_KUBECONFIG_INVALID,
+                };
+                let u = Unavailable {
+                    reason,
+                    message: format!("Secret {} {e}", key.secret),
+                };
+                warn!(hosting = %key, reason, "the hosting cluster's kubeconfig is not used");
+                self.refused
+                    .lock()
+                    .expect("refused lock")
+                    .insert(key.clone(), (source, u.clone()));
+                return Err(u);
+            }
+        };
+        self.refused.lock().expect("refused lock").remove(key);
+        let link = Arc::new(self.start(key, client, source));
+        self.links
+            .lock()
+            .expect("links lock")
+            .insert(key.clone(), link.clone());
+        Ok(link)
+    }
+
+    fn start(&self, key: &HostingKey, client: Client, source: String) -> Link {
+        info!(hosting = %key, "watching the hosting cluster");
+        let ns = key.namespace.as_str();
+        let owned = watcher::Config::default()
+            .labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
+        let (pods, pod_events) = crate::cached(
+            Api::<Pod>::namespaced(client.clone(), ns),
+            owned.clone(),
+            crate::strip_pod,
+        );
+        let (secrets, secret_events) = crate::cached(
+            Api::<PartialObjectMeta<Secret>>::namespaced(client.clone(), ns),
+            owned.clone(),
+            |_| {},
+        );
+        let (claims, claim_events) = crate::cached(
+            Api::<PartialObjectMeta<PersistentVolumeClaim>>::namespaced(client.clone(), ns),
+            owned.clone(),
+            |_| {},
+        );
+        let (services, service_events) = crate::cached(
+            Api::<PartialObjectMeta<Service>>::namespaced(client.clone(), ns),
+            owned,
+            |_| {},
+        );
+        let state = Arc::new(LinkState::default());
+        let mut tasks = Vec::new();
+
+        // Every watch event: wake the owner, or note the failure.
+        let events = stream::select_all([
+            pod_events.map(|r| r.map(|o| o.metadata)).boxed(),
+            secret_events.map(|r| r.map(|o| o.metadata)).boxed(),
+            claim_events.map(|r| r.map(|o| o.metadata)).boxed(),
+            service_events.map(|r| r.map(|o| o.metadata)).boxed(),
+        ]);
+        let (k, st, on_change) = (key.clone(), state.clone(), self.on_change.clone());
+        tasks.push(
+            tokio::spawn(async move {
+                futures::pin_mut!(events);
+                while let Some(event) = events.next().await {
+                    match event {
+                        Ok(meta) => on_change(&k, Some(&meta)),
+                        Err(e) => {
+                            let Some(u) = watch_failure(&e) else { continue };
+                            warn!(hosting = %k, error = %e, "hosting cluster watch failed");
+                            if st.fail(u) {
+                                on_change(&k, None);
+                            }
+                            st.failed.notify_one();
+                        }
+                    }
+                }
+            })
+            .abort_handle(),
+        );
+
+        // The first list of every watch: the caches mean something from then on.
+        let (k, st, on_change) = (key.clone(), state.clone(), self.on_change.clone());
+        let stores = (
+            pods.clone(),
+            secrets.clone(),
+            claims.clone(),
+            services.clone(),
+        );
+        tasks.push(
+            tokio::spawn(async move {
+                let _ = stores.0.wait_until_ready().await;
+                let _ = stores.1.wait_until_ready().await;
+                let _ = stores.2.wait_until_ready().await;
+                let _ = stores.3.wait_until_ready().await;
+                st.synced.store(true, Ordering::SeqCst);
+                info!(hosting = %k, "hosting cluster in sync");
+                on_change(&k, None);
+            })
+            .abort_handle(),
+        );
+
+        // While unavailable: probe until the hosting cluster answers again.
+        let (k, st, on_change, c) = (
+            key.clone(),
+            state.clone(),
+            self.on_change.clone(),
+            client.clone(),
+        );
+        tasks.push(
+            tokio::spawn(async move {
+                loop {
+                    if st.failure().is_none() {
+                        st.failed.notified().await;
+                        continue;
+                    }
+                    tokio::time::sleep(PROBE_INTERVAL).await;
+                    match probe(&c, &k.namespace).await {
+                        Ok(()) => {
+                            if st.recover() {
+                                info!(hosting = %k, "hosting cluster reachable again");
+                                on_change(&k, None);
+                            }
+                        }
+                        Err(u) => {
+                            if st.fail(u) {
+                                on_change(&k, None);
+                            }
+                        }
+                    }
+                }
+            })
+            .abort_handle(),
+        );
+
+        Link {
+            source,
+            client,
+            caches: ObjectCaches {
+                pods,
+                secrets,
+                claims,
+                services,
+            },
+            state,
+            tasks,
+        }
+    }
+}
+
+/// Lists each watched kind (one item, metadata only): what the watches need to work.
+async fn probe(client: &Client, ns: &str) -> Result<(), Unavailable> {
+    let lp = ListParams::default().limit(1);
+    let all = async {
+        Api::<Pod>::namespaced(client.clone(), ns)
+            .list_metadata(&lp)
+            .await?;
+        Api::<Secret>::namespaced(client.clone(), ns)
+            .list_metadata(&lp)
+            .await?;
+        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns)
+            .list_metadata(&lp)
+            .await?;
+        Api::<Service>::namespaced(client.clone(), ns)
+            .list_metadata(&lp)
+            .await?;
+        Ok::<(), kube::Error>(())
+    };
+    match tokio::time::timeout(PROBE_TIMEOUT, all).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(request_failure(&e)),
+        Err(_) => Err(Unavailable {
+            reason: REASON_UNREACHABLE,
+            message: format!(
+                "the hosting cluster did not answer within {}s",
+                PROBE_TIMEOUT.as_secs()
+            ),
+        }),
+    }
+}
+
+/// A failed request to the hosting cluster, as a reason and a message.
+fn request_failure(e: &kube::Error) -> Unavailable {
+    match e {
+        kube::Error::Api(s) if s.code == 401 || s.code == 403 => Unavailable {
+            reason: REASON_FORBIDDEN,
+            message: format!(
+                "the hosting cluster refuses the credential of the kubeconfig Secret (HTTP {}): {}; grant it manifests/hosting (hosting-rbac.yaml) in the hosting namespace",
+                s.code,
+                crate::redact::untrusted_message(&s.message)
+            ),
+        },
+        other => Unavailable {
+            reason: REASON_UNREACHABLE,
+            message: format!(
+                "the hosting cluster does not answer: {}",
+                crate::redact::untrusted_message(&other.to_string())
+            ),
+        },
+    }
+}
+
+/// A watch error that says the hosting cluster cannot be used; `None` for the routine ones (an
+/// expired resourceVersion, after which the watch simply lists again).
+fn watch_failure(e: &watcher::Error) -> Option<Unavailable> {
+    match e {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => Some(request_failure(e)),
+        watcher::Error::WatchError(s) if s.code == 410 => None,
+        watcher::Error::WatchError(s) => Some(request_failure(&kube::Error::Api(s.clone()))),
+        _ => None,
+    }
+}
