@@ -262,8 +262,11 @@ pub struct Links {
 
 /// One hosting cluster and namespace: its client, watch caches and availability.
 struct Link {
-    /// The kubeconfig Secret's resourceVersion the link was built from.
-    source: String,
+    /// The kubeconfig Secret's resourceVersion the link was last found current for.
+    source: Mutex<String>,
+    /// A digest of the kubeconfig it was built from: a Secret whose metadata changed (the
+    /// controller's own move label, say) keeps its link.
+    digest: u64,
     client: Client,
     caches: ObjectCaches,
     state: Arc<LinkState>,
@@ -405,7 +408,7 @@ impl Links {
                 .lock()
                 .expect("links lock")
                 .get(key)
-                .filter(|l| l.source == source)
+                .filter(|l| *l.source.lock().expect("source lock") == source)
                 .cloned()
         };
         if let Some(link) = current() {
@@ -439,6 +442,23 @@ impl Links {
             .and_then(|d| d.get(HOSTING_KUBECONFIG_KEY))
             .map(|v| v.0.as_slice())
             .unwrap_or_default();
+        let digest = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            value.hash(&mut h);
+            h.finish()
+        };
+        let unchanged = self
+            .links
+            .lock()
+            .expect("links lock")
+            .get(key)
+            .filter(|l| l.digest == digest)
+            .cloned();
+        if let Some(link) = unchanged {
+            *link.source.lock().expect("source lock") = source;
+            return Ok(link);
+        }
         let client = match InlineKubeconfig::parse(value) {
             Ok(kc) => kc.client().await,
             Err(e) => Err(e),
@@ -463,7 +483,7 @@ impl Links {
             }
         };
         self.refused.lock().expect("refused lock").remove(key);
-        let link = Arc::new(self.start(key, client, source));
+        let link = Arc::new(self.start(key, client, source, digest));
         self.links
             .lock()
             .expect("links lock")
@@ -471,7 +491,7 @@ impl Links {
         Ok(link)
     }
 
-    fn start(&self, key: &HostingKey, client: Client, source: String) -> Link {
+    fn start(&self, key: &HostingKey, client: Client, source: String, digest: u64) -> Link {
         info!(hosting = %key, "watching the hosting cluster");
         let ns = key.namespace.as_str();
         let owned = watcher::Config::default()
@@ -582,7 +602,8 @@ impl Links {
         );
 
         Link {
-            source,
+            source: Mutex::new(source),
+            digest,
             client,
             caches: ObjectCaches {
                 pods,

@@ -186,11 +186,29 @@ pub async fn run_with_metrics(
 
     // The watches, each feeding a cache the reconciles read. (The KVMCluster controller keeps a
     // watch of its own: a store awaited by two tasks at once wakes only one of them.)
-    let (kvm_machines, kvm_machine_events) =
-        cached(api::<KVMMachine>(&client, ns), Default::default(), |_| {});
-    let machine_controller = Controller::for_stream(kvm_machine_events, kvm_machines.clone());
     let (kvm_clusters, kvm_cluster_events) =
         cached(api::<KVMCluster>(&client, ns), Default::default(), |_| {});
+    let (cluster_trigger, cluster_triggers) = futures::channel::mpsc::unbounded();
+    let (kvm_machines, kvm_machine_events) =
+        cached(api::<KVMMachine>(&client, ns), Default::default(), |_| {});
+    // A KVMMachine being deleted concerns its KVMCluster: one with a hosting cluster waits for
+    // its machines to be gone before it goes.
+    let kvm_machine_events = {
+        let (kvm_clusters, cluster_trigger) = (kvm_clusters.clone(), cluster_trigger.clone());
+        kvm_machine_events.inspect(move |km: &Result<KVMMachine, watcher::Error>| {
+            let Ok(km) = km else { return };
+            if km.metadata.deletion_timestamp.is_none() {
+                return;
+            }
+            let cluster = km.labels().get(CLUSTER_NAME_LABEL);
+            for kc in kvm_clusters.state() {
+                if kc.namespace() == km.namespace() && cluster_of(&kc).as_ref() == cluster {
+                    let _ = cluster_trigger.unbounded_send(ObjectRef::from(&*kc));
+                }
+            }
+        })
+    };
+    let machine_controller = Controller::for_stream(kvm_machine_events, kvm_machines.clone());
     let (machines, machine_events) =
         cached(api::<Machine>(&client, ns), Default::default(), |_| {});
     let (clusters, cluster_events) =
@@ -245,7 +263,6 @@ pub async fn run_with_metrics(
     // Hosting clusters: an object there wakes whoever its labels name; a change of the link's
     // availability wakes every KVMCluster naming it and their machines.
     let (hosted_machine_trigger, hosted_machine_events) = futures::channel::mpsc::unbounded();
-    let (cluster_trigger, cluster_triggers) = futures::channel::mpsc::unbounded();
     let hosting_changed: hosting::OnChange = {
         let (kvm_machines, kvm_clusters) = (kvm_machines.clone(), kvm_clusters.clone());
         let clusters = caches.clusters.clone();
