@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the clusterctl repository layout for this provider:
 #   _output/release/infrastructure-kvm/<version>/{infrastructure-components.yaml,metadata.yaml,
-#   cluster-template*.yaml,clusterclass-*.yaml,vpa.yaml}
+#   cluster-template*.yaml,clusterclass-*.yaml,vpa.yaml,hosting-rbac.yaml}
 # infrastructure-components.yaml = `kubectl kustomize manifests/default` (CRDs, RBAC, Deployment).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,4 +21,6 @@ done
 cp manifests/templates/cluster-template*.yaml manifests/templates/clusterclass-*.yaml "$dest/"
 # Optional, for clusters with the VerticalPodAutoscaler CRDs (not part of the clusterctl install).
 cp manifests/components/vpa/vpa.yaml "$dest/vpa.yaml"
+# For a hosting cluster (KVMCluster.spec.hostingCluster): what its credential may do there.
+cp manifests/hosting/hosting-rbac.yaml "$dest/hosting-rbac.yaml"
 echo "$dest"

@@ -173,3 +173,51 @@ pub async fn control_plane_machine_with_spec(
         .await?;
     Ok(())
 }
+
+/// A TCP relay on loopback in front of `to` (an apiserver): a cluster whose network can be cut.
+/// Closed, it resets every relayed connection and every new one at once, as a partition that
+/// the client notices does.
+pub struct Relay {
+    /// Where clients connect.
+    pub addr: std::net::SocketAddr,
+    open: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    /// Starts relaying to `to`, open.
+    pub async fn start(to: std::net::SocketAddr) -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (open, rx) = tokio::sync::watch::channel(true);
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !*rx.borrow() {
+                    continue;
+                }
+                let mut closed = rx.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = closed.wait_for(|o| !*o) => {}
+                    }
+                });
+            }
+        });
+        Ok(Self { addr, open, task })
+    }
+
+    /// Cuts (`false`) or restores (`true`) the connection.
+    pub fn set_open(&self, open: bool) {
+        let _ = self.open.send(open);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

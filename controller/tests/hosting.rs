@@ -1,0 +1,744 @@
+//! Hosting clusters against two real kube-apiservers: the management cluster (this test binary's
+//! shared one) and a hosting cluster (a second etcd + kube-apiserver) that the controller reaches
+//! through a kubeconfig Secret, behind a TCP relay the test can cut. The controller runs with
+//! the released hosting RBAC (`hosting-rbac.yaml`) and nothing more in the hosting cluster.
+
+mod support;
+
+use std::{collections::BTreeMap, process::Command, sync::OnceLock, time::Duration};
+
+use anyhow::{Context, Result, anyhow, bail};
+use capk_api::{
+    capi::Machine,
+    v1alpha1::{KVMCluster, KVMMachine},
+};
+use capk_tests::env::{EnvOptions, TestEnv};
+use k8s_openapi::api::{
+    core::v1::{Pod, Secret, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{
+        DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
+    },
+    discovery,
+};
+use serde_json::{Value, json};
+use support::{Relay, control_plane_machine, create_namespace, eventually, start_controller};
+
+/// The namespace `hosting-rbac.yaml` grants.
+const HOSTING_NS: &str = "capk-hosting";
+const BOOTSTRAP: &str = "#cloud-config\nruncmd:\n- echo ok\n";
+
+/// The hosting cluster's apiserver, one per test binary (each test relays to it on its own).
+fn hosting_env() -> &'static TestEnv {
+    static ENV: OnceLock<TestEnv> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let dir = tempfile::Builder::new()
+            .prefix("capk-hosting-")
+            .tempdir()
+            .expect("a directory for the hosting cluster")
+            .keep();
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime")
+                .block_on(TestEnv::start(EnvOptions {
+                    dir,
+                    stop_with_current_process: true,
+                }))
+        })
+        .join()
+        .expect("hosting cluster thread")
+        .unwrap_or_else(|e| panic!("starting the hosting cluster's apiserver failed: {e:#}"))
+    })
+}
+
+/// `hack/release-manifests.sh`'s output directory, made once per test binary.
+fn release_dir() -> Result<std::path::PathBuf> {
+    static DIR: OnceLock<std::path::PathBuf> = OnceLock::new();
+    if let Some(d) = DIR.get() {
+        return Ok(d.clone());
+    }
+    let out = Command::new("bash")
+        .arg(capk_tests::repo_root().join("hack/release-manifests.sh"))
+        .output()
+        .context("run hack/release-manifests.sh")?;
+    if !out.status.success() {
+        bail!(
+            "hack/release-manifests.sh failed (run `make test-deps` first): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let dir: std::path::PathBuf = String::from_utf8(out.stdout)?
+        .lines()
+        .last()
+        .context("release dir")?
+        .into();
+    Ok(DIR.get_or_init(|| dir).clone())
+}
+
+fn docs(text: &str) -> Result<Vec<Value>> {
+    let mut out = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(text) {
+        let v: Value = serde::Deserialize::deserialize(doc)?;
+        if !v.is_null() {
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
+async fn apply(client: &Client, obj: &Value) -> Result<()> {
+    let obj: DynamicObject = serde_json::from_value(obj.clone())?;
+    let types = obj.types.clone().context("apiVersion/kind")?;
+    let gvk = GroupVersionKind::try_from(&types)?;
+    let (ar, caps) = discovery::pinned_kind(client, &gvk).await?;
+    let api: Api<DynamicObject> = match (&obj.metadata.namespace, caps.scope) {
+        (Some(ns), discovery::Scope::Namespaced) => Api::namespaced_with(client.clone(), ns, &ar),
+        _ => Api::all_with(client.clone(), &ar),
+    };
+    api.patch(
+        &obj.name_any(),
+        &PatchParams::apply("capk-hosting-test").force(),
+        &Patch::Apply(&obj),
+    )
+    .await
+    .map_err(|e| anyhow!("{} {}: {e}", gvk.kind, obj.name_any()))?;
+    Ok(())
+}
+
+/// The hosting cluster as a test sees it: an admin client (for the test's own checks, never
+/// through the relay), the relay the controller goes through, and the controller's kubeconfig.
+struct Hosting {
+    admin: Client,
+    relay: Relay,
+    kubeconfig: String,
+}
+
+/// The hosting cluster's kubeconfig through `relay`, authenticating with `user`.
+fn kubeconfig_through(env: &TestEnv, relay: &Relay, user: Value) -> Result<String> {
+    let mut kc: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(env.kubeconfig())?)?;
+    kc["clusters"][0]["cluster"]["server"] = json!(format!("https://{}", relay.addr));
+    kc["users"][0]["user"] = user;
+    Ok(serde_yaml_ng::to_string(&kc)?)
+}
+
+/// The hosting cluster with the released `hosting-rbac.yaml` applied, and a kubeconfig for its
+/// ServiceAccount: a token bound to that role only.
+async fn hosting_with_released_rbac() -> Result<Hosting> {
+    let env = hosting_env();
+    let admin = env.client().await?;
+    let released = release_dir()?.join("hosting-rbac.yaml");
+    let text = std::fs::read_to_string(&released)
+        .with_context(|| format!("{} is not in the release", released.display()))?;
+    assert_eq!(
+        text,
+        std::fs::read_to_string(
+            capk_tests::repo_root().join("manifests/hosting/hosting-rbac.yaml")
+        )?,
+        "the release carries manifests/hosting/hosting-rbac.yaml as it is"
+    );
+    for o in docs(&text)? {
+        apply(&admin, &o).await?;
+    }
+    let sa: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(admin.clone(), HOSTING_NS);
+    let req = json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                     "spec": {"expirationSeconds": 3600}});
+    let resp: Value = sa
+        .create_subresource("token", "capk-hosting", &PostParams::default(), &req)
+        .await?;
+    let token = resp["status"]["token"].as_str().context("token")?;
+    let relay = Relay::start(apiserver_addr(env)?).await?;
+    let kubeconfig = kubeconfig_through(env, &relay, json!({"token": token}))?;
+    Ok(Hosting {
+        admin,
+        relay,
+        kubeconfig,
+    })
+}
+
+/// The hosting cluster with the admin's own credential, and namespace `ns` in it.
+async fn hosting_as_admin(ns: &str) -> Result<Hosting> {
+    let env = hosting_env();
+    let admin = env.client().await?;
+    create_namespace(&admin, ns).await?;
+    let relay = Relay::start(apiserver_addr(env)?).await?;
+    let mut kc: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(env.kubeconfig())?)?;
+    let user = kc["users"][0]["user"].take();
+    let kubeconfig = kubeconfig_through(env, &relay, user)?;
+    Ok(Hosting {
+        admin,
+        relay,
+        kubeconfig,
+    })
+}
+
+fn apiserver_addr(env: &TestEnv) -> Result<std::net::SocketAddr> {
+    Ok(env
+        .server()
+        .strip_prefix("https://")
+        .context("https server")?
+        .parse()?)
+}
+
+/// In `ns` of the management cluster: the kubeconfig Secret `secret` and cluster `demo` whose
+/// KVMCluster names it (and `hosting_ns`, when given) as its hosting cluster.
+async fn hosted_cluster(
+    mc: &Client,
+    ns: &str,
+    secret: &str,
+    kubeconfig: &str,
+    hosting_ns: Option<&str>,
+) -> Result<KVMCluster> {
+    let s: Secret = serde_json::from_value(json!({
+        "metadata": {"name": secret},
+        "stringData": {"value": kubeconfig},
+    }))?;
+    Api::<Secret>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &s)
+        .await?;
+    let mut hosting = json!({"kubeconfigSecretRef": {"name": secret}});
+    if let Some(h) = hosting_ns {
+        hosting["namespace"] = json!(h);
+    }
+    kvm_cluster(mc, ns, json!({"hostingCluster": hosting})).await
+}
+
+/// Cluster `demo` (provisioned, as Cluster API records it) and its KVMCluster of `spec`.
+async fn kvm_cluster(mc: &Client, ns: &str, spec: Value) -> Result<KVMCluster> {
+    support::provisioned_cluster(mc, ns).await?;
+    let cluster = Api::<capk_api::capi::Cluster>::namespaced(mc.clone(), ns)
+        .get("demo")
+        .await?;
+    let kc: KVMCluster = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
+        "metadata": {"name": "demo", "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
+            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+                                 "name": "demo", "uid": cluster.uid().context("uid")?}]},
+        "spec": spec,
+    }))?;
+    Ok(Api::<KVMCluster>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &kc)
+        .await?)
+}
+
+fn conditions_of(
+    status: Option<&Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>>,
+    type_: &str,
+) -> Option<(String, String, String)> {
+    status?
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+}
+
+fn cluster_condition(kc: &KVMCluster, type_: &str) -> Option<(String, String, String)> {
+    conditions_of(kc.status.as_ref()?.conditions.as_ref(), type_)
+}
+
+fn machine_condition(km: &KVMMachine, type_: &str) -> Option<(String, String, String)> {
+    conditions_of(km.status.as_ref()?.conditions.as_ref(), type_)
+}
+
+/// Waits until the KVMCluster's and the KVMMachine's `HostingClusterAvailable` say `status` with
+/// `reason`.
+async fn both_say(
+    kcs: &Api<KVMCluster>,
+    kms: &Api<KVMMachine>,
+    machine: &str,
+    status: &str,
+    reason: &str,
+) -> Result<()> {
+    eventually(
+        60,
+        &format!("HostingClusterAvailable {status} {reason}"),
+        || async {
+            let kc = kcs.get("demo").await?;
+            let km = kms.get(machine).await?;
+            let want = |c: Option<(String, String, String)>| {
+                c.is_some_and(|(s, r, _)| s == status && r == reason)
+            };
+            Ok((want(cluster_condition(&kc, "HostingClusterAvailable"))
+                && want(machine_condition(&km, "HostingClusterAvailable")))
+            .then_some(()))
+        },
+    )
+    .await
+}
+
+/// Marks machine Pod `name` running at `ip`, as a kubelet would report it.
+async fn run_pod(pods: &Api<Pod>, name: &str, ip: &str) -> Result<()> {
+    let status = json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+        "containerStatuses": [{"name": "launcher", "image": "capk-launcher", "imageID": "",
+            "ready": false, "restartCount": 0, "started": false,
+            "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    Ok(())
+}
+
+fn labels_of(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> BTreeMap<String, String> {
+    meta.labels.clone().unwrap_or_default()
+}
+
+#[tokio::test]
+async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> Result<()> {
+    let ns = "hosted";
+    let hosting = hosting_with_released_rbac().await?;
+    let mc = TestEnv::shared().client().await?;
+    create_namespace(&mc, ns).await?;
+    let _stop = start_controller(mc.clone(), ns);
+    hosted_cluster(
+        &mc,
+        ns,
+        "demo-hosting",
+        &hosting.kubeconfig,
+        Some(HOSTING_NS),
+    )
+    .await?;
+    let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
+    let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
+    let hosted_services: Api<Service> = Api::namespaced(hosting.admin.clone(), HOSTING_NS);
+    let hosted_slices: Api<EndpointSlice> = Api::namespaced(hosting.admin.clone(), HOSTING_NS);
+    let hosted_pods: Api<Pod> = Api::namespaced(hosting.admin.clone(), HOSTING_NS);
+    let hosted_secrets: Api<Secret> = Api::namespaced(hosting.admin.clone(), HOSTING_NS);
+
+    // The KVMCluster: its Service and EndpointSlice in the hosting cluster, named by labels; the
+    // endpoint is where the VMs (Pods there) resolve it.
+    let kc = eventually(
+        60,
+        "KVMCluster provisioned in the hosting cluster",
+        || async {
+            let kc = kcs.get("demo").await?;
+            Ok((kc.status.as_ref().and_then(|s| s.ready) == Some(true)).then_some(kc))
+        },
+    )
+    .await?;
+    let (status, reason, message) =
+        cluster_condition(&kc, "HostingClusterAvailable").context("condition")?;
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "HostingClusterConnected")
+    );
+    assert!(message.contains("namespace capk-hosting"), "{message}");
+    assert_eq!(
+        kc.spec
+            .control_plane_endpoint
+            .as_ref()
+            .and_then(|e| e.host.as_deref()),
+        Some("demo-apiserver.capk-hosting.svc.cluster.local")
+    );
+    let svc = hosted_services.get("demo-apiserver").await?;
+    assert_eq!(svc.metadata.owner_references, None);
+    let labels = labels_of(&svc.metadata);
+    assert_eq!(
+        labels["infrastructure.cluster.x-k8s.io/owner-namespace"],
+        ns
+    );
+    assert_eq!(labels["infrastructure.cluster.x-k8s.io/kvmcluster"], "demo");
+    assert_eq!(
+        labels["infrastructure.cluster.x-k8s.io/owner-uid"],
+        kc.uid().context("uid")?
+    );
+    eventually(30, "the EndpointSlice in the hosting cluster", || async {
+        Ok(hosted_slices.get_opt("demo-apiserver").await?)
+    })
+    .await?;
+    assert!(
+        Api::<Service>::namespaced(mc.clone(), ns)
+            .get_opt("demo-apiserver")
+            .await?
+            .is_none(),
+        "nothing of it in the management cluster"
+    );
+    let secret = Api::<Secret>::namespaced(mc.clone(), ns)
+        .get("demo-hosting")
+        .await?;
+    assert_eq!(
+        labels_of(&secret.metadata)
+            .get("clusterctl.cluster.x-k8s.io/move")
+            .map(String::as_str),
+        Some(""),
+        "the kubeconfig Secret travels with clusterctl move"
+    );
+
+    // A machine: its Ignition Secret and Pod in the hosting cluster, nothing in the management
+    // cluster; the Pod's status (seen through the hosting watch) makes it provisioned.
+    control_plane_machine(&mc, ns, "demo-cp-0", BOOTSTRAP).await?;
+    let pod = eventually(60, "the machine Pod in the hosting cluster", || async {
+        Ok(hosted_pods.get_opt("demo-cp-0").await?)
+    })
+    .await?;
+    assert_eq!(pod.metadata.owner_references, None);
+    let km = kms.get("demo-cp-0").await?;
+    let labels = labels_of(&pod.metadata);
+    assert_eq!(
+        labels["infrastructure.cluster.x-k8s.io/owner-namespace"],
+        ns
+    );
+    assert_eq!(
+        labels["infrastructure.cluster.x-k8s.io/kvmmachine"],
+        "demo-cp-0"
+    );
+    assert_eq!(
+        labels["infrastructure.cluster.x-k8s.io/owner-uid"],
+        km.uid().context("uid")?
+    );
+    let ignition = hosted_secrets.get("demo-cp-0-ignition").await?;
+    assert_eq!(ignition.metadata.owner_references, None);
+    assert!(
+        Api::<Pod>::namespaced(mc.clone(), ns)
+            .get_opt("demo-cp-0")
+            .await?
+            .is_none()
+            && Api::<Secret>::namespaced(mc.clone(), ns)
+                .get_opt("demo-cp-0-ignition")
+                .await?
+                .is_none(),
+        "nothing of the machine in the management cluster"
+    );
+    run_pod(&hosted_pods, "demo-cp-0", "10.240.0.7").await?;
+    eventually(60, "KVMMachine Ready from the hosted Pod", || async {
+        let km = kms.get("demo-cp-0").await?;
+        let ready = machine_condition(&km, "Ready")
+            .is_some_and(|(s, r, _)| s == "True" && r == "VMRunning");
+        Ok(ready.then_some(()))
+    })
+    .await?;
+    both_say(&kcs, &kms, "demo-cp-0", "True", "HostingClusterConnected").await?;
+    // The readiness gate is written in the hosting cluster (pods/status).
+    eventually(30, "the readiness gate on the hosted Pod", || async {
+        let pod = hosted_pods.get("demo-cp-0").await?;
+        let gate = pod
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.type_ == "infrastructure.cluster.x-k8s.io/node-ready");
+        Ok(gate.map(|g| g.reason))
+    })
+    .await?;
+
+    // The hosting cluster becomes unreachable: a condition on both, the VM untouched, Ready
+    // (what was last seen) kept.
+    hosting.relay.set_open(false);
+    both_say(
+        &kcs,
+        &kms,
+        "demo-cp-0",
+        "False",
+        "HostingClusterUnreachable",
+    )
+    .await?;
+    let km = kms.get("demo-cp-0").await?;
+    assert_eq!(
+        machine_condition(&km, "Ready").map(|c| c.0).as_deref(),
+        Some("True")
+    );
+    let kc = kcs.get("demo").await?;
+    assert_eq!(
+        cluster_condition(&kc, "Ready").map(|c| c.0).as_deref(),
+        Some("True")
+    );
+    let (_, _, message) = cluster_condition(&kc, "HostingClusterAvailable").context("condition")?;
+    assert!(message.contains("does not answer"), "{message}");
+    assert_eq!(
+        hosted_pods.get("demo-cp-0").await?.uid(),
+        pod.uid(),
+        "the VM runs on"
+    );
+
+    // It answers again: recovery without anyone's help, still the same Pod.
+    hosting.relay.set_open(true);
+    both_say(&kcs, &kms, "demo-cp-0", "True", "HostingClusterConnected").await?;
+    let pods = hosted_pods.list(&ListParams::default()).await?.items;
+    assert_eq!(pods.len(), 1, "nothing made twice");
+    assert_eq!(pods[0].uid(), pod.uid());
+
+    // Deletion: the KVMCluster waits for its machines (each needs it to find its Pod); the
+    // KVMMachine's deletion removes its objects in the hosting cluster, then the KVMCluster's.
+    kcs.delete("demo", &DeleteParams::default()).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        kcs.get_opt("demo").await?.is_some(),
+        "waits for its machines"
+    );
+    assert!(hosted_services.get_opt("demo-apiserver").await?.is_some());
+    kms.delete("demo-cp-0", &DeleteParams::default()).await?;
+    eventually(60, "everything gone from the hosting cluster", || async {
+        let gone = kms.get_opt("demo-cp-0").await?.is_none()
+            && kcs.get_opt("demo").await?.is_none()
+            && hosted_pods.get_opt("demo-cp-0").await?.is_none()
+            && hosted_secrets
+                .get_opt("demo-cp-0-ignition")
+                .await?
+                .is_none()
+            && hosted_services.get_opt("demo-apiserver").await?.is_none()
+            && hosted_slices.get_opt("demo-apiserver").await?.is_none();
+        Ok(gone.then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
+/// Removes `name`'s finalizers and deletes it, as `clusterctl move` does to the source's copies.
+async fn delete_without_finalizers<K>(api: &Api<K>, name: &str) -> Result<()>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let patch = json!({"metadata": {"finalizers": null}});
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    api.delete(name, &DeleteParams::default()).await?;
+    eventually(30, "object gone", || async {
+        Ok(api.get_opt(name).await?.is_none().then_some(()))
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_recreated_kvmmachine_adopts_its_labelled_objects() -> Result<()> {
+    let (ns, hosted_ns) = ("hosting-adopt", "adopt");
+    let hosting = hosting_as_admin(hosted_ns).await?;
+    let mc = TestEnv::shared().client().await?;
+    create_namespace(&mc, ns).await?;
+    let stop = start_controller(mc.clone(), ns);
+    let kc = hosted_cluster(
+        &mc,
+        ns,
+        "demo-hosting",
+        &hosting.kubeconfig,
+        Some(hosted_ns),
+    )
+    .await?;
+    control_plane_machine(&mc, ns, "demo-cp-0", BOOTSTRAP).await?;
+    let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
+    let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
+    let hosted_pods: Api<Pod> = Api::namespaced(hosting.admin.clone(), hosted_ns);
+    let hosted_services: Api<Service> = Api::namespaced(hosting.admin.clone(), hosted_ns);
+    let pod = eventually(60, "the machine Pod in the hosting cluster", || async {
+        Ok(hosted_pods.get_opt("demo-cp-0").await?)
+    })
+    .await?;
+    run_pod(&hosted_pods, "demo-cp-0", "10.240.0.9").await?;
+    let svc = eventually(60, "the Service in the hosting cluster", || async {
+        Ok(hosted_services.get_opt("demo-apiserver").await?)
+    })
+    .await?;
+    let old_km = kms.get("demo-cp-0").await?;
+    eventually(60, "provisioned", || async {
+        let km = kms.get("demo-cp-0").await?;
+        Ok(km.status.and_then(|s| s.ready).filter(|r| *r).map(|_| ()))
+    })
+    .await?;
+
+    // What `clusterctl move` leaves behind: the KVM objects made again (new UIDs, no status)
+    // by another controller, the old ones deleted without their finalizers running.
+    drop(stop);
+    let km_spec = old_km.spec.clone();
+    let machine = Api::<Machine>::namespaced(mc.clone(), ns)
+        .get("demo-cp-0")
+        .await?;
+    delete_without_finalizers(&kms, "demo-cp-0").await?;
+    delete_without_finalizers(&kcs, "demo").await?;
+    let new_kc = kvm_cluster(&mc, ns, json!({"hostingCluster": kc.spec.hosting_cluster})).await?;
+    let km: KVMMachine = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
+        "metadata": {"name": "demo-cp-0", "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
+            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+                "name": "demo-cp-0", "uid": machine.uid().context("uid")?, "controller": true}]},
+        "spec": km_spec,
+    }))?;
+    let new_km = kms.create(&PostParams::default(), &km).await?;
+    assert_ne!(new_km.uid(), old_km.uid());
+    let _stop = start_controller(mc.clone(), ns);
+
+    // The new objects find theirs by the labels: same Pod, same Service, the UID label updated.
+    let pod_now = eventually(60, "the Pod adopted by the new KVMMachine", || async {
+        let p = hosted_pods.get("demo-cp-0").await?;
+        Ok(
+            (labels_of(&p.metadata).get("infrastructure.cluster.x-k8s.io/owner-uid")
+                == new_km.uid().as_ref())
+            .then_some(p),
+        )
+    })
+    .await?;
+    assert_eq!(pod_now.uid(), pod.uid(), "the VM was not recreated");
+    eventually(
+        60,
+        "the new KVMMachine provisioned from the world",
+        || async {
+            let km = kms.get("demo-cp-0").await?;
+            let ready = machine_condition(&km, "Ready")
+                .is_some_and(|(s, r, _)| s == "True" && r == "VMRunning");
+            Ok(ready.then_some(()))
+        },
+    )
+    .await?;
+    let svc_now = eventually(60, "the Service adopted by the new KVMCluster", || async {
+        let s = hosted_services.get("demo-apiserver").await?;
+        Ok(
+            (labels_of(&s.metadata).get("infrastructure.cluster.x-k8s.io/owner-uid")
+                == new_kc.uid().as_ref())
+            .then_some(s),
+        )
+    })
+    .await?;
+    assert_eq!(svc_now.uid(), svc.uid());
+    assert_eq!(
+        hosted_pods.list(&ListParams::default()).await?.items.len(),
+        1
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_explicit_reference_to_the_same_cluster_keeps_the_running_pods() -> Result<()> {
+    let ns = "hosting-switch";
+    let mc = TestEnv::shared().client().await?;
+    create_namespace(&mc, ns).await?;
+    let _stop = start_controller(mc.clone(), ns);
+    kvm_cluster(&mc, ns, json!({})).await?;
+    control_plane_machine(&mc, ns, "demo-cp-0", BOOTSTRAP).await?;
+    let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
+    let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(mc.clone(), ns);
+    let secrets: Api<Secret> = Api::namespaced(mc.clone(), ns);
+    let services: Api<Service> = Api::namespaced(mc.clone(), ns);
+    // In the management cluster: owner references as always, and the owner labels.
+    let pod = eventually(60, "the machine Pod in the management cluster", || async {
+        Ok(pods.get_opt("demo-cp-0").await?)
+    })
+    .await?;
+    assert_eq!(pod.owner_references()[0].kind, "KVMMachine");
+    assert_eq!(
+        labels_of(&pod.metadata)["infrastructure.cluster.x-k8s.io/owner-namespace"],
+        ns
+    );
+    run_pod(&pods, "demo-cp-0", "10.240.0.11").await?;
+    both_say(&kcs, &kms, "demo-cp-0", "True", "ManagementCluster").await?;
+
+    // The same cluster, now named by a kubeconfig Secret (the namespace defaults to the
+    // KVMCluster's).
+    let s: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "self"},
+        "stringData": {"value": std::fs::read_to_string(TestEnv::shared().kubeconfig())?},
+    }))?;
+    secrets.create(&PostParams::default(), &s).await?;
+    let patch = json!({"spec": {"hostingCluster": {"kubeconfigSecretRef": {"name": "self"}}}});
+    kcs.patch("demo", &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    both_say(&kcs, &kms, "demo-cp-0", "True", "HostingClusterConnected").await?;
+    let adopted = eventually(60, "the Pod adopted without owner references", || async {
+        let p = pods.get("demo-cp-0").await?;
+        Ok(p.metadata.owner_references.is_none().then_some(p))
+    })
+    .await?;
+    assert_eq!(adopted.uid(), pod.uid(), "same Pod: the VM did not restart");
+    eventually(
+        60,
+        "the Ignition Secret and the Service without owner references",
+        || async {
+            let ignition = secrets.get("demo-cp-0-ignition").await?;
+            let svc = services.get("demo-apiserver").await?;
+            Ok((ignition.metadata.owner_references.is_none()
+                && svc.metadata.owner_references.is_none())
+            .then_some(()))
+        },
+    )
+    .await?;
+    assert_eq!(pods.list(&ListParams::default()).await?.items.len(), 1);
+    let km = kms.get("demo-cp-0").await?;
+    assert_eq!(
+        machine_condition(&km, "Ready").map(|c| c.1).as_deref(),
+        Some("VMRunning")
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn hosting_references_are_checked_and_unusable_kubeconfigs_reported() -> Result<()> {
+    let ns = "hosting-refused";
+    let mc = TestEnv::shared().client().await?;
+    create_namespace(&mc, ns).await?;
+    let _stop = start_controller(mc.clone(), ns);
+    let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
+
+    // The apiserver refuses what cannot name a Secret or a namespace.
+    let bad: KVMCluster = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
+        "metadata": {"name": "bad"},
+        "spec": {"hostingCluster": {"kubeconfigSecretRef": {"name": "Not_A_Name"}, "namespace": "-x"}},
+    }))?;
+    let err = kcs
+        .create(&PostParams::default(), &bad)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("kubeconfigSecretRef.name must be the name of a Secret"),
+        "{err}"
+    );
+    assert!(
+        err.contains("hostingCluster.namespace must be a namespace name"),
+        "{err}"
+    );
+
+    // No Secret yet: the condition names it.
+    let spec = json!({"hostingCluster": {"kubeconfigSecretRef": {"name": "elsewhere"},
+                                         "namespace": "there"}});
+    kvm_cluster(&mc, ns, spec).await?;
+    let said = |reason: &'static str| {
+        let kcs = kcs.clone();
+        async move {
+            eventually(60, reason, || async {
+                let kc = kcs.get("demo").await?;
+                Ok(cluster_condition(&kc, "HostingClusterAvailable")
+                    .filter(|(s, r, _)| s == "False" && r == reason)
+                    .map(|c| c.2))
+            })
+            .await
+        }
+    };
+    let message = said("HostingKubeconfigMissing").await?;
+    assert!(
+        message.contains("Secret elsewhere does not exist"),
+        "{message}"
+    );
+    // A kubeconfig that would run a command: refused, never used.
+    let exec = "apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: c\n  cluster: {server: 'https://127.0.0.1:1'}\ncontexts:\n- name: c\n  context: {cluster: c, user: u}\nusers:\n- name: u\n  user:\n    exec: {apiVersion: client.authentication.k8s.io/v1, command: /bin/sh, args: [-c, 'touch /tmp/capk-pwned']}\n";
+    let s: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "elsewhere"}, "stringData": {"value": exec},
+    }))?;
+    Api::<Secret>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &s)
+        .await?;
+    let message = said("HostingKubeconfigRefused").await?;
+    assert!(message.contains("`users[0].user.exec`"), "{message}");
+    assert!(!std::path::Path::new("/tmp/capk-pwned").exists());
+    // The namespace in the hosting cluster cannot change under running machines.
+    let patch = json!({"spec": {"hostingCluster": {"namespace": "other"}}});
+    let err = kcs
+        .patch("demo", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("hostingCluster.namespace cannot be changed once set"),
+        "{err}"
+    );
+    // Nothing was made anywhere meanwhile.
+    assert!(
+        Api::<Service>::namespaced(mc.clone(), ns)
+            .get_opt("demo-apiserver")
+            .await?
+            .is_none()
+    );
+    Ok(())
+}
