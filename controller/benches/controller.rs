@@ -114,7 +114,18 @@ async fn main() -> Result<()> {
         "spec": {"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMCluster", "name": "demo"}},
     }))?;
     let clusters = Api::<capk_api::capi::Cluster>::namespaced(client.clone(), NS);
-    clusters.create(&PostParams::default(), &cluster).await?;
+    let cluster = clusters.create(&PostParams::default(), &cluster).await?;
+    // Its KVMCluster, as Cluster API owns it: the machines read where they live from it.
+    let kc: capk_api::v1alpha1::KVMCluster = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
+        "metadata": {"name": "demo", "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
+            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+                "name": "demo", "uid": cluster.metadata.uid.clone().unwrap_or_default()}]},
+        "spec": {},
+    }))?;
+    Api::<capk_api::v1alpha1::KVMCluster>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &kc)
+        .await?;
     clusters
         .patch_status(
             "demo",
