@@ -45,7 +45,7 @@ use kube::{
         watcher,
     },
 };
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     conditions::DesiredCondition,
@@ -535,9 +535,11 @@ impl Links {
                         Ok(meta) => on_change(&k, Some(&meta)),
                         Err(e) => {
                             let Some(u) = watch_failure(&e) else { continue };
-                            warn!(hosting = %k, error = %e, "hosting cluster watch failed");
                             if st.fail(u) {
+                                warn!(hosting = %k, error = %e, "hosting cluster cannot be used");
                                 on_change(&k, None);
+                            } else {
+                                debug!(hosting = %k, error = %e, "hosting cluster watch failed");
                             }
                             st.failed.notify_one();
                         }
