@@ -287,6 +287,18 @@ async fn clusterctl_generates_every_flavor_from_the_required_variables_only() ->
         "KubeadmControlPlane",
         "MachineDeployment",
     ];
+    /// The node-image flavor also installs its CNI (flannel) by a ClusterResourceSet.
+    const KUBEADM_WITH_CNI: &[&str] = &[
+        "Cluster",
+        "ClusterResourceSet",
+        "ConfigMap",
+        "KVMCluster",
+        "KVMMachineTemplate",
+        "KVMMachineTemplate",
+        "KubeadmConfigTemplate",
+        "KubeadmControlPlane",
+        "MachineDeployment",
+    ];
     /// A flavor, the variables it requires besides KUBERNETES_VERSION, the kinds it renders and
     /// the bootstrap format of its kubeadm configs (`None`: CABPK's default, cloud-config).
     struct Flavor {
@@ -305,7 +317,7 @@ async fn clusterctl_generates_every_flavor_from_the_required_variables_only() ->
         Flavor {
             file: "cluster-template-node-image.yaml",
             required: &["KVM_NODE_IMAGE"],
-            kinds: KUBEADM,
+            kinds: KUBEADM_WITH_CNI,
             format: None,
         },
         Flavor {
@@ -1142,6 +1154,82 @@ fn node_image_flavors_boot_the_image_and_download_nothing() -> Result<()> {
             "{registration}"
         );
     }
+
+    // Its ClusterResourceSet gives the cluster flannel: the images the node image preloads
+    // (hack/versions.env), the Cluster's Pod range as flannel's network.
+    let objects = docs(&rendered)?;
+    let cluster = objects
+        .iter()
+        .find(|o| o["kind"] == "Cluster")
+        .context("Cluster")?;
+    let crs = objects
+        .iter()
+        .find(|o| o["kind"] == "ClusterResourceSet")
+        .context("ClusterResourceSet")?;
+    for (label, value) in crs["spec"]["clusterSelector"]["matchLabels"]
+        .as_object()
+        .context("clusterSelector")?
+    {
+        assert_eq!(
+            &cluster["metadata"]["labels"][label], value,
+            "the CRS selects the Cluster"
+        );
+    }
+    let cm_name = crs["spec"]["resources"][0]["name"]
+        .as_str()
+        .context("CRS resource")?;
+    let cm = objects
+        .iter()
+        .find(|o| o["kind"] == "ConfigMap" && o["metadata"]["name"] == cm_name)
+        .context("the CRS's ConfigMap")?;
+    let addon = docs(
+        cm["data"]["flannel.yaml"]
+            .as_str()
+            .context("flannel.yaml")?,
+    )?;
+    let ds = addon
+        .iter()
+        .find(|o| o["kind"] == "DaemonSet")
+        .context("flannel DaemonSet")?;
+    let mut images: Vec<&str> = Vec::new();
+    let containers: Vec<Value> = ["initContainers", "containers"]
+        .iter()
+        .flat_map(|k| {
+            ds["spec"]["template"]["spec"][k]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    for c in &containers {
+        images.push(c["image"].as_str().context("container image")?);
+    }
+    let flannel = format!(
+        "localhost/capk/flannel:{}",
+        capk_tests::pinned_version("FLANNEL_VERSION")
+    );
+    let plugin = format!(
+        "localhost/capk/flannel-cni-plugin:{}",
+        capk_tests::pinned_version("FLANNEL_CNI_PLUGIN_VERSION")
+    );
+    images.sort();
+    images.dedup();
+    assert_eq!(
+        images,
+        [plugin.as_str(), flannel.as_str()],
+        "flannel images = the preloaded ones"
+    );
+    let net_conf = addon
+        .iter()
+        .find(|o| o["kind"] == "ConfigMap")
+        .and_then(|c| c["data"]["net-conf.json"].as_str())
+        .context("net-conf.json")?;
+    let net_conf: Value = serde_json::from_str(net_conf)?;
+    assert_eq!(
+        net_conf["Network"], cluster["spec"]["clusterNetwork"]["pods"]["cidrBlocks"][0],
+        "flannel's network is the Cluster's Pod range"
+    );
+    assert_eq!(net_conf["Backend"]["Type"], "vxlan");
 
     // ignition: CABPK's Ignition as it is, on the default node image.
     let rendered = generate_flavor("cluster-template-ignition.yaml", &[])?;
