@@ -64,6 +64,11 @@ struct Cli {
     /// (overcommit, like KubeVirt's cpuAllocationRatio), for dense test and development clusters.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     cpu_allocation_ratio: u32,
+    /// TCG translation cache, MiB, of machines that may run emulated (`accel` auto or tcg): QEMU
+    /// memory counted in the machine Pod's requests and limits. The default suits small guests;
+    /// Kubernetes nodes under TCG need about 1024 (management clusters without KVM).
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(32..=4096))]
+    tcg_translation_cache_mib: u32,
     /// How KVMMachines with `spec.image.containerImage` get their disk: `host-cache`, an init
     /// container copies it once per MC node into /var/lib/capk/images (any container runtime);
     /// `image-volume`, a Kubernetes image volume, no copy (ImageVolume: Kubernetes 1.33+,
@@ -163,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
                 .filter(|i| !i.is_empty()),
             require_control_plane_anti_affinity: cli.require_control_plane_anti_affinity,
             cpu_allocation_ratio: cli.cpu_allocation_ratio,
+            tcg_translation_cache_mib: cli.tcg_translation_cache_mib,
             node_image_source: cli.node_image_source,
             ..Default::default()
         },

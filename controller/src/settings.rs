@@ -48,6 +48,9 @@ pub struct MachineDefaults {
     /// vCPUs per requested core: 1 dedicates a core to each vCPU (Guaranteed QoS); N > 1
     /// requests 1/N core per vCPU and sets no CPU limit.
     pub cpu_allocation_ratio: u32,
+    /// TCG translation cache of machines that may be emulated (`accel` auto or tcg), MiB,
+    /// counted in their Pods' memory.
+    pub tcg_translation_cache_mib: u32,
 }
 
 impl Default for MachineDefaults {
@@ -62,6 +65,7 @@ impl Default for MachineDefaults {
             require_control_plane_anti_affinity: false,
             node_image_source: NodeImageSource::default(),
             cpu_allocation_ratio: 1,
+            tcg_translation_cache_mib: 128,
         }
     }
 }

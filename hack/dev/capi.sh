@@ -93,6 +93,8 @@ CAPK_LAUNCHER_IMAGE: "$CAPK_LAUNCHER_IMAGE"
 CAPK_DEFAULT_NODE_IMAGE: "$CAPK_TEST_GUEST_IMAGE"
 # One node with 2 cores: a vCPU requests a tenth of a core, or only one VM would fit.
 CAPK_CPU_ALLOCATION_RATIO: "10"
+# No KVM here: Kubernetes nodes under TCG need QEMU's translation cache at about 1 GiB.
+CAPK_TCG_TRANSLATION_CACHE_MIB: "1024"
 EOF
 export CLUSTERCTL_DISABLE_VERSIONCHECK=true
 # The digest of what init would install; kept as an annotation-free stamp under _output/dev.

@@ -211,6 +211,15 @@ pub struct RunArgs {
     /// Accelerator.
     #[arg(long, env = "CAPK_ACCEL", value_enum, default_value_t = AccelArg::Auto)]
     pub accel: AccelArg,
+    /// TCG translation cache, MiB, when the guest is emulated: QEMU's memory beyond the guest's.
+    /// A Kubernetes node needs about 1024; small guests run in the default.
+    #[arg(
+        long,
+        env = "CAPK_TCG_TRANSLATION_CACHE_MIB",
+        default_value_t = crate::qemu::argv::TCG_TB_SIZE_MIB,
+        value_parser = clap::value_parser!(u32).range(32..=4096)
+    )]
+    pub tcg_translation_cache_mib: u32,
     /// DNS servers for the guest (default: the Pod's resolv.conf).
     #[arg(long = "dns", env = "CAPK_DNS_SERVERS", value_delimiter = ',')]
     pub dns_servers: Vec<Ipv4Addr>,
@@ -283,6 +292,7 @@ impl From<RunArgs> for RunConfig {
             runtime_dir: a.socket.runtime_dir,
             ignition: a.ignition,
             accel: a.accel.into(),
+            tcg_translation_cache_mib: a.tcg_translation_cache_mib,
             dns_servers: a.dns_servers,
             dns_search: a.dns_search,
             ntp_servers: a.ntp_servers,

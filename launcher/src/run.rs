@@ -76,6 +76,8 @@ pub struct RunConfig {
     pub ignition: Option<PathBuf>,
     /// Accelerator.
     pub accel: AccelChoice,
+    /// TCG translation cache, MiB.
+    pub tcg_translation_cache_mib: u32,
     /// DNS servers for the guest (empty: the Pod's resolv.conf).
     pub dns_servers: Vec<Ipv4Addr>,
     /// DNS search domains for the guest (empty: the Pod's resolv.conf).
@@ -544,6 +546,7 @@ async fn start_vm(
     let spec = VmSpec {
         name: hostname.into(),
         accel,
+        tcg_tb_size_mib: a.tcg_translation_cache_mib,
         vcpus: a.vcpus,
         memory_mib: v.memory_mib,
         tap: net_plan.tap.clone(),

@@ -172,6 +172,8 @@ for i in $(ctr -n k8s.io images ls -q | grep -v '^sha256:' | sort); do r "image 
 r "pulls=$(journalctl -b -u containerd.service -o cat | grep -c 'PullImage')"
 kc() { kubectl --kubeconfig /etc/kubernetes/admin.conf --request-timeout 60s "$@"; }
 r "node $(kc get nodes --no-headers -o custom-columns=N:.metadata.name,V:.status.nodeInfo.kubeletVersion 2>&1 | tr -s ' ' ,)"
+# kube-proxy's DaemonSet Pod comes once the controller-manager has caught up (minutes under TCG).
+for _ in $(seq 60); do kc -n kube-system get pods -l k8s-app=kube-proxy --no-headers 2>/dev/null | grep -q . && break; sleep 5; done
 for p in $(kc -n kube-system get pods --no-headers -o custom-columns=N:.metadata.name,P:.status.phase 2>&1 | tr -s ' ' =); do r "pod $p"; done
 if [ "$(systemctl show -p Result --value kubeadm.service)" != success ]; then
   journalctl -b -u kubeadm.service -o cat | grep -vi token | tail -40 | sed 's/^/CAPK-NODE kubeadm| /'
@@ -303,6 +305,9 @@ impl Launcher {
             .args(["--image", &node_image().display().to_string()])
             // kubeadm's preflight wants 2 CPUs and 1700 MB on a control-plane node.
             .args(["--accel", "tcg", "--vcpus", "2", "--memory", "2560Mi"])
+            // A Kubernetes node's programs overflow the default 128 MiB translation cache: QEMU
+            // then keeps re-translating, and `kubeadm init` did not finish in 10 minutes.
+            .args(["--tcg-translation-cache-mib", "1024"])
             .args(["--role", "control-plane"])
             .args(["--disk-size", "8Gi", "--docker-disk-size", "4Gi"])
             .args(["--kubelet-disk-size", "1Gi"])

@@ -112,6 +112,13 @@ pub fn machine_pod(
         ),
         format!("--grace-period-seconds={GUEST_SHUTDOWN_SECONDS}"),
     ];
+    let tcg_cache_mib = overhead::tcg_cache_mib(
+        spec.accel.unwrap_or_default(),
+        defaults.tcg_translation_cache_mib,
+    );
+    if tcg_cache_mib != overhead::COVERED_TCG_CACHE_MIB && tcg_cache_mib != 0 {
+        args.push(format!("--tcg-translation-cache-mib={tcg_cache_mib}"));
+    }
     if let Some(dns) = &spec.dns {
         for s in &dns.servers {
             args.push(format!("--dns={}", s.0));
@@ -175,7 +182,7 @@ pub fn machine_pod(
         }
     }
 
-    let overhead_bytes = overhead::memory_bytes(vcpus, memory);
+    let overhead_bytes = overhead::memory_bytes(vcpus, memory, tcg_cache_mib);
     // One whole core per vCPU by default (Guaranteed QoS: requests = limits). With an allocation
     // ratio N > 1 the Pod requests 1/N of that (vCPUs and overhead alike: requests are then the
     // Pods' relative shares) and the CPU is not limited (Burstable): vCPUs share the node's
@@ -453,6 +460,51 @@ mod tests {
         assert_eq!(requests["cpu"].0, "425m");
         assert!(!limits.contains_key("cpu"), "Burstable: no CPU limit");
         assert_eq!(requests["memory"], limits["memory"]);
+    }
+
+    #[test]
+    fn a_larger_tcg_translation_cache_reaches_qemu_and_the_pods_memory_unless_kvm_is_required() {
+        let placement = MachinePlacement {
+            cluster: "c".into(),
+            control_plane: false,
+            failure_domain: None,
+        };
+        let emulated = MachineDefaults {
+            tcg_translation_cache_mib: 1024,
+            ..MachineDefaults::default()
+        };
+        let memory_and_args = |accel: &str, defaults: &MachineDefaults| {
+            let km = kvm_machine(
+                "m",
+                json!({"accel": accel, "resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
+            );
+            let pod = build(&km, &placement, defaults);
+            let c = pod.spec.unwrap().containers[0].clone();
+            let mem: u64 = c.resources.unwrap().limits.unwrap()["memory"]
+                .0
+                .parse()
+                .unwrap();
+            (mem, c.args.unwrap_or_default())
+        };
+        let flag = "--tcg-translation-cache-mib=1024".to_owned();
+        // Default (128 MiB, inside the fixed overhead): no flag, the old overhead.
+        let (base, args) = memory_and_args("auto", &MachineDefaults::default());
+        assert_eq!(base, (1 << 30) + ((256 + 16 + 16) << 20));
+        assert!(
+            !args
+                .iter()
+                .any(|a| a.starts_with("--tcg-translation-cache-mib"))
+        );
+        // 1 GiB: QEMU is told, and the Pod holds the 896 MiB beyond the covered 128.
+        for accel in ["auto", "tcg"] {
+            let (mem, args) = memory_and_args(accel, &emulated);
+            assert_eq!(mem, base + (896 << 20), "{accel}");
+            assert!(args.contains(&flag), "{accel}: {args:?}");
+        }
+        // accel kvm never emulates: no cache, no flag.
+        let (mem, args) = memory_and_args("kvm", &emulated);
+        assert_eq!(mem, base);
+        assert!(!args.contains(&flag));
     }
 
     #[test]

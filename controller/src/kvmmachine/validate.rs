@@ -129,7 +129,14 @@ pub fn validate(
         );
     }
     if memory
-        .checked_add(overhead::memory_bytes(u64::from(vcpus), memory))
+        .checked_add(overhead::memory_bytes(
+            u64::from(vcpus),
+            memory,
+            overhead::tcg_cache_mib(
+                spec.accel.unwrap_or_default(),
+                defaults.tcg_translation_cache_mib,
+            ),
+        ))
         .is_none()
     {
         fail(

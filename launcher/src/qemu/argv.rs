@@ -17,7 +17,9 @@ pub const IGNITION_FW_CFG_NAMES: [&str; 2] =
     ["opt/com.coreos/config", "opt/org.flatcar-linux/config"];
 /// virtio-serial port name the guest's heartbeat unit writes to.
 pub const HEARTBEAT_PORT: &str = "org.capk.heartbeat.0";
-/// TCG translation cache size, MiB (QEMU's default is 1 GiB; see `qemu_args`).
+/// Default TCG translation cache size, MiB (QEMU's own default is 1 GiB; see `qemu_args`). Enough
+/// for small guests; a Kubernetes node's programs need about 1 GiB, or QEMU keeps flushing and
+/// re-translating them (`kubeadm init` then does not finish in 10 minutes).
 pub const TCG_TB_SIZE_MIB: u32 = 128;
 
 /// The accelerator actually used.
@@ -98,6 +100,8 @@ pub struct VmSpec {
     pub name: String,
     /// Accelerator.
     pub accel: Accel,
+    /// TCG translation cache, MiB (used only when `accel` is TCG).
+    pub tcg_tb_size_mib: u32,
     /// vCPUs.
     pub vcpus: u32,
     /// Memory in MiB.
@@ -147,12 +151,13 @@ pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
     );
     push(&mut a, "-machine", "q35".into());
     // TCG's translation cache defaults to 1 GiB and grows into the Pod's memory as the guest
-    // runs new code; a bound keeps QEMU inside the machine Pod's overhead allowance.
+    // runs new code; the bound (the controller's `--tcg-translation-cache-mib`, counted in the
+    // Pod's memory overhead) keeps QEMU inside the machine Pod's allowance.
     push(
         &mut a,
         "-accel",
         match spec.accel {
-            Accel::Tcg => format!("tcg,tb-size={TCG_TB_SIZE_MIB}"),
+            Accel::Tcg => format!("tcg,tb-size={}", spec.tcg_tb_size_mib),
             _ => spec.accel.as_str().to_owned(),
         },
     );
@@ -299,6 +304,7 @@ mod tests {
         VmSpec {
             name: "wc1-cp-x7k2p".into(),
             accel,
+            tcg_tb_size_mib: TCG_TB_SIZE_MIB,
             vcpus: 4,
             memory_mib: 8192,
             tap: "capktap0".into(),
@@ -346,6 +352,15 @@ mod tests {
             !a.iter()
                 .any(|x| x.contains("host,pmu") || x.contains("vhost"))
         );
+    }
+
+    #[test]
+    fn the_translation_cache_size_is_the_specs() {
+        let mut s = spec(Accel::Tcg);
+        s.tcg_tb_size_mib = 1024;
+        assert!(qemu_args(&s).0.contains(&"tcg,tb-size=1024".to_owned()));
+        s.accel = Accel::Kvm;
+        assert!(!qemu_args(&s).0.iter().any(|x| x.contains("tb-size")));
     }
 
     /// One config, served under upstream Ignition's and Flatcar's fw_cfg names: a guest of
