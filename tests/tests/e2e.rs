@@ -423,18 +423,15 @@ fn logs(e: &E2e, pod: &str, previous: bool) -> Result<String> {
     e.kubectl(&args)
 }
 
+/// `kubectl exec POD -c launcher -- ARGS...`: its stdout.
+fn exec_launcher(e: &E2e, pod: &str, command: &[&str]) -> Result<String> {
+    let mut args = vec!["-n", ns(), "exec", pod, "-c", "launcher", "--"];
+    args.extend_from_slice(command);
+    e.kubectl(&args)
+}
+
 fn launcher_status(e: &E2e, pod: &str) -> Result<Value> {
-    let text = e.kubectl(&[
-        "-n",
-        ns(),
-        "exec",
-        pod,
-        "-c",
-        "launcher",
-        "--",
-        "capk-launcher",
-        "status",
-    ])?;
+    let text = exec_launcher(e, pod, &["capk-launcher", "status"])?;
     serde_json::from_str(&text).with_context(|| format!("capk-launcher status: {text}"))
 }
 
@@ -462,6 +459,21 @@ fn restart_count(e: &E2e, pod: &str) -> Result<i64> {
         .and_then(|cs| cs.iter().find(|c| c["name"] == "launcher"))
         .and_then(|c| c["restartCount"].as_i64())
         .unwrap_or(0))
+}
+
+/// `kill -9` of the machine Pod's QEMU, from inside the Pod, as a user with `kubectl exec` would;
+/// returns once the launcher container has restarted.
+fn kill_qemu(e: &E2e, pod: &str, timeout: Duration) -> Result<()> {
+    let restarts = restart_count(e, pod)?;
+    let qemu = launcher_status(e, pod)?["qemu_pid"]
+        .as_u64()
+        .context("qemu_pid in capk-launcher status")?;
+    exec_launcher(e, pod, &["sh", "-c", &format!("kill -9 {qemu}")])?;
+    wait(
+        &format!("{pod}: launcher container restarted after kill -9 of QEMU"),
+        timeout,
+        || Ok((restart_count(e, pod)? > restarts).then_some(())),
+    )
 }
 
 fn set_controller_replicas(e: &E2e, n: u32) -> Result<()> {
@@ -863,27 +875,7 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
 
     // --- 4. faults ------------------------------------------------------------------------------------
     // kill -9 of QEMU: the container restarts, the VM boots again, the etcd disk kept its marker.
-    let restarts = restart_count(e, cp)?;
-    let qemu = launcher_status(e, cp)?["qemu_pid"]
-        .as_u64()
-        .context("qemu_pid in capk-launcher status")?;
-    e.kubectl(&[
-        "-n",
-        ns(),
-        "exec",
-        cp,
-        "-c",
-        "launcher",
-        "--",
-        "sh",
-        "-c",
-        &format!("kill -9 {qemu}"),
-    ])?;
-    wait(
-        "launcher container restarted after kill -9 of QEMU",
-        Duration::from_secs(180),
-        || Ok((restart_count(e, cp)? > restarts).then_some(())),
-    )?;
+    kill_qemu(e, cp, Duration::from_secs(180))?;
     let previous = logs(e, cp, true)?;
     assert!(
         previous.contains("qemu") || previous.contains("QEMU"),

@@ -511,6 +511,11 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
         created.elapsed().as_secs_f64()
     );
 
+    scale_workers_through_nodes(e, &w, &cp)?;
+    node_health_remediation(e, &w, &cp, &toolbox)?;
+    etcd_survives_kill_of_qemu(e, &w, &cp)?;
+    control_plane_rollout(e, &w, &cp)?;
+
     // --- 6. delete: nothing left --------------------------------------------------------------------
     let all_machines: Vec<String> = pod_names(e)?;
     e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=900s"])?;
@@ -525,5 +530,342 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
     }
     e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
     eprintln!("e2e: workload: 6. cluster deleted, nothing left");
+    Ok(())
+}
+
+/// The worker Nodes (all Nodes but the control plane's), Ready or not.
+fn worker_nodes(w: &Workload, e: &E2e) -> Result<Vec<String>> {
+    let mut names: Vec<String> = w
+        .items(
+            e,
+            &[
+                "get",
+                "nodes",
+                "-l",
+                "!node-role.kubernetes.io/control-plane",
+            ],
+        )?
+        .iter()
+        .map(|n| name(n).to_owned())
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+/// Waits until the workers are exactly `n` Ready Nodes, each with a Running Machine.
+fn wait_ready_workers(e: &E2e, w: &Workload, n: usize, what: &str) -> Result<Vec<String>> {
+    wait(what, NODE_READY, || {
+        let nodes = w.items(
+            e,
+            &[
+                "get",
+                "nodes",
+                "-l",
+                "!node-role.kubernetes.io/control-plane",
+            ],
+        )?;
+        let machines = worker_machines(e)?;
+        if nodes.len() != n || machines.len() != n || !nodes.iter().all(node_ready) {
+            return Err(anyhow!(
+                "{} worker Nodes ({} Ready), {} worker Machines",
+                nodes.len(),
+                nodes.iter().filter(|n| node_ready(n)).count(),
+                machines.len()
+            ));
+        }
+        if machines.iter().any(|m| m["status"]["phase"] != "Running") {
+            return Ok(None);
+        }
+        let mut names: Vec<String> = nodes.iter().map(|n| name(n).to_owned()).collect();
+        names.sort();
+        Ok(Some(names))
+    })
+}
+
+/// Step 2: workers 1 -> 2 -> 1. The removed Node is drained and deleted by Cluster API, and
+/// nothing of its machine is left in the management cluster.
+fn scale_workers_through_nodes(e: &E2e, w: &Workload, cp: &str) -> Result<()> {
+    let before = worker_nodes(w, e)?;
+    let scale = |n: usize| {
+        e.kubectl(&[
+            "-n",
+            ns(),
+            "scale",
+            "machinedeployment",
+            &format!("{CLUSTER}-md-0"),
+            &format!("--replicas={n}"),
+        ])
+    };
+    let started = Instant::now();
+    scale(2)?;
+    let two = wait_ready_workers(e, w, 2, "2 worker Nodes Ready")?;
+    eprintln!(
+        "e2e: workload: 2. scaled to 2 workers: {two:?} in {:.0}s",
+        started.elapsed().as_secs_f64()
+    );
+    scale(1)?;
+    let one = wait_ready_workers(e, w, 1, "back to 1 worker Node")?;
+    let removed: Vec<String> = two.iter().filter(|n| !one.contains(n)).cloned().collect();
+    assert_eq!(removed.len(), 1, "one Node removed: {two:?} -> {one:?}");
+    assert_nothing_left_for(e, &removed)?;
+    assert!(
+        w.kubectl(e, &["get", "node", &removed[0]]).is_err(),
+        "Node {} still in the workload cluster",
+        removed[0]
+    );
+    assert!(
+        ready_nodes(w, e)?.contains(&cp.to_owned()),
+        "the control plane stayed Ready"
+    );
+    eprintln!(
+        "e2e: workload: 2. scale 1 -> 2 -> 1: {before:?} -> {two:?} -> {one:?}, {} drained and gone",
+        removed[0]
+    );
+    Ok(())
+}
+
+/// Step 3: the kubelet of the worker stopped from inside the workload cluster (a hostPID Pod):
+/// the machine Pod's readiness gate goes False, a MachineHealthCheck replaces the Machine, and the
+/// new Node goes Ready.
+fn node_health_remediation(e: &E2e, w: &Workload, cp: &str, toolbox: &str) -> Result<()> {
+    let workers = worker_nodes(w, e)?;
+    let [victim] = workers.as_slice() else {
+        bail!("expected one worker, found {workers:?}");
+    };
+    let mhc = json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2",
+        "kind": "MachineHealthCheck",
+        "metadata": {"name": format!("{CLUSTER}-md-0"), "namespace": ns()},
+        "spec": {
+            "clusterName": CLUSTER,
+            "selector": {"matchLabels": {"cluster.x-k8s.io/deployment-name": format!("{CLUSTER}-md-0")}},
+            "checks": {
+                "nodeStartupTimeoutSeconds": NODE_READY.as_secs(),
+                "unhealthyNodeConditions": [
+                    {"type": "Ready", "status": "Unknown", "timeoutSeconds": 60},
+                    {"type": "Ready", "status": "False", "timeoutSeconds": 60}
+                ]
+            }
+        }
+    });
+    e.kubectl_in(&["apply", "-f", "-"], &mhc.to_string())?;
+    let stopper = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "stop-kubelet", "namespace": "default"},
+        "spec": {
+            "nodeName": victim,
+            "hostPID": true,
+            "restartPolicy": "Never",
+            "containers": [{
+                "name": "nsenter", "image": toolbox, "imagePullPolicy": "Never",
+                "securityContext": {"privileged": true},
+                "command": ["nsenter", "-t", "1", "-m", "-u", "-i", "-n", "-p", "--",
+                            "systemctl", "stop", "--no-block", "kubelet"]
+            }]
+        }
+    });
+    let started = Instant::now();
+    w.kubectl_in(e, &["apply", "-f", "-"], &stopper.to_string())?;
+    // The machine Pod's readiness gate follows the Node.
+    wait(
+        "the stopped worker's machine Pod not ready (readiness gate False)",
+        Duration::from_secs(600),
+        || {
+            let Ok(pod) = e.json(&["-n", ns(), "get", "pod", victim]) else {
+                return Ok(None);
+            };
+            let gate = pod["spec"]["readinessGates"][0]["conditionType"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            Ok(condition(&pod, &gate)
+                .is_some_and(|c| c["status"] == "False")
+                .then_some(()))
+        },
+    )?;
+    let replaced = wait_ready_workers(e, w, 1, "MachineHealthCheck replaced the worker")?;
+    assert_ne!(replaced, workers, "the stopped worker was not replaced");
+    assert_nothing_left_for(e, std::slice::from_ref(victim))?;
+    assert!(ready_nodes(w, e)?.contains(&cp.to_owned()));
+    e.kubectl(&[
+        "-n",
+        ns(),
+        "delete",
+        "machinehealthcheck",
+        &format!("{CLUSTER}-md-0"),
+    ])?;
+    eprintln!(
+        "e2e: workload: 3. kubelet stopped on {victim}: readiness gate False, replaced by {replaced:?} \
+         in {:.0}s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Step 4: kill -9 of QEMU on the control plane: the container restarts, the VM boots from its
+/// disks, and an object created before is still there (etcd's data on the etcd disk).
+fn etcd_survives_kill_of_qemu(e: &E2e, w: &Workload, cp: &str) -> Result<()> {
+    let marker = format!("before-kill-{}", chrono_stamp());
+    w.kubectl(
+        e,
+        &[
+            "-n",
+            "default",
+            "create",
+            "configmap",
+            "etcd-marker",
+            &format!("--from-literal=id={marker}"),
+        ],
+    )?;
+    let started = Instant::now();
+    kill_qemu(e, cp, Duration::from_secs(300))?;
+    let seen = wait(
+        "workload apiserver back, with the object created before the kill",
+        NODE_READY,
+        || {
+            let cm = w.json(e, &["-n", "default", "get", "configmap", "etcd-marker"])?;
+            Ok(cm["data"]["id"].as_str().map(str::to_owned))
+        },
+    )?;
+    assert_eq!(seen, marker, "etcd lost its data across the VM restart");
+    wait("control-plane Node Ready again", NODE_READY, || {
+        Ok(ready_nodes(w, e)?.contains(&cp.to_owned()).then_some(()))
+    })?;
+    eprintln!(
+        "e2e: workload: 4. kill -9 of QEMU on {cp}: VM back with etcd's data in {:.0}s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Step 5: a new KVMMachineTemplate for the KubeadmControlPlane: the new control-plane machine
+/// joins etcd through the Service, the old one is removed, and the workload apiserver answers
+/// throughout (polled every second; the longest gap is printed).
+fn control_plane_rollout(e: &E2e, w: &Workload, old_cp: &str) -> Result<()> {
+    let template = e.json(&[
+        "-n",
+        ns(),
+        "get",
+        "kvmmachinetemplate",
+        &format!("{CLUSTER}-control-plane"),
+    ])?;
+    let new_name = format!("{CLUSTER}-control-plane-2");
+    let mut new_template = json!({
+        "apiVersion": template["apiVersion"],
+        "kind": "KVMMachineTemplate",
+        "metadata": {"name": new_name, "namespace": ns()},
+        "spec": template["spec"].clone(),
+    });
+    // A visible change: the new machines say which template they came from.
+    new_template["spec"]["template"]["metadata"]["labels"]["capk-e2e/template"] = json!("2");
+    e.kubectl_in(&["apply", "-f", "-"], &new_template.to_string())?;
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let poller = {
+        let stop = stop.clone();
+        let kubectl = e.bin("kubectl");
+        let kubeconfig = w.kubeconfig.clone();
+        std::thread::spawn(move || {
+            let mut last_ok = Instant::now();
+            let (mut longest, mut polls, mut failures) = (Duration::ZERO, 0u32, 0u32);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let ok = Command::new(&kubectl)
+                    .arg("--kubeconfig")
+                    .arg(&kubeconfig)
+                    .args(["--request-timeout=5s", "get", "--raw", "/readyz"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success());
+                polls += 1;
+                if ok {
+                    longest = longest.max(last_ok.elapsed());
+                    last_ok = Instant::now();
+                } else {
+                    failures += 1;
+                }
+                sleep(Duration::from_secs(1));
+            }
+            longest = longest.max(last_ok.elapsed());
+            (longest, polls, failures)
+        })
+    };
+    let started = Instant::now();
+    let patch =
+        json!({"spec": {"machineTemplate": {"spec": {"infrastructureRef": {"name": new_name}}}}});
+    e.kubectl(&[
+        "-n",
+        ns(),
+        "patch",
+        "kubeadmcontrolplane",
+        &format!("{CLUSTER}-control-plane"),
+        "--type",
+        "merge",
+        "-p",
+        &patch.to_string(),
+    ])?;
+    let result = wait(
+        "control plane rolled out: one new control-plane Node Ready, the old one gone",
+        NODE_READY + NODE_READY,
+        || {
+            let cps = control_plane_kvmmachines(e)?;
+            let nodes = w.items(
+                e,
+                &[
+                    "get",
+                    "nodes",
+                    "-l",
+                    "node-role.kubernetes.io/control-plane",
+                ],
+            )?;
+            let kcp = e.json(&[
+                "-n",
+                ns(),
+                "get",
+                "kubeadmcontrolplane",
+                &format!("{CLUSTER}-control-plane"),
+            ])?;
+            let done = cps.len() == 1
+                && cps[0] != old_cp
+                && nodes.len() == 1
+                && name(&nodes[0]) == cps[0]
+                && node_ready(&nodes[0])
+                && kcp["status"]["upToDateReplicas"] == 1
+                && kcp["status"]["replicas"] == 1;
+            if done {
+                Ok(Some(cps[0].clone()))
+            } else {
+                Err(anyhow!(
+                    "control-plane machines {cps:?}, Nodes {:?}",
+                    nodes
+                        .iter()
+                        .map(|n| (name(n).to_owned(), node_ready(n)))
+                        .collect::<Vec<_>>()
+                ))
+            }
+        },
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (longest, polls, failures) = poller.join().map_err(|_| anyhow!("poller panicked"))?;
+    let new_cp = result?;
+    eprintln!(
+        "e2e: workload: 5. control plane rolled {old_cp} -> {new_cp} in {:.0}s; workload apiserver: \
+         longest gap {:.1}s, {failures} of {polls} polls failed",
+        started.elapsed().as_secs_f64(),
+        longest.as_secs_f64()
+    );
+    let km = e.json(&["-n", ns(), "get", "kvmmachine", &new_cp])?;
+    assert_eq!(
+        km["metadata"]["labels"]["capk-e2e/template"], "2",
+        "the new control plane came from the new template"
+    );
+    assert_nothing_left_for(e, &[old_cp.to_owned()])?;
+    // etcd has exactly the new member: the marker of step 4 is still readable through it.
+    let cm = w.json(e, &["-n", "default", "get", "configmap", "etcd-marker"])?;
+    assert!(
+        cm["data"]["id"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("before-kill-"))
+    );
     Ok(())
 }
