@@ -14,6 +14,8 @@ const HOST_VOLUME_DIR: &str = "/var/lib/capk-e2e/workload-shared";
 const MOUNT_TAG: &str = "shared";
 /// The toolbox image the node image preloads (images/node/images.sh): busybox.
 const TOOLBOX_PREFIX: &str = "localhost/capk/toolbox:";
+/// The node-image flavor's etcdStorage hostPath on the MC node.
+const ETCD_HOST_PATH: &str = "/var/lib/capk/etcd";
 /// How long a TCG machine may take from created to a Ready Node (boot, image import, kubeadm).
 const NODE_READY: Duration = Duration::from_secs(45 * 60);
 
@@ -491,8 +493,8 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
         "no bootstrap token in the workload cluster"
     );
     for node in &nodes {
-        let log = logs(e, node, false)?;
-        for marker in ["SYSLINUX", "Ignition", "Started containerd"] {
+        let log = strip_ansi(&logs(e, node, false)?);
+        for marker in ["SYSLINUX", "Ignition", "containerd.service"] {
             assert!(log.contains(marker), "console of {node} lacks {marker:?}");
         }
         for t in &tokens {
@@ -529,6 +531,15 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
         );
     }
     e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
+    // The control planes' etcd disks (etcdStorage hostPath, one directory per machine).
+    let etcd_dir = format!("{ETCD_HOST_PATH}/{}", ns());
+    let left: Vec<String> = std::fs::read_dir(&etcd_dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "etcd data left in {etcd_dir}: {left:?}");
     eprintln!("e2e: workload: 6. cluster deleted, nothing left");
     Ok(())
 }
@@ -868,4 +879,25 @@ fn control_plane_rollout(e: &E2e, w: &Workload, old_cp: &str) -> Result<()> {
             .is_some_and(|s| s.starts_with("before-kill-"))
     );
     Ok(())
+}
+
+/// The console without terminal colour codes (systemd colours its status lines).
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ parameters... final byte in @..~
+            if chars.next() == Some('[') {
+                for f in chars.by_ref() {
+                    if ('@'..='~').contains(&f) {
+                        break;
+                    }
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
