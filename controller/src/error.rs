@@ -46,6 +46,15 @@ pub enum Error {
     /// Deletion waits for the machine Pod (and its VM) to be gone.
     #[error("machine Pod {0} is still terminating")]
     PodStillTerminating(String),
+    /// Deletion waits for the machine's etcd data to be removed from its MC node (a cleanup
+    /// Pod runs, or the next one is due after a failure).
+    #[error("{message}")]
+    EtcdCleanupPending {
+        /// What is being waited for.
+        message: String,
+        /// When to look again (the watch of the cleanup Pod usually wakes it sooner).
+        retry: std::time::Duration,
+    },
     /// The object lacks a namespace (our kinds are namespaced; this is a bug).
     #[error("object has no namespace")]
     MissingNamespace,
@@ -81,6 +90,7 @@ impl Error {
             Error::UpdateStatus(_) => "StatusUpdateFailed",
             Error::Finalizer(_) => "FinalizerFailed",
             Error::PodStillTerminating(_) => "WaitingForPodDeletion",
+            Error::EtcdCleanupPending { .. } => "WaitingForEtcdCleanup",
             Error::MissingNamespace => "InvalidObject",
             Error::Foreign { .. } => "ForeignObject",
             Error::HostingUnavailable(_) => "HostingClusterUnavailable",
@@ -92,7 +102,9 @@ impl Error {
     /// no Warning Event each time.
     pub fn is_waiting(&self) -> bool {
         match self {
-            Error::HostingUnavailable(_) | Error::MachinesRemain(_) => true,
+            Error::HostingUnavailable(_)
+            | Error::MachinesRemain(_)
+            | Error::EtcdCleanupPending { .. } => true,
             Error::Finalizer(f) => matches!(
                 f.as_ref(),
                 kube::runtime::finalizer::Error::CleanupFailed(e) | kube::runtime::finalizer::Error::ApplyFailed(e) if e.is_waiting()
@@ -103,6 +115,19 @@ impl Error {
 }
 
 impl Error {
+    /// When a step that waits wants to be looked at again, if it says.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        use kube::runtime::finalizer::Error as F;
+        match self {
+            Error::EtcdCleanupPending { retry, .. } => Some(*retry),
+            Error::Finalizer(f) => match f.as_ref() {
+                F::ApplyFailed(e) | F::CleanupFailed(e) => e.retry_after(),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
     /// Lost an optimistic-concurrency race (the object changed between read and write): the
     /// reconcile is simply retried, nothing for a user to see. A 409 Conflict, or the 422 of
     /// kube-runtime's finalizer JSON patch whose `test` of `/metadata/finalizers` failed.

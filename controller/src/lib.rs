@@ -23,8 +23,8 @@ use std::sync::Arc;
 use capk_api::{
     capi::{Cluster, Machine},
     constants::{
-        CLUSTER_NAME_LABEL, KVMCLUSTER_LABEL, KVMMACHINE_LABEL, MACHINE_ROLE_LABEL, MANAGED_BY,
-        MAX_LABEL_LEN, OWNER_NAMESPACE_LABEL, ROLE_CONTROL_PLANE,
+        CLUSTER_NAME_LABEL, GROUP, KVMCLUSTER_LABEL, KVMMACHINE_LABEL, MACHINE_ROLE_LABEL,
+        MANAGED_BY, MAX_LABEL_LEN, OWNER_NAMESPACE_LABEL, ROLE_CONTROL_PLANE,
     },
     v1alpha1::{KVMCluster, KVMMachine},
 };
@@ -91,12 +91,19 @@ where
     (store, stream)
 }
 
-/// Of a machine Pod only its status, node and whether its containers have a startup probe are
-/// read; the spec is most of its size.
+/// Of a machine Pod only its status, node, hostPath etcd volume (where its etcd data stays
+/// behind) and whether its containers have a startup probe are read; the spec is most of its
+/// size.
 pub(crate) fn strip_pod(p: &mut Pod) {
     if let Some(spec) = p.spec.as_mut() {
+        let etcd = std::mem::take(&mut spec.volumes)
+            .into_iter()
+            .flatten()
+            .filter(|v| v.name == kvmmachine::etcd_cleanup::ETCD_VOLUME && v.host_path.is_some())
+            .collect::<Vec<_>>();
         *spec = k8s_openapi::api::core::v1::PodSpec {
             node_name: spec.node_name.take(),
+            volumes: (!etcd.is_empty()).then_some(etcd),
             containers: std::mem::take(&mut spec.containers)
                 .into_iter()
                 .map(|c| k8s_openapi::api::core::v1::Container {
@@ -389,9 +396,29 @@ pub async fn run_with_metrics(
     );
     // The hosting cluster each KVMCluster named when last seen.
     let hosted_in = std::sync::Mutex::new(std::collections::HashMap::new());
+    // A Pod concerns the KVMMachine that owns it (machine Pods), or that its labels name (etcd
+    // cleanup Pods, which have no owner reference).
+    let by_pod = kvm_machines.clone();
     let machines = machine_controller
         .with_config(controller_config)
-        .owns_stream(pod_events)
+        .watches_stream(pod_events, move |pod: Pod| {
+            let owners: Vec<ObjectRef<KVMMachine>> = pod
+                .owner_references()
+                .iter()
+                .filter(|o| o.kind == "KVMMachine" && o.api_version.starts_with(GROUP))
+                .filter_map(|o| Some(ObjectRef::new(&o.name).within(&pod.namespace()?)))
+                .collect();
+            if !owners.is_empty() {
+                return owners;
+            }
+            let labels = pod.labels();
+            labels
+                .get(OWNER_NAMESPACE_LABEL)
+                .zip(labels.get(KVMMACHINE_LABEL))
+                .and_then(|(ns, name)| named_by_label(&by_pod, ns, name))
+                .into_iter()
+                .collect()
+        })
         .owns_stream(claim_events)
         .watches_stream(machine_events, |m: Machine| {
             let ns = m.namespace()?;

@@ -548,14 +548,67 @@ async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
         );
     }
 
-    // Deletion: the Pod, the Ignition Secret and the Service go, then the finalizers.
+    // The machine Pod on a node (as the scheduler binds it): its hostPath etcd data is removed
+    // from there when the machine goes.
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), ns);
+    let node: k8s_openapi::api::core::v1::Node =
+        serde_json::from_value(json!({"metadata": {"name": "rbac-check-node"}}))?;
+    match Api::<k8s_openapi::api::core::v1::Node>::all(admin.clone())
+        .create(&PostParams::default(), &node)
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => return Err(e.into()),
+    }
+    let binding = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "demo-cp-0"},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "rbac-check-node"}});
+    pods.create_subresource::<Value, Value>(
+        "binding",
+        "demo-cp-0",
+        &PostParams::default(),
+        &binding,
+    )
+    .await?;
+
+    // Deletion: the Pod, the Ignition Secret and the Service go, the etcd data is removed, then
+    // the finalizers. The test is the kubelet: it confirms the machine Pod's deletion and
+    // reports the cleanup Pod's success.
     kms.delete("demo-cp-0", &Default::default()).await?;
     kcs.delete("demo", &Default::default()).await?;
+    eventually(30, "the machine Pod being deleted", || async {
+        let pod = pods.get_opt("demo-cp-0").await?;
+        Ok(pod
+            .is_none_or(|p| p.metadata.deletion_timestamp.is_some())
+            .then_some(()))
+    })
+    .await?;
+    let _ = pods
+        .delete(
+            "demo-cp-0",
+            &kube::api::DeleteParams {
+                grace_period_seconds: Some(0),
+                ..Default::default()
+            },
+        )
+        .await;
+    eventually(
+        30,
+        "the etcd cleanup Pod under the shipped RBAC",
+        || async { Ok(pods.get_opt("demo-cp-0-etcd-cleanup").await?) },
+    )
+    .await?;
+    pods.patch_status(
+        "demo-cp-0-etcd-cleanup",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"status": {"phase": "Succeeded"}})),
+    )
+    .await?;
     let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(admin.clone(), ns);
     let services: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(admin.clone(), ns);
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), ns);
     eventually(60, "deletion under the shipped RBAC", || async {
         let gone = kms.get_opt("demo-cp-0").await?.is_none()
+            && pods.get_opt("demo-cp-0-etcd-cleanup").await?.is_none()
             && kcs.get_opt("demo").await?.is_none()
             && pods.get_opt("demo-cp-0").await?.is_none()
             && secrets.get_opt("demo-cp-0-ignition").await?.is_none()

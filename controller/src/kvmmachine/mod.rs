@@ -1,9 +1,11 @@
 //! KVMMachine reconciler, a pipeline read top to bottom in [`apply`]: fetch (Machine, Cluster,
 //! bootstrap data) → validate the spec ([`validate`], pure) → build the desired objects (pure,
 //! one module each: [`ignition_secret`], [`etcd_claim`], [`pod`] with [`node_image`]) → apply
-//! them → one status write ([`status`]).
+//! them → one status write ([`status`]). Deletion ([`cleanup`]) stops the machine Pod, deletes
+//! what was made for it and removes its etcd data from the MC node ([`etcd_cleanup`]).
 
 pub mod etcd_claim;
+pub mod etcd_cleanup;
 pub mod ignition_secret;
 pub mod names;
 pub mod node_image;
@@ -25,7 +27,7 @@ use capk_api::{
     v1alpha1::{KVMCluster, KVMMachine},
 };
 use k8s_openapi::{
-    api::core::v1::{PersistentVolumeClaim, Pod, Secret},
+    api::core::v1::{Node, PersistentVolumeClaim, Pod, Secret},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
     jiff::Timestamp,
 };
@@ -44,7 +46,10 @@ use serde_json::json;
 use tracing::{info, instrument, warn};
 
 pub use self::placement::MachinePlacement;
-use self::status::MachineState;
+use self::{
+    etcd_cleanup::{Attempt, EtcdHostDir, RemovableDir},
+    status::MachineState,
+};
 use crate::{
     conditions::DesiredCondition,
     context::{Context, FIELD_MANAGER},
@@ -226,18 +231,29 @@ where
 }
 
 /// One merge patch of the KVMMachine: clusterctl's block-move annotation set or removed (while
-/// a Pod is being created), and `spec.providerID` when it has none. Nothing to change, no
-/// request. Returns the patched object, if patched.
+/// a Pod is being created), where the machine Pod keeps its etcd data (`etcd`, once it is on a
+/// node), and `spec.providerID` when it has none. Nothing to change, no request. Returns the
+/// patched object, if patched.
 async fn patch_machine(
     api: &Api<KVMMachine>,
     km: &KVMMachine,
     block: bool,
+    etcd: Option<&EtcdHostDir>,
 ) -> Result<Option<KVMMachine>> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
     let mut patch = json!({});
+    let mut annotations = serde_json::Map::new();
     if km.annotations().contains_key(BLOCK_MOVE_ANNOTATION) != block {
-        patch["metadata"] =
-            json!({"annotations": {BLOCK_MOVE_ANNOTATION: block.then_some("true")}});
+        annotations.insert(BLOCK_MOVE_ANNOTATION.into(), json!(block.then_some("true")));
+    }
+    if let Some(etcd) = etcd.filter(|e| EtcdHostDir::recorded(km).as_ref() != Some(*e)) {
+        annotations.insert(
+            etcd_cleanup::ETCD_HOST_DIR_ANNOTATION.into(),
+            json!(etcd.annotation()),
+        );
+    }
+    if !annotations.is_empty() {
+        patch["metadata"] = json!({ "annotations": annotations });
     }
     if km.spec.provider_id.is_none() {
         patch["spec"] = json!({"providerID": provider_id(&ns, &km.name_any())});
@@ -498,7 +514,7 @@ async fn apply(
             None => {
                 // clusterctl move waits while a Pod is being created: a moved KVMMachine whose
                 // Pod creation was cut short would otherwise look unprovisioned forever.
-                if let Some(patched) = patch_machine(api, km, true).await? {
+                if let Some(patched) = patch_machine(api, km, true, None).await? {
                     current = patched;
                 }
                 info!(pod = %pod_name, "creating machine Pod");
@@ -568,7 +584,10 @@ async fn apply(
     let failure_domain = machine.and_then(|m| m.spec.failure_domain.as_deref());
     write_status(api, &current, &observed.state, &conditions, failure_domain).await?;
     if let (Some(pod), Some(gate), Some(there)) = (&observed.pod, &observed.gate, &target) {
-        patch_machine(api, &current, false).await?;
+        // Where the etcd data is, once the Pod is on a node: deletion removes it from there,
+        // even when the Pod is gone by then.
+        let etcd = EtcdHostDir::of_pod(pod);
+        patch_machine(api, &current, false, etcd.as_ref()).await?;
         if let Err(e) = set_gate(&there.api(), pod, gate).await {
             warn!(error = %e, "cannot set the machine Pod's readiness gate");
         }
@@ -642,9 +661,10 @@ where
 }
 
 /// Deletes the Pod (the launcher shuts the guest down by ACPI), then the Secret and the etcd
-/// PVC, wherever they live and only when they are this machine's; the finalizer goes once the
-/// Pod is gone so no VM outlives its KVMMachine. A hosting cluster that cannot be reached holds
-/// the finalizer (and says so) until it can.
+/// PVC, wherever they live and only when they are this machine's, then its etcd data on the MC
+/// node ([`remove_etcd_data`]); the finalizer goes once the Pod is gone so no VM outlives its
+/// KVMMachine. A hosting cluster that cannot be reached holds the finalizer (and says so) until
+/// it can.
 async fn cleanup(
     api: &Api<KVMMachine>,
     km: &KVMMachine,
@@ -663,12 +683,17 @@ async fn cleanup(
     let owner = Owner::machine(km);
     let pods: Api<Pod> = there.api();
     let name = names::pod_name(km);
-    let pod = pods
-        .get_metadata_opt(&name)
-        .await
-        .map_err(read_err("Pod", &name))?;
+    let pod = pods.get_opt(&name).await.map_err(read_err("Pod", &name))?;
     match pod {
         Some(pod) if owner.owns(&pod.metadata) => {
+            // Where its etcd data is, recorded before the Pod goes (if apply has not yet).
+            if let Some(etcd) = EtcdHostDir::of_pod(&pod)
+                && EtcdHostDir::recorded(km).as_ref() != Some(&etcd)
+            {
+                let patch = json!({"metadata": {"annotations": {
+                    etcd_cleanup::ETCD_HOST_DIR_ANNOTATION: etcd.annotation()}}});
+                report::merge_patch(api, km, "KVMMachine", &patch).await?;
+            }
             if pod.metadata.deletion_timestamp.is_none() {
                 pods.delete(&name, &DeleteParams::default())
                     .await
@@ -696,7 +721,247 @@ async fn cleanup(
         &owner,
     )
     .await?;
-    Ok(Action::await_change())
+    remove_etcd_data(api, km, &there, ctx).await
+}
+
+/// Condition reason and Event reason: the cleanup Pod removes the etcd data.
+pub const REASON_REMOVING_ETCD_DATA: &str = "RemovingEtcdData";
+/// Warning Event and condition reason: a cleanup Pod failed; another follows after a back-off.
+pub const REASON_ETCD_CLEANUP_FAILED: &str = "EtcdCleanupFailed";
+/// Normal Event: the etcd data is gone from the MC node.
+pub const REASON_ETCD_DATA_REMOVED: &str = "EtcdDataRemoved";
+/// Warning Event: the etcd data could not be removed and is left on the MC node.
+pub const REASON_ETCD_DATA_LEFT: &str = "EtcdDataLeft";
+
+/// Removes the machine's etcd data from the MC node its machine Pod ran on (hostPath etcd
+/// storage only: where [`EtcdHostDir`] was recorded) by a cleanup Pod on that node, in the
+/// machine Pod's cluster and namespace ([`etcd_cleanup`]). `Ok` (the finalizer goes) once the
+/// cleanup Pod succeeded, when there is nothing to remove, or when the cleanup is given up (the
+/// node is gone, [`etcd_cleanup::GIVE_UP_AFTER`] passed): then a Warning Event names the
+/// directory left and its node. A failed cleanup Pod is a Warning Event and the `Ready` reason,
+/// and is made again after a back-off.
+async fn remove_etcd_data(
+    api: &Api<KVMMachine>,
+    km: &KVMMachine,
+    there: &Target,
+    ctx: &Context,
+) -> Result<Action> {
+    let done = Ok(Action::await_change());
+    // Read afresh: the cache may not show the record made just before the machine Pod was
+    // deleted, nor that an earlier reconcile finished (and forgot) the cleanup, after which a
+    // missing cleanup Pod must not be made again.
+    let Some(fresh) = api
+        .get_opt(&km.name_any())
+        .await
+        .map_err(read_err("KVMMachine", &km.name_any()))?
+    else {
+        return done;
+    };
+    let km = &fresh;
+    let Some(recorded) = EtcdHostDir::recorded(km) else {
+        return done;
+    };
+    let dir = match recorded.removable(km) {
+        Ok(d) => d,
+        Err(why) => {
+            forget_etcd_dir(api, km).await?;
+            give_up(ctx, km, &recorded.node, &recorded.dir, &why).await;
+            return done;
+        }
+    };
+    let pods: Api<Pod> = there.api();
+    let name = etcd_cleanup::pod_name_of(km);
+    let existing = pods.get_opt(&name).await.map_err(read_err("Pod", &name))?;
+    if let Some(p) = &existing
+        && !Owner::machine(km).owns(&p.metadata)
+    {
+        return Err(Error::Foreign {
+            kind: "Pod",
+            name,
+            place: there.describe(),
+        });
+    }
+    let phase = existing
+        .as_ref()
+        .and_then(|p| p.status.as_ref()?.phase.clone())
+        .unwrap_or_else(|| "Pending".into());
+    if existing.is_some() && phase == "Succeeded" {
+        report::delete_if_present(&pods, "Pod", &name).await?;
+        forget_etcd_dir(api, km).await?;
+        let note = format!("removed {} on node {}", dir.path(), dir.node);
+        info!(node = %dir.node, dir = %dir.path(), "etcd data removed");
+        publish(ctx, km, EventType::Normal, REASON_ETCD_DATA_REMOVED, note).await;
+        return done;
+    }
+    let now = Timestamp::now();
+    let attempt = existing.as_ref().and_then(Attempt::of);
+    let why_not = if attempt.as_ref().is_some_and(|a| a.expired(now)) {
+        Some(format!(
+            "the cleanup Pod {name} did not succeed within {} minutes (phase {phase})",
+            etcd_cleanup::GIVE_UP_AFTER.as_secs() / 60
+        ))
+    } else if node_gone(&there.client, &dir.node).await {
+        Some(format!("node {} no longer exists", dir.node))
+    } else {
+        None
+    };
+    if let Some(why) = why_not {
+        report::delete_if_present(&pods, "Pod", &name).await?;
+        forget_etcd_dir(api, km).await?;
+        give_up(ctx, km, &dir.node, &dir.path(), &why).await;
+        return done;
+    }
+    let waiting = |message: String, retry: Duration| Error::EtcdCleanupPending { message, retry };
+    let next = match (&existing, attempt) {
+        (None, _) => Attempt::first(now),
+        (Some(p), attempt) if phase == "Failed" => {
+            let attempt = attempt.unwrap_or_else(|| Attempt::first(now));
+            let label = format!("attempt {}", attempt.number);
+            let msg = format!(
+                "{label} to remove {} on node {} failed: {}",
+                dir.path(),
+                dir.node,
+                etcd_cleanup::failure(p)
+            );
+            if !has_ready_reason(km, REASON_ETCD_CLEANUP_FAILED, &label) {
+                let reason = REASON_ETCD_CLEANUP_FAILED;
+                let note = format!("{msg}; retrying in {}s", attempt.backoff().as_secs());
+                publish(ctx, km, EventType::Warning, reason, note).await;
+                let state = MachineState::Deleting {
+                    reason,
+                    message: msg.clone(),
+                };
+                write_status(api, km, &state, &[], None).await?;
+            }
+            let due = etcd_cleanup::finished_at(p).unwrap_or(now)
+                + k8s_openapi::jiff::SignedDuration::try_from(attempt.backoff())
+                    .unwrap_or_default();
+            if now < due {
+                let wait = now.duration_until(due).unsigned_abs();
+                return Err(waiting(msg, wait));
+            }
+            // A terminated Pod is deleted at once: its name is free again.
+            report::delete_if_present(&pods, "Pod", &name).await?;
+            let next = attempt.next();
+            return create_cleanup_pod(api, km, there, ctx, &dir, &next, Some(&msg)).await;
+        }
+        (Some(_), _) => {
+            let msg = format!(
+                "cleanup Pod {name} removes {} on node {} (phase {phase})",
+                dir.path(),
+                dir.node
+            );
+            // Its changes wake us; the requeue is a safety net.
+            return Err(waiting(msg, Duration::from_secs(10)));
+        }
+    };
+    create_cleanup_pod(api, km, there, ctx, &dir, &next, None).await
+}
+
+/// Creates cleanup Pod attempt `attempt` and says so in `Ready` (with why the one before
+/// failed). Its namespace being deleted (no Pod can be made there any more) gives the cleanup
+/// up.
+async fn create_cleanup_pod(
+    api: &Api<KVMMachine>,
+    km: &KVMMachine,
+    there: &Target,
+    ctx: &Context,
+    dir: &RemovableDir,
+    attempt: &Attempt,
+    previous_failure: Option<&str>,
+) -> Result<Action> {
+    let cluster = km
+        .labels()
+        .get(CLUSTER_NAME_LABEL)
+        .cloned()
+        .unwrap_or_default();
+    let image = &ctx.settings.machine_defaults.launcher_image;
+    let pod = etcd_cleanup::cleanup_pod(km, &cluster, &there.home, dir, image, attempt);
+    let name = etcd_cleanup::pod_name_of(km);
+    let pods: Api<Pod> = there.api();
+    match pods.create(&PostParams::default(), &pod).await {
+        Ok(_) => {}
+        // Made meanwhile (a second reconcile): it is looked at next time.
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(kube::Error::Api(s)) if is_namespace_terminating(&s) => {
+            forget_etcd_dir(api, km).await?;
+            let why = format!(
+                "namespace {} is being deleted, so no cleanup Pod can run there (delete Clusters \
+                 before their namespace)",
+                there.home.namespace
+            );
+            give_up(ctx, km, &dir.node, &dir.path(), &why).await;
+            return Ok(Action::await_change());
+        }
+        Err(source) => {
+            return Err(Error::Apply {
+                kind: "Pod",
+                name,
+                source,
+            });
+        }
+    }
+    info!(pod = %name, node = %dir.node, dir = %dir.path(), attempt = attempt.number, "removing etcd data");
+    let message = format!(
+        "cleanup Pod {name} removes {} on node {} (attempt {}{})",
+        dir.path(),
+        dir.node,
+        attempt.number,
+        previous_failure
+            .map(|f| format!("; {f}"))
+            .unwrap_or_default()
+    );
+    let state = MachineState::Deleting {
+        reason: REASON_REMOVING_ETCD_DATA,
+        message: message.clone(),
+    };
+    write_status(api, km, &state, &[], None).await?;
+    Err(Error::EtcdCleanupPending {
+        message,
+        retry: Duration::from_secs(10),
+    })
+}
+
+/// Removes the record of the etcd data's directory from the KVMMachine: the cleanup is over
+/// (done or given up), and a reconcile that comes after it (from a cache that still shows the
+/// finalizer) finds nothing to do.
+async fn forget_etcd_dir(api: &Api<KVMMachine>, km: &KVMMachine) -> Result<()> {
+    let patch =
+        json!({"metadata": {"annotations": {etcd_cleanup::ETCD_HOST_DIR_ANNOTATION: null}}});
+    report::merge_patch(api, km, "KVMMachine", &patch).await?;
+    Ok(())
+}
+
+/// Whether a refused create says the namespace is being deleted.
+fn is_namespace_terminating(s: &kube::core::Status) -> bool {
+    s.code == 403
+        && s.details
+            .as_ref()
+            .is_some_and(|d| d.causes.iter().any(|c| c.reason == "NamespaceTerminating"))
+}
+
+/// Whether Node `name` is known not to exist. Unknown (a hosting cluster's credential may not
+/// read Nodes, a failed request) is not gone: the time bound decides then.
+async fn node_gone(client: &kube::Client, name: &str) -> bool {
+    match Api::<Node>::all(client.clone())
+        .get_metadata_opt(name)
+        .await
+    {
+        Ok(found) => found.is_none(),
+        Err(e) => {
+            tracing::debug!(node = %name, error = %e, "cannot tell whether the node exists");
+            false
+        }
+    }
+}
+
+/// Gives the etcd data cleanup up: a Warning Event names the directory left and its node.
+async fn give_up(ctx: &Context, km: &KVMMachine, node: &str, dir: &str, why: &str) {
+    let note = format!(
+        "etcd data left on node {node} in {dir}: {why}; remove that directory on the node by hand"
+    );
+    warn!(node, dir, reason = why, "etcd data left on the node");
+    publish(ctx, km, EventType::Warning, REASON_ETCD_DATA_LEFT, note).await;
 }
 
 /// Deletes `name` when `owner` owns it.
@@ -735,8 +1000,12 @@ async fn write_status(
     .await
 }
 
-/// Requeue after a failure; a Pod still terminating is checked again soon.
+/// Requeue after a failure; a Pod still terminating is checked again soon, a step that says
+/// when to look again then.
 pub fn error_policy(_km: Arc<KVMMachine>, error: &Error, _ctx: Arc<Context>) -> Action {
+    if let Some(after) = error.retry_after() {
+        return Action::requeue(after);
+    }
     match error {
         Error::Finalizer(_) if !error.is_waiting() => Action::requeue(Duration::from_secs(2)),
         _ => Action::requeue(Duration::from_secs(10)),

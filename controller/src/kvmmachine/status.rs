@@ -52,6 +52,14 @@ pub enum MachineState {
     /// `HostingClusterAvailable` condition says why). What was last seen stands: a provisioned
     /// machine stays provisioned and Ready, its VM runs on untouched.
     HostingUnavailable(crate::conditions::DesiredCondition),
+    /// The KVMMachine is being deleted and waits for what the reason and message say (its etcd
+    /// data being removed from the MC node).
+    Deleting {
+        /// CamelCase reason of `Ready`.
+        reason: &'static str,
+        /// What it waits for.
+        message: String,
+    },
 }
 
 /// A Kubernetes reason as a condition reason (CamelCase, no spaces), or `fallback`.
@@ -321,6 +329,9 @@ pub fn status(
                 )
             })
         }
+        MachineState::Deleting { reason, message } => {
+            Some(C::falsy(CONDITION_READY, *reason, message.clone()))
+        }
         MachineState::PodMissing => Some(C::falsy(
             CONDITION_READY,
             REASON_MACHINE_POD_MISSING,
@@ -357,7 +368,7 @@ pub fn status(
     }
     if !matches!(
         state,
-        MachineState::Paused | MachineState::HostingUnavailable(_)
+        MachineState::Paused | MachineState::HostingUnavailable(_) | MachineState::Deleting { .. }
     ) {
         out.failure_domain = failure_domain.map(str::to_owned);
         out.observed_generation = generation;

@@ -1,0 +1,540 @@
+//! Pure: removing a control-plane machine's etcd data from its MC node once its KVMMachine is
+//! deleted (`etcdStorage.type: hostPath`).
+//!
+//! The machine Pod mounts `<hostPath>/<namespace>/<pod>` from its node, and the launcher keeps
+//! the etcd disk there, so it survives the Pod. Where that was is recorded on the KVMMachine
+//! ([`ETCD_HOST_DIR_ANNOTATION`], `<node>:<directory>`, read from the machine Pod itself) as
+//! soon as the Pod is on a node: the record survives a controller restart, `clusterctl move`
+//! (annotations move, status does not) and a machine Pod that is gone before the KVMMachine.
+//!
+//! After the machine Pod is gone, a short-lived cleanup Pod runs on that node, with the launcher
+//! image, the directory's parent mounted and `rm -rf -- <that directory>` as its command (as
+//! local-path-provisioner's helper Pod removes a volume). Nothing wider is ever removed: the
+//! directory must be absolute and plain, and end in the machine's own `<namespace>/<pod>`.
+//! The cleanup Pod carries the machine's owner labels, not an owner reference: the garbage
+//! collector of a KVMMachine deleted in the foreground would delete it while it works.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use capk_api::{
+    constants::{MAX_SUBDOMAIN_LEN, bounded_name},
+    v1alpha1::KVMMachine,
+};
+use k8s_openapi::{
+    api::core::v1::{
+        Container, HostPathVolumeSource, Pod, PodSpec, ResourceRequirements, SecurityContext,
+        Toleration, Volume,
+    },
+    apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::ObjectMeta},
+    jiff::Timestamp,
+};
+use kube::ResourceExt;
+
+use super::{names::pod_name, pod_layout::mount};
+use crate::{
+    kvmcluster::build::owned_labels,
+    ownership::{Home, Owner},
+};
+
+/// Annotation on a KVMMachine: where its machine Pod kept the etcd disk, `<node>:<directory>`.
+pub const ETCD_HOST_DIR_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/etcd-host-dir";
+/// Annotation on a cleanup Pod: which attempt it is (1, 2, ...).
+pub const ATTEMPT_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/etcd-cleanup-attempt";
+/// Annotation on a cleanup Pod: when the first attempt was made (RFC 3339).
+pub const SINCE_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/etcd-cleanup-since";
+/// `app.kubernetes.io/component` of cleanup Pods.
+pub const COMPONENT: &str = "etcd-cleanup";
+/// The name of the machine Pod's etcd volume ([`super::pod`]).
+pub const ETCD_VOLUME: &str = "etcd";
+/// How long the cleanup may take, from its first attempt, before the directory is left (and
+/// said so): the node may never run the Pod (NotReady, unreachable).
+pub const GIVE_UP_AFTER: Duration = Duration::from_secs(10 * 60);
+/// How long one cleanup Pod may run (`activeDeadlineSeconds`): an image pull and an `rm`.
+pub const POD_DEADLINE_SECONDS: i64 = 300;
+/// Where the directory's parent is mounted in the cleanup Pod.
+const MOUNT_DIR: &str = "/var/lib/capk/etcd-cleanup";
+
+/// Where a machine Pod kept its etcd disk: a directory on an MC node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EtcdHostDir {
+    /// The node the machine Pod ran on.
+    pub node: String,
+    /// The hostPath directory it mounted.
+    pub dir: String,
+}
+
+impl EtcdHostDir {
+    /// Of a machine Pod that is on a node and mounts a hostPath etcd volume; `None` for an
+    /// emptyDir or PVC etcd volume, a worker, or a Pod not scheduled yet.
+    pub fn of_pod(pod: &Pod) -> Option<Self> {
+        let spec = pod.spec.as_ref()?;
+        let node = spec.node_name.clone().filter(|n| !n.is_empty())?;
+        let dir = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == ETCD_VOLUME)?
+            .host_path
+            .as_ref()?
+            .path
+            .clone();
+        Some(Self { node, dir })
+    }
+
+    /// What the KVMMachine's [`ETCD_HOST_DIR_ANNOTATION`] records, if anything.
+    pub fn recorded(km: &KVMMachine) -> Option<Self> {
+        let value = km.annotations().get(ETCD_HOST_DIR_ANNOTATION)?;
+        let (node, dir) = value.split_once(':')?;
+        Some(Self {
+            node: node.to_owned(),
+            dir: dir.to_owned(),
+        })
+    }
+
+    /// The annotation's value: `<node>:<directory>` (a node name has no colon).
+    pub fn annotation(&self) -> String {
+        format!("{}:{}", self.node, self.dir)
+    }
+
+    /// The directory as the cleanup removes it, when it is the machine's own: an absolute,
+    /// plain path (no empty, `.` or `..` element) ending in `<namespace>/<pod>` of `km`, on a
+    /// node whose name is a DNS subdomain. Otherwise why not.
+    pub fn removable(&self, km: &KVMMachine) -> Result<RemovableDir, String> {
+        let node_ok = !self.node.is_empty()
+            && self.node.len() <= MAX_SUBDOMAIN_LEN
+            && self
+                .node
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+            && self.node.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && self.node.ends_with(|c: char| c.is_ascii_alphanumeric());
+        if !node_ok {
+            return Err(format!("{:?} is not a node name", self.node));
+        }
+        let Some(rest) = self.dir.strip_prefix('/') else {
+            return Err(format!("{:?} is not an absolute path", self.dir));
+        };
+        let elements: Vec<&str> = rest.split('/').collect();
+        if elements
+            .iter()
+            .any(|e| e.is_empty() || *e == "." || *e == "..")
+        {
+            return Err(format!(
+                "{:?} is not a plain path (an empty, '.' or '..' element)",
+                self.dir
+            ));
+        }
+        if self.dir.len() > 4096 || self.dir.contains('\0') {
+            return Err(format!("{:?} is not a usable path", self.dir));
+        }
+        let ns = km.namespace().unwrap_or_else(|| "default".into());
+        let name = pod_name(km);
+        match elements.as_slice() {
+            [.., n, last] if *n == ns && *last == name => Ok(RemovableDir {
+                node: self.node.clone(),
+                parent: format!("/{}", elements[..elements.len() - 1].join("/")),
+                name,
+            }),
+            _ => Err(format!(
+                "{:?} is not the machine's own directory (it must end in /{ns}/{name})",
+                self.dir
+            )),
+        }
+    }
+}
+
+/// A directory the cleanup may remove: `<parent>/<name>` on `node`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemovableDir {
+    /// The node.
+    pub node: String,
+    /// The directory's parent (`<hostPath>/<namespace>`), the only thing mounted.
+    pub parent: String,
+    /// The directory's name in it (the machine Pod's name).
+    pub name: String,
+}
+
+impl RemovableDir {
+    /// The whole directory, as on the node.
+    pub fn path(&self) -> String {
+        format!("{}/{}", self.parent, self.name)
+    }
+}
+
+/// One cleanup Pod: its number and when the first one was made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attempt {
+    /// 1 for the first.
+    pub number: u32,
+    /// When the first attempt was made: the cleanup is given up [`GIVE_UP_AFTER`] later.
+    pub since: Timestamp,
+}
+
+impl Attempt {
+    /// The first attempt, made at `now`.
+    pub fn first(now: Timestamp) -> Self {
+        Self {
+            number: 1,
+            since: now,
+        }
+    }
+
+    /// The attempt after this one.
+    pub fn next(&self) -> Self {
+        Self {
+            number: self.number.saturating_add(1),
+            since: self.since,
+        }
+    }
+
+    /// The attempt a cleanup Pod is, from its annotations (else its creation).
+    pub fn of(pod: &Pod) -> Option<Self> {
+        let a = pod.annotations();
+        let created = pod.metadata.creation_timestamp.as_ref().map(|t| t.0);
+        Some(Self {
+            number: a.get(ATTEMPT_ANNOTATION)?.parse().ok()?,
+            since: a
+                .get(SINCE_ANNOTATION)
+                .and_then(|s| s.parse().ok())
+                .or(created)?,
+        })
+    }
+
+    /// Whether the cleanup has been tried for longer than [`GIVE_UP_AFTER`] at `now`.
+    pub fn expired(&self, now: Timestamp) -> bool {
+        now.duration_since(self.since).as_secs() > GIVE_UP_AFTER.as_secs() as i64
+    }
+
+    /// How long to wait after this attempt failed before the next: 5 s, doubled each time, at
+    /// most 80 s.
+    pub fn backoff(&self) -> Duration {
+        let doublings = self.number.saturating_sub(1).min(4);
+        Duration::from_secs(5 << doublings)
+    }
+}
+
+/// The name of a machine's cleanup Pod: `<kvmmachine>-etcd-cleanup`.
+pub fn pod_name_of(km: &KVMMachine) -> String {
+    bounded_name(&km.name_any(), "-etcd-cleanup", MAX_SUBDOMAIN_LEN)
+}
+
+/// The labels of a cleanup Pod: the cluster's, the machine's owner labels and the component,
+/// but not the machine role (a control-plane role would make it an apiserver endpoint).
+pub fn labels(km: &KVMMachine, cluster: &str) -> BTreeMap<String, String> {
+    let mut labels = owned_labels(cluster);
+    labels.extend(Owner::machine(km).labels());
+    labels.insert("app.kubernetes.io/component".into(), COMPONENT.into());
+    labels
+}
+
+/// The cleanup Pod removing `dir` of `km` (of cluster `cluster`), made in `home` where the
+/// machine Pod was, running `image` (the launcher's: it is on the node already, and has `rm`).
+pub fn cleanup_pod(
+    km: &KVMMachine,
+    cluster: &str,
+    home: &Home,
+    dir: &RemovableDir,
+    image: &str,
+    attempt: &Attempt,
+) -> Pod {
+    let resources = ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".to_owned(), Quantity("10m".into())),
+            ("memory".to_owned(), Quantity("16Mi".into())),
+        ])),
+        limits: Some(BTreeMap::from([(
+            "memory".to_owned(),
+            Quantity("64Mi".into()),
+        )])),
+        ..Default::default()
+    };
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(pod_name_of(km)),
+            namespace: Some(home.namespace.clone()),
+            labels: Some(labels(km, cluster)),
+            annotations: Some(BTreeMap::from([
+                (ATTEMPT_ANNOTATION.to_owned(), attempt.number.to_string()),
+                (SINCE_ANNOTATION.to_owned(), attempt.since.to_string()),
+                (
+                    ETCD_HOST_DIR_ANNOTATION.to_owned(),
+                    EtcdHostDir {
+                        node: dir.node.clone(),
+                        dir: dir.path(),
+                    }
+                    .annotation(),
+                ),
+            ])),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            // Bound to the node, past the scheduler: the data is there and nowhere else.
+            node_name: Some(dir.node.clone()),
+            // Whatever taints the node has now, this Pod must run there.
+            tolerations: Some(vec![Toleration {
+                operator: Some("Exists".into()),
+                ..Default::default()
+            }]),
+            restart_policy: Some("Never".into()),
+            active_deadline_seconds: Some(POD_DEADLINE_SECONDS),
+            termination_grace_period_seconds: Some(5),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            containers: vec![Container {
+                name: "remove".into(),
+                image: Some(image.to_owned()),
+                image_pull_policy: Some("IfNotPresent".into()),
+                command: Some(vec![
+                    "rm".into(),
+                    "-rf".into(),
+                    "--".into(),
+                    format!("{MOUNT_DIR}/{}", dir.name),
+                ]),
+                // The files were written by the privileged launcher: as root, with whatever
+                // labels (SELinux) a privileged container leaves; the same rights remove them.
+                security_context: Some(SecurityContext {
+                    privileged: Some(true),
+                    run_as_user: Some(0),
+                    ..Default::default()
+                }),
+                resources: Some(resources),
+                volume_mounts: Some(vec![mount("parent", MOUNT_DIR, false)]),
+                termination_message_policy: Some("FallbackToLogsOnError".into()),
+                ..Default::default()
+            }],
+            volumes: Some(vec![Volume {
+                name: "parent".into(),
+                host_path: Some(HostPathVolumeSource {
+                    path: dir.parent.clone(),
+                    // Only ever `<hostPath>/<namespace>`, which the machine Pod's own
+                    // DirectoryOrCreate made; recreated empty if someone removed it since.
+                    type_: Some("DirectoryOrCreate".into()),
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// Why a cleanup Pod failed, in words: the container's exit and message, or the Pod's reason
+/// (`DeadlineExceeded`, an eviction).
+pub fn failure(pod: &Pod) -> String {
+    let status = pod.status.clone().unwrap_or_default();
+    let exited = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .filter_map(|c| c.state.as_ref()?.terminated.as_ref())
+        .next()
+        .map(|t| {
+            format!(
+                "rm exited with code {}{}",
+                t.exit_code,
+                t.message
+                    .as_deref()
+                    .map(|m| format!(": {}", m.trim()))
+                    .unwrap_or_default()
+            )
+        });
+    let pod_reason = status.reason.map(|r| {
+        format!(
+            "{r}{}",
+            status
+                .message
+                .map(|m| format!(": {}", m.trim()))
+                .unwrap_or_default()
+        )
+    });
+    match (pod_reason, exited) {
+        (Some(r), Some(e)) => format!("{r}; {e}"),
+        (Some(r), None) => r,
+        (None, Some(e)) => e,
+        (None, None) => "phase Failed".into(),
+    }
+}
+
+/// When a failed cleanup Pod finished: its container's end, else its latest condition change,
+/// else its creation.
+pub fn finished_at(pod: &Pod) -> Option<Timestamp> {
+    let status = pod.status.as_ref();
+    let ended = status
+        .and_then(|s| s.container_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.state.as_ref()?.terminated.as_ref()?.finished_at.as_ref())
+        .map(|t| t.0)
+        .max();
+    let changed = status
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.last_transition_time.as_ref())
+        .map(|t| t.0)
+        .max();
+    ended
+        .or(changed)
+        .or_else(|| pod.metadata.creation_timestamp.as_ref().map(|t| t.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kvmmachine::testing::{kvm_machine, management};
+    use serde_json::json;
+
+    fn km() -> KVMMachine {
+        kvm_machine(
+            "demo-cp-x7k2p",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
+                   "etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/capk/etcd"}}),
+        )
+    }
+
+    fn dir(node: &str, dir: &str) -> EtcdHostDir {
+        EtcdHostDir {
+            node: node.into(),
+            dir: dir.into(),
+        }
+    }
+
+    #[test]
+    fn the_cleanup_pod_removes_the_machines_directory_on_its_node_and_nothing_else() {
+        let km = km();
+        let target = dir("mc-node-1", "/var/lib/capk/etcd/team-a/demo-cp-x7k2p")
+            .removable(&km)
+            .unwrap();
+        let since: Timestamp = "2026-11-23T10:00:00Z".parse().unwrap();
+        let pod = cleanup_pod(
+            &km,
+            "demo",
+            &management(),
+            &target,
+            "localhost/capk/capk-launcher:dev",
+            &Attempt::first(since),
+        );
+        insta::assert_yaml_snapshot!(pod);
+        let back = Attempt::of(&pod).unwrap();
+        assert_eq!(back, Attempt::first(since));
+        assert_eq!(back.next().number, 2);
+        assert_eq!(back.next().since, since);
+    }
+
+    #[test]
+    fn only_a_hostpath_volume_of_a_pod_on_a_node_is_recorded() {
+        let pod = |spec: serde_json::Value| -> Pod {
+            serde_json::from_value(json!({"metadata": {"name": "m"}, "spec": spec})).unwrap()
+        };
+        let host = json!({"name": "etcd", "hostPath": {"path": "/srv/etcd/team-a/m"}});
+        assert_eq!(
+            EtcdHostDir::of_pod(&pod(
+                json!({"nodeName": "n1", "containers": [], "volumes": [host]})
+            )),
+            Some(dir("n1", "/srv/etcd/team-a/m"))
+        );
+        // Not scheduled: no node, nothing to clean.
+        assert_eq!(
+            EtcdHostDir::of_pod(&pod(json!({"containers": [], "volumes": [host]}))),
+            None
+        );
+        for other in [
+            json!({"name": "etcd", "emptyDir": {}}),
+            json!({"name": "etcd", "persistentVolumeClaim": {"claimName": "m-etcd"}}),
+            json!({"name": "hostvol-data", "hostPath": {"path": "/srv/data"}}),
+        ] {
+            let p = pod(json!({"nodeName": "n1", "containers": [], "volumes": [other]}));
+            assert_eq!(EtcdHostDir::of_pod(&p), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn the_record_round_trips_through_the_annotation() {
+        let mut km = km();
+        let d = dir("mc-node-1", "/var/lib/capk/etcd/team-a/demo-cp-x7k2p");
+        km.metadata.annotations = Some(BTreeMap::from([(
+            ETCD_HOST_DIR_ANNOTATION.to_owned(),
+            d.annotation(),
+        )]));
+        assert_eq!(EtcdHostDir::recorded(&km), Some(d));
+    }
+
+    #[test]
+    fn nothing_but_the_machines_own_plain_directory_is_removable() {
+        let km = km();
+        let ok = dir("mc-node-1", "/var/lib/capk/etcd/team-a/demo-cp-x7k2p")
+            .removable(&km)
+            .unwrap();
+        assert_eq!(ok.parent, "/var/lib/capk/etcd/team-a");
+        assert_eq!(ok.path(), "/var/lib/capk/etcd/team-a/demo-cp-x7k2p");
+        // hostPath "/": the parent is the namespace's directory, never "/".
+        let root = dir("n", "/team-a/demo-cp-x7k2p").removable(&km).unwrap();
+        assert_eq!(root.parent, "/team-a");
+        for (bad, why) in [
+            ("/", "not a plain path"),
+            ("/var/lib/capk/etcd", "not the machine's own"),
+            ("/var/lib/capk/etcd/team-a", "not the machine's own"),
+            (
+                "/var/lib/capk/etcd/team-b/demo-cp-x7k2p",
+                "not the machine's own",
+            ),
+            ("/var/lib/capk/etcd/team-a/other", "not the machine's own"),
+            ("/team-a/../team-a/demo-cp-x7k2p", "not a plain path"),
+            ("/var/./team-a/demo-cp-x7k2p", "not a plain path"),
+            ("/var//team-a/demo-cp-x7k2p", "not a plain path"),
+            ("/var/team-a/demo-cp-x7k2p/", "not a plain path"),
+            ("var/team-a/demo-cp-x7k2p", "not an absolute path"),
+            ("", "not an absolute path"),
+        ] {
+            let err = dir("n", bad).removable(&km).unwrap_err();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+        for node in ["", "Node", "a b", "n;rm", "-n", "n/1"] {
+            let err = dir(node, "/team-a/demo-cp-x7k2p")
+                .removable(&km)
+                .unwrap_err();
+            assert!(err.contains("not a node name"), "{node}: {err}");
+        }
+    }
+
+    #[test]
+    fn retries_back_off_and_the_cleanup_is_bounded() {
+        let t0: Timestamp = "2026-11-23T10:00:00Z".parse().unwrap();
+        let first = Attempt::first(t0);
+        let waits: Vec<u64> = std::iter::successors(Some(first.clone()), |a| Some(a.next()))
+            .take(7)
+            .map(|a| a.backoff().as_secs())
+            .collect();
+        assert_eq!(waits, [5, 10, 20, 40, 80, 80, 80]);
+        let at = |secs: i64| t0 + k8s_openapi::jiff::SignedDuration::from_secs(secs);
+        assert!(!first.expired(at(599)));
+        assert!(first.expired(at(601)));
+        assert!(!first.expired(at(-700)), "a clock behind is not expiry");
+    }
+
+    #[test]
+    fn a_failure_says_why() {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "m-etcd-cleanup"},
+            "status": {"phase": "Failed", "containerStatuses": [{"name": "remove",
+                "ready": false, "restartCount": 0, "image": "i", "imageID": "",
+                "state": {"terminated": {"exitCode": 1,
+                    "message": "rm: cannot remove 'x': Read-only file system\n",
+                    "finishedAt": "2026-11-23T10:00:07Z"}}}]}}))
+        .unwrap();
+        assert_eq!(
+            failure(&pod),
+            "rm exited with code 1: rm: cannot remove 'x': Read-only file system"
+        );
+        assert_eq!(
+            finished_at(&pod),
+            Some("2026-11-23T10:00:07Z".parse().unwrap())
+        );
+        let deadline: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "m-etcd-cleanup"},
+            "status": {"phase": "Failed", "reason": "DeadlineExceeded",
+                       "message": "Pod was active on the node longer than the specified deadline"}}))
+        .unwrap();
+        assert!(failure(&deadline).starts_with("DeadlineExceeded: Pod was active"));
+    }
+}
