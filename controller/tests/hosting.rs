@@ -403,6 +403,23 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
                 .is_none(),
         "nothing of the machine in the management cluster"
     );
+    // On a node of the hosting cluster (as its scheduler binds it): the machine's hostPath etcd
+    // data is there, and is removed from there when the machine goes.
+    let node: k8s_openapi::api::core::v1::Node =
+        serde_json::from_value(json!({"metadata": {"name": "hosting-node-1"}}))?;
+    Api::<k8s_openapi::api::core::v1::Node>::all(hosting.admin.clone())
+        .create(&PostParams::default(), &node)
+        .await?;
+    let binding = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "demo-cp-0"},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "hosting-node-1"}});
+    hosted_pods
+        .create_subresource::<Value, Value>(
+            "binding",
+            "demo-cp-0",
+            &PostParams::default(),
+            &binding,
+        )
+        .await?;
     run_pod(&hosted_pods, "demo-cp-0", "10.240.0.7").await?;
     eventually(60, "KVMMachine Ready from the hosted Pod", || async {
         let km = kms.get("demo-cp-0").await?;
@@ -471,8 +488,70 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
     );
     assert!(hosted_services.get_opt("demo-apiserver").await?.is_some());
     kms.delete("demo-cp-0", &DeleteParams::default()).await?;
+    // The test is the hosting cluster's kubelet: it confirms the machine Pod's deletion, then
+    // runs the etcd cleanup Pod, which is made there, on the machine's node, owned by labels.
+    eventually(30, "the hosted machine Pod being deleted", || async {
+        let pod = hosted_pods.get_opt("demo-cp-0").await?;
+        Ok(pod
+            .is_none_or(|p| p.metadata.deletion_timestamp.is_some())
+            .then_some(()))
+    })
+    .await?;
+    let _ = hosted_pods
+        .delete(
+            "demo-cp-0",
+            &DeleteParams {
+                grace_period_seconds: Some(0),
+                ..Default::default()
+            },
+        )
+        .await;
+    let cleanup = eventually(
+        30,
+        "the etcd cleanup Pod in the hosting cluster",
+        || async { Ok(hosted_pods.get_opt("demo-cp-0-etcd-cleanup").await?) },
+    )
+    .await?;
+    assert_eq!(cleanup.metadata.owner_references, None);
+    let labels = labels_of(&cleanup.metadata);
+    assert_eq!(
+        labels["infrastructure.cluster.x-k8s.io/owner-namespace"],
+        ns
+    );
+    assert_eq!(
+        labels["infrastructure.cluster.x-k8s.io/kvmmachine"],
+        "demo-cp-0"
+    );
+    let spec = cleanup.spec.clone().unwrap_or_default();
+    assert_eq!(spec.node_name.as_deref(), Some("hosting-node-1"));
+    assert_eq!(
+        spec.volumes.unwrap_or_default()[0]
+            .host_path
+            .as_ref()
+            .map(|h| h.path.as_str()),
+        Some("/var/lib/capk-etcd/hosted"),
+        "the parent of the machine Pod's own directory"
+    );
+    assert!(
+        Api::<Pod>::namespaced(mc.clone(), ns)
+            .get_opt("demo-cp-0-etcd-cleanup")
+            .await?
+            .is_none(),
+        "no cleanup Pod in the management cluster"
+    );
+    hosted_pods
+        .patch_status(
+            "demo-cp-0-etcd-cleanup",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": {"phase": "Succeeded"}})),
+        )
+        .await?;
     eventually(60, "everything gone from the hosting cluster", || async {
         let gone = kms.get_opt("demo-cp-0").await?.is_none()
+            && hosted_pods
+                .get_opt("demo-cp-0-etcd-cleanup")
+                .await?
+                .is_none()
             && kcs.get_opt("demo").await?.is_none()
             && hosted_pods.get_opt("demo-cp-0").await?.is_none()
             && hosted_secrets
