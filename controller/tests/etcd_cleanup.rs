@@ -328,3 +328,34 @@ async fn emptydir_etcd_storage_gets_no_cleanup_pod() -> Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn a_namespace_being_deleted_does_not_hold_the_deletion() -> Result<()> {
+    let ns = "etcd-cleanup-ns-deleted";
+    let (client, _stop) = setup(ns).await?;
+    create_node(&client, "etcd-node-4").await?;
+    control_plane_machine(&client, ns, "demo-cp-4", CLOUD_CONFIG).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    schedule(&pods, "demo-cp-4", "etcd-node-4").await?;
+    eventually(30, "the etcd directory recorded", || async {
+        let km = kms.get("demo-cp-4").await?;
+        Ok(km
+            .annotations()
+            .contains_key("infrastructure.cluster.x-k8s.io/etcd-host-dir")
+            .then_some(()))
+    })
+    .await?;
+    // No namespace controller runs here: the namespace stays Terminating, and the apiserver
+    // refuses every new object in it, the cleanup Pod included.
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .delete(ns, &DeleteParams::default())
+        .await?;
+    delete_machine(&kms, &pods, "demo-cp-4").await?;
+    eventually(30, "KVMMachine gone", || async {
+        Ok(kms.get_opt("demo-cp-4").await?.is_none().then_some(()))
+    })
+    .await?;
+    assert!(pods.get_opt("demo-cp-4-etcd-cleanup").await?.is_none());
+    Ok(())
+}

@@ -318,6 +318,30 @@ pub fn cleanup_pod(
     }
 }
 
+/// Why the apiserver refused a cleanup Pod for good, if it did: the namespace is being deleted
+/// (no Pod can be made there any more), or admission, a quota or RBAC refuse it (403, 422, ...).
+/// `None` for what passes by itself: a conflict, throttling, a server error.
+pub fn refusal(status: &kube::core::Status, namespace: &str) -> Option<String> {
+    let terminating = status
+        .details
+        .as_ref()
+        .is_some_and(|d| d.causes.iter().any(|c| c.reason == "NamespaceTerminating"));
+    if status.code == 403 && terminating {
+        return Some(format!(
+            "namespace {namespace} is being deleted, so no cleanup Pod can run there (delete \
+             Clusters before their namespace)"
+        ));
+    }
+    if (400..500).contains(&status.code) && ![409, 429].contains(&status.code) {
+        return Some(format!(
+            "the cleanup Pod was refused (HTTP {}): {}",
+            status.code,
+            crate::redact::untrusted_message(&status.message)
+        ));
+    }
+    None
+}
+
 /// Why a cleanup Pod failed, in words: the container's exit and message, or the Pod's reason
 /// (`DeadlineExceeded`, an eviction).
 pub fn failure(pod: &Pod) -> String {
@@ -510,6 +534,33 @@ mod tests {
         assert!(!first.expired(at(599)));
         assert!(first.expired(at(601)));
         assert!(!first.expired(at(-700)), "a clock behind is not expiry");
+    }
+
+    #[test]
+    fn only_a_lasting_refusal_gives_the_cleanup_up() {
+        let status = |code: u16, causes: serde_json::Value| -> kube::core::Status {
+            serde_json::from_value(json!({"status": "Failure", "code": code,
+                "message": "pods \"m-etcd-cleanup\" is forbidden: violates PodSecurity",
+                "details": {"causes": causes}}))
+            .unwrap()
+        };
+        let terminating = json!([{"reason": "NamespaceTerminating",
+            "message": "namespace team-a is being terminated", "field": "metadata.namespace"}]);
+        let why = refusal(&status(403, terminating), "team-a").unwrap();
+        assert!(why.contains("namespace team-a is being deleted"), "{why}");
+        let why = refusal(&status(403, json!([])), "team-a").unwrap();
+        assert!(
+            why.contains("HTTP 403") && why.contains("PodSecurity"),
+            "{why}"
+        );
+        assert!(refusal(&status(422, json!([])), "team-a").is_some());
+        for passing in [409, 429, 500, 503] {
+            assert_eq!(
+                refusal(&status(passing, json!([])), "team-a"),
+                None,
+                "{passing}"
+            );
+        }
     }
 
     #[test]

@@ -883,13 +883,11 @@ async fn create_cleanup_pod(
         Ok(_) => {}
         // Made meanwhile (a second reconcile): it is looked at next time.
         Err(kube::Error::Api(s)) if s.code == 409 => {}
-        Err(kube::Error::Api(s)) if is_namespace_terminating(&s) => {
+        // Refused for good (the namespace is being deleted, admission, quota, RBAC): retrying
+        // would hold the deletion forever.
+        Err(kube::Error::Api(s)) if etcd_cleanup::refusal(&s, &there.home.namespace).is_some() => {
+            let why = etcd_cleanup::refusal(&s, &there.home.namespace).unwrap_or_default();
             forget_etcd_dir(api, km).await?;
-            let why = format!(
-                "namespace {} is being deleted, so no cleanup Pod can run there (delete Clusters \
-                 before their namespace)",
-                there.home.namespace
-            );
             give_up(ctx, km, &dir.node, &dir.path(), &why).await;
             return Ok(Action::await_change());
         }
@@ -930,14 +928,6 @@ async fn forget_etcd_dir(api: &Api<KVMMachine>, km: &KVMMachine) -> Result<()> {
         json!({"metadata": {"annotations": {etcd_cleanup::ETCD_HOST_DIR_ANNOTATION: null}}});
     report::merge_patch(api, km, "KVMMachine", &patch).await?;
     Ok(())
-}
-
-/// Whether a refused create says the namespace is being deleted.
-fn is_namespace_terminating(s: &kube::core::Status) -> bool {
-    s.code == 403
-        && s.details
-            .as_ref()
-            .is_some_and(|d| d.causes.iter().any(|c| c.reason == "NamespaceTerminating"))
 }
 
 /// Whether Node `name` is known not to exist. Unknown (a hosting cluster's credential may not
