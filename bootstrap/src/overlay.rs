@@ -29,6 +29,12 @@ use crate::{content, v3};
 pub const ETCD_MOUNT_PATH: &str = "/var/lib/etcd";
 /// The etcd filesystem's label; Ignition reuses an existing filesystem only if it matches.
 pub const ETCD_LABEL: &str = "capk-etcd";
+/// Empties a freshly formatted etcd disk for kubeadm: mkfs.ext4 leaves `lost+found`, and `kubeadm
+/// init`/`join` refuse a non-empty etcd data directory (preflight `DirAvailable--var-lib-etcd`).
+/// `rmdir` removes only an empty directory, so nothing fsck recovered is ever lost.
+pub const ETCD_DISK_EMPTY_UNIT: &str = "capk-etcd-disk-empty.service";
+/// The bootstrap units that run kubeadm: CABPK Ignition's and capk-bootstrap's runcmd.
+const KUBEADM_UNITS: &str = "kubeadm.service capk-runcmd.service";
 /// The overlay's timesyncd drop-in (sorts after the cloud-config one).
 pub const NTP_DROPIN: &str = "/etc/systemd/timesyncd.conf.d/60-capk-machine.conf";
 /// The overlay's resolved drop-in.
@@ -277,6 +283,21 @@ impl MachineOverlay {
                 Some(ETCD_LABEL),
                 false,
             )?;
+            let mount = mount_unit_name(ETCD_MOUNT_PATH).expect("a valid constant path");
+            let unit = format!(
+                "[Unit]\n\
+                 Description=Empty the new etcd disk for kubeadm (mkfs's lost+found)\n\
+                 Requires={mount}\n\
+                 After={mount}\n\
+                 Before={KUBEADM_UNITS}\n\
+                 ConditionPathExists={ETCD_MOUNT_PATH}/lost+found\n\n\
+                 [Service]\n\
+                 Type=oneshot\n\
+                 ExecStart=/usr/bin/rmdir {ETCD_MOUNT_PATH}/lost+found\n\n\
+                 [Install]\n\
+                 WantedBy=multi-user.target\n"
+            );
+            v3::units(&mut out).push(v3::unit(ETCD_DISK_EMPTY_UNIT, Some(unit), true));
         }
 
         for v in &self.host_volumes {
