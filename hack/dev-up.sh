@@ -14,9 +14,10 @@
 # cluster whose control-plane VM boots (hack/dev/sample.sh; CAPK_DEV_SAMPLE=0 skips it).
 #
 # Network: the apiserver and kubelet listen on the node bridge's address (capk0, 10.240.0.1), the
-# rest on loopback. Pods get routes to their own subnet and the service range only, the CNI does no
-# masquerading, and iptables chains of our own drop anything forwarded off the bridge and anything
-# arriving from outside for the pod or service ranges.
+# rest on loopback. Pods get a default route to the node, as on any real cluster (kubeadm, the
+# kubelet and flannel in a VM pick their address from it), but the CNI does no masquerading and
+# iptables chains of our own drop anything forwarded off the bridge and anything arriving from
+# outside for the pod or service ranges: nothing leaves this machine.
 set -euo pipefail
 # shellcheck source=dev/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/dev/lib.sh"
@@ -160,7 +161,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   [plugins."io.containerd.grpc.v1.cri".registry]
     config_path = "$DEV/containerd/certs.d"
 EOF
-# Bridge CNI: no masquerade, no default route (pods reach their subnet, the node and services).
+# Bridge CNI: no masquerade; the default route leads to the node, whose chains above forward only
+# bridge to bridge (pods reach their subnet, the node and services, nothing beyond).
 write_config "$DEV/cni/net.d/10-capk-dev.conflist" containerd <<EOF
 {
   "cniVersion": "1.0.0",
@@ -177,7 +179,7 @@ write_config "$DEV/cni/net.d/10-capk-dev.conflist" containerd <<EOF
         "type": "host-local",
         "dataDir": "$DEV/cni/ipam",
         "ranges": [[{ "subnet": "$POD_CIDR", "gateway": "$NODE_IP" }]],
-        "routes": [{ "dst": "$SERVICE_CIDR" }]
+        "routes": [{ "dst": "0.0.0.0/0" }]
       }
     }
   ]

@@ -12,7 +12,7 @@ LOGS=$DEV/logs
 
 NODE_NAME=capk-dev
 # The node's bridge: its address is the node IP, the apiserver's advertise/bind address and the
-# pods' gateway. It exists only on this machine; pods get no default route.
+# pods' gateway. It exists only on this machine; pods' default route ends at it (see dev-up.sh's chains).
 BRIDGE=capk0
 NODE_IP=10.240.0.1
 POD_CIDR=10.240.0.0/24
