@@ -250,6 +250,11 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
             ("WORKER_MACHINE_MEMORY", "1536Mi"),
             ("VOLUME_SIZE_GB", "8"),
             ("DOCKER_VOLUME_SIZE_GB", "4"),
+            // Emulated control planes renew leases slowly: the controller-manager lost its
+            // lease in a loop with Kubernetes' defaults (15s/10s/2s) and never ran a DaemonSet.
+            ("KUBE_LEADER_ELECT_LEASE_DURATION", "60s"),
+            ("KUBE_LEADER_ELECT_RENEW_DEADLINE", "40s"),
+            ("KUBE_LEADER_ELECT_RETRY_PERIOD", "5s"),
         ],
     )?;
     // The worker's template shares a directory of the MC node with the guest.
