@@ -328,15 +328,20 @@ fn machine_up(e: &E2e, machine: &Value) -> Result<Option<String>> {
     Ok(Some(km_name.to_owned()))
 }
 
-fn scale_workers(e: &E2e, replicas: usize) -> Result<Vec<String>> {
+/// `kubectl scale machinedeployment <cluster>-md-0`, as a user does.
+fn scale_machine_deployment(e: &E2e, replicas: usize) -> Result<String> {
     e.kubectl(&[
         "-n",
         ns(),
         "scale",
         "machinedeployment",
-        "e2e-md-0",
+        &format!("{CLUSTER}-md-0"),
         &format!("--replicas={replicas}"),
-    ])?;
+    ])
+}
+
+fn scale_workers(e: &E2e, replicas: usize) -> Result<Vec<String>> {
+    scale_machine_deployment(e, replicas)?;
     wait_workers(e, replicas)
 }
 

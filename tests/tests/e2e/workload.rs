@@ -297,14 +297,7 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
         let km = e.json(&["-n", ns(), "get", "kvmmachine", &cp])?;
         Ok(condition_true(&km, "BootstrapCompleted").then_some(()))
     })?;
-    e.kubectl(&[
-        "-n",
-        ns(),
-        "scale",
-        "machinedeployment",
-        &format!("{CLUSTER}-md-0"),
-        "--replicas=1",
-    ])?;
+    scale_machine_deployment(e, 1)?;
     let w = Workload::fetch(e)?;
     let nodes = wait("both Nodes Ready", NODE_READY, || {
         let ready = ready_nodes(&w, e)?;
@@ -616,16 +609,7 @@ fn wait_ready_workers(e: &E2e, w: &Workload, n: usize, what: &str) -> Result<Vec
 /// nothing of its machine is left in the management cluster.
 fn scale_workers_through_nodes(e: &E2e, w: &Workload, cp: &str) -> Result<()> {
     let before = worker_nodes(w, e)?;
-    let scale = |n: usize| {
-        e.kubectl(&[
-            "-n",
-            ns(),
-            "scale",
-            "machinedeployment",
-            &format!("{CLUSTER}-md-0"),
-            &format!("--replicas={n}"),
-        ])
-    };
+    let scale = |n: usize| scale_machine_deployment(e, n);
     let started = Instant::now();
     scale(2)?;
     let two = wait_ready_workers(e, w, 2, "2 worker Nodes Ready")?;
