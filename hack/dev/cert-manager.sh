@@ -177,7 +177,7 @@ for n in "${NAMES[@]}"; do
   "${BUILDAH[@]}" push --quiet "$img" "oci-archive:$d/image.oci.tar:$img" >/dev/null
   ctr_k8s images import --base-name "${img%:*}" "$d/image.oci.tar" >/dev/null
   rm -rf "$d"
-  ctr_k8s images ls -q | grep -qxF "$img" || die "import did not produce $img"
+  ctr_has_image "$img" || die "import did not produce $img"
   log "image $img built and imported in $((SECONDS - start))s"
 done
 

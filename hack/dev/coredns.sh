@@ -19,7 +19,7 @@ bash "$ROOT/hack/build-addons.sh" coredns >&2
 IMAGE=localhost/capk/coredns:$COREDNS_VERSION
 # The image is relabelled by the binary's digest: a rebuilt binary is imported again.
 digest=$(sha256sum "$BIN/coredns" | cut -c1-16)
-if ! ctr_k8s images ls "name==$IMAGE" 2>/dev/null | grep -q "capk.binary=$digest"; then
+if ! ctr_has_image "$IMAGE" "name==$IMAGE,labels.\"capk.binary\"==$digest" 2>/dev/null; then
   work=$DEV/images/coredns
   rm -rf "$work"
   mkdir -p "$work/rootfs/etc/coredns"

@@ -97,7 +97,7 @@ tree_hash() {
 import() {
   local src=$1 dst=$2 key=$3 archive
   ((IMPORT)) || return 0
-  if ctr_k8s images ls -q "name==$dst,labels.\"$LABEL\"==$key" | grep -qxF "$dst"; then
+  if ctr_has_image "$dst" "name==$dst,labels.\"$LABEL\"==$key"; then
     log "containerd has $dst"
     return 0
   fi
@@ -108,7 +108,7 @@ import() {
   ctr_k8s images import "$archive" >/dev/null
   rm -f "$archive"
   ctr_k8s images label "$dst" "$LABEL=$key" >/dev/null
-  ctr_k8s images ls -q "name==$dst,labels.\"$LABEL\"==$key" | grep -qxF "$dst" || die "import did not produce $dst"
+  ctr_has_image "$dst" "name==$dst,labels.\"$LABEL\"==$key" || die "import did not produce $dst"
   log "imported $dst into containerd in $((SECONDS - start))s"
 }
 

@@ -165,6 +165,17 @@ write_config() {
 kc() { "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
 ctr_k8s() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
 
+# ctr_has_image NAME [FILTER...]: whether containerd (k8s.io) lists NAME (among the images FILTER
+# selects). The list is read in full before it is searched: `ctr … | grep -q` under pipefail
+# fails when grep exits at the first match and ctr then dies of SIGPIPE, so a present image
+# looked missing.
+ctr_has_image() {
+  local name=$1 list
+  shift
+  list=$(ctr_k8s images ls -q "$@") || return 1
+  grep -qxF -- "$name" <<<"$list"
+}
+
 # oci_image_import NAME WORK CONFIG_OBJECT CREATED_BY: packs WORK/rootfs as the one layer of an OCI
 # image named NAME (reproducible tar: fixed order, owner and mtime), whose image config's "config"
 # is the JSON CONFIG_OBJECT (e.g. '{"Entrypoint":["/x"]}') and whose history says CREATED_BY, and
@@ -187,5 +198,5 @@ oci_image_import() {
   echo '{"imageLayoutVersion":"1.0.0"}' >"$work/oci/oci-layout"
   tar -C "$work/oci" -cf "$work/image.tar" .
   ctr_k8s images import "$work/image.tar" >/dev/null
-  ctr_k8s images ls -q | grep -qxF "$name" || die "import did not produce $name"
+  ctr_has_image "$name" || die "import did not produce $name"
 }

@@ -26,7 +26,7 @@ bash "$ROOT/images/node/build.sh"
 # shellcheck disable=SC1090
 source "$NODE_ENV"
 
-if ctr_k8s images ls -q | grep -qxF "$CAPK_NODE_IMAGE"; then
+if ctr_has_image "$CAPK_NODE_IMAGE"; then
   log "containerd has $CAPK_NODE_IMAGE"
 else
   start=$SECONDS
@@ -35,7 +35,7 @@ else
   "${BUILDAH[@]}" push --quiet "$CAPK_NODE_IMAGE" "docker-archive:$archive:$CAPK_NODE_IMAGE" >/dev/null
   ctr_k8s images import "$archive" >/dev/null
   rm -f "$archive"
-  ctr_k8s images ls -q | grep -qxF "$CAPK_NODE_IMAGE" || die "import did not produce $CAPK_NODE_IMAGE"
+  ctr_has_image "$CAPK_NODE_IMAGE" || die "import did not produce $CAPK_NODE_IMAGE"
   log "imported $CAPK_NODE_IMAGE into containerd in $((SECONDS - start))s"
 fi
 

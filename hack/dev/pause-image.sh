@@ -8,7 +8,7 @@ set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-if ctr_k8s images ls -q | grep -qxF "$PAUSE_IMAGE"; then
+if ctr_has_image "$PAUSE_IMAGE"; then
   log "pause image $PAUSE_IMAGE already in containerd"
   exit 0
 fi

@@ -60,7 +60,8 @@ fi
 for a in "${ALIASES[@]}"; do "${BUILDAH[@]}" tag "$IMAGE" "$a"; done
 
 if [[ -S $CONTAINERD_SOCK ]] && ctr --address "$CONTAINERD_SOCK" version >/dev/null 2>&1; then
-  if ! ctr --address "$CONTAINERD_SOCK" -n k8s.io images ls -q | grep -qxF "$IMAGE"; then
+  # The list is read before grep: `ctr … | grep -q` fails under pipefail when ctr gets SIGPIPE.
+  if ! grep -qxF "$IMAGE" <<<"$(ctr --address "$CONTAINERD_SOCK" -n k8s.io images ls -q)"; then
     rm -f "$WORK/base.oci.tar"
     "${BUILDAH[@]}" push "$IMAGE" "oci-archive:$WORK/base.oci.tar:$IMAGE" >/dev/null
     ctr --address "$CONTAINERD_SOCK" -n k8s.io images import --base-name localhost/capk/debian-base "$WORK/base.oci.tar"
