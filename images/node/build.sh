@@ -195,6 +195,10 @@ for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount "${mounted[i]}"; done
 mounted=()
 lsinitrd_modules=$(grep -c 'Including module' "$WORK/dracut.log" || true)
 grep -q "Including module: ignition" "$WORK/dracut.log" || die "dracut did not include Ignition's module (log $WORK/dracut.log)"
+initrd_files=$(cd "$R/boot" && cpio -it --quiet <initrd.cpio)
+for f in etc/systemd/system/ignition-disks.service.d/10-capk-gomaxprocs.conf etc/systemd/journald.conf.d/10-capk-console.conf; do
+  grep -qxF "$f" <<<"$initrd_files" || die "the initramfs lacks $f (dracut/50capk's install())"
+done
 # zstd: a third of the size for SYSLINUX to read through BIOS calls, and fast to unpack under TCG.
 zstd -q -f -10 -T0 "$R/boot/initrd.cpio" -o "$WORK/initrd.img"
 rm -f "$R/boot/initrd.cpio" "$R/boot/initrd.img-"*
