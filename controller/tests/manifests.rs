@@ -918,6 +918,64 @@ fn kubeadm_documents(config: &Value) -> Result<BTreeMap<String, Value>> {
         .collect())
 }
 
+/// The kubeadm configuration documents of a cloud-config node as capk-bootstrap converts them:
+/// CABPK's `/run/kubeadm/kubeadm.yaml` (init) or `kubeadm-join-config.yaml` (join), by kind.
+fn cloud_config_kubeadm_documents(config: &Value) -> Result<BTreeMap<String, Value>> {
+    let kubeadm_yaml = config["storage"]["files"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|f| {
+            f["path"]
+                .as_str()
+                .is_some_and(|p| p.contains("/run/kubeadm/kubeadm"))
+        })
+        .context("no /run/kubeadm/kubeadm*.yaml")?;
+    Ok(docs(&inline_text(kubeadm_yaml)?)?
+        .into_iter()
+        .map(|d| (d["kind"].as_str().unwrap_or_default().to_owned(), d))
+        .collect())
+}
+
+/// The kubeadm documents the node of `role` gets from `objects`, whichever format CABPK wrote.
+fn node_kubeadm_documents(objects: &str, role: Role) -> Result<BTreeMap<String, Value>> {
+    let (format, data) = cabpk_bootstrap(objects, role)?;
+    let config = boot_ignition(format, &data, role)?;
+    match format {
+        BootstrapFormat::CloudConfig => cloud_config_kubeadm_documents(&config),
+        BootstrapFormat::Ignition => kubeadm_documents(&config),
+    }
+}
+
+/// The leader-election flags kubeadm gives the controller-manager and the scheduler, in order
+/// (lease duration, renew deadline, retry period).
+fn assert_leader_election(kubeadm: &BTreeMap<String, Value>, want: [&str; 3], what: &str) {
+    let cluster = &kubeadm["ClusterConfiguration"];
+    for component in ["controllerManager", "scheduler"] {
+        let args = &cluster[component]["extraArgs"];
+        let got: BTreeMap<&str, &str> = args
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|a| Some((a["name"].as_str()?, a["value"].as_str()?)))
+            .collect();
+        for (flag, value) in [
+            "leader-elect-lease-duration",
+            "leader-elect-renew-deadline",
+            "leader-elect-retry-period",
+        ]
+        .into_iter()
+        .zip(want)
+        {
+            assert_eq!(
+                got.get(flag).copied(),
+                Some(value),
+                "{what}: {component} --{flag}: {args}"
+            );
+        }
+    }
+}
+
 /// kubeadm's timeouts as the flavors set them, in kubeadm's own notation.
 fn assert_timeouts(kubeadm: &BTreeMap<String, Value>, role: Role, want: &[(&str, &str)]) {
     let kind = match role {
@@ -1178,21 +1236,7 @@ fn node_image_flavors_boot_the_image_and_download_nothing() -> Result<()> {
             "{role:?}: {}",
             config["storage"]["links"]
         );
-        let kubeadm_yaml = config["storage"]["files"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|f| {
-                f["path"]
-                    .as_str()
-                    // kubeadm.yaml (init), kubeadm-join-config.yaml (join), staged from /run.
-                    .is_some_and(|p| p.contains("/run/kubeadm/kubeadm"))
-            })
-            .context("no /run/kubeadm/kubeadm*.yaml")?;
-        let kubeadm: BTreeMap<String, Value> = docs(&inline_text(kubeadm_yaml)?)?
-            .into_iter()
-            .map(|d| (d["kind"].as_str().unwrap_or_default().to_owned(), d))
-            .collect();
+        let kubeadm = cloud_config_kubeadm_documents(&config)?;
         assert_timeouts(&kubeadm, role, &default_timeouts(role));
         let kind = if role == Role::Init {
             "InitConfiguration"
@@ -1293,6 +1337,62 @@ fn node_image_flavors_boot_the_image_and_download_nothing() -> Result<()> {
         assert_eq!(remote_sources(&config), Vec::<String>::new(), "{role:?}");
         assert_timeouts(&kubeadm_documents(&config)?, role, &default_timeouts(role));
     }
+    Ok(())
+}
+
+/// KUBE_LEADER_ELECT_* reach the controller-manager's and scheduler's flags on the first control
+/// plane in every flavor and in the ClusterClass, with Kubernetes' own values as defaults.
+#[test]
+fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result<()> {
+    const TCG: [(&str, &str); 3] = [
+        ("KUBE_LEADER_ELECT_LEASE_DURATION", "60s"),
+        ("KUBE_LEADER_ELECT_RENEW_DEADLINE", "40s"),
+        ("KUBE_LEADER_ELECT_RETRY_PERIOD", "5s"),
+    ];
+    for flavor in [
+        "cluster-template.yaml",
+        "cluster-template-ignition.yaml",
+        "cluster-template-node-image.yaml",
+    ] {
+        for (vars, want) in [
+            (&[][..], ["15s", "10s", "2s"]),
+            (&TCG[..], ["60s", "40s", "5s"]),
+        ] {
+            let mut env = vec![("KVM_NODE_IMAGE", NODE_IMAGE)];
+            env.extend_from_slice(vars);
+            let rendered = generate_flavor(flavor, &env)?;
+            let what = format!("{flavor} {vars:?}");
+            assert_leader_election(
+                &node_kubeadm_documents(&rendered, Role::Init).context(what.clone())?,
+                want,
+                &what,
+            );
+        }
+    }
+    let version = kubernetes_version();
+    let cluster = docs(&generate_flavor("cluster-template-topology.yaml", &[])?)?
+        .into_iter()
+        .next()
+        .context("the Cluster")?;
+    let mut env = vec![("NAMESPACE", FLAVOR_NS)];
+    env.extend_from_slice(&TCG);
+    let class = docs(&clusterctl(
+        &[
+            "generate",
+            "yaml",
+            "--from",
+            &release_dir()?
+                .join("clusterclass-kvm.yaml")
+                .to_string_lossy(),
+        ],
+        &env,
+    )?)?;
+    let objects = topology_objects(&class, &cluster, &version)?;
+    assert_leader_election(
+        &node_kubeadm_documents(&objects, Role::Init)?,
+        ["60s", "40s", "5s"],
+        "clusterclass-kvm.yaml",
+    );
     Ok(())
 }
 
