@@ -56,9 +56,22 @@ pub enum ProbeError {
     /// An answer, but not 200: the apiserver is not ready (or not an apiserver).
     #[error("/readyz answered HTTP {0}")]
     Status(u16),
-    /// Nothing within [`PROBE_TIMEOUT`]: a frozen VM, a hung apiserver.
+    /// No connection within [`PROBE_TIMEOUT`]: a frozen VM, a guest that does not answer at all.
     #[error("no answer within {}s", PROBE_TIMEOUT.as_secs())]
     Timeout,
+    /// The connection was accepted, but no answer came within [`PROBE_TIMEOUT`]: the guest runs,
+    /// its apiserver is hung or too slow (an emulated guest under load).
+    #[error("connected, no answer within {}s", PROBE_TIMEOUT.as_secs())]
+    NoAnswer,
+}
+
+impl ProbeError {
+    /// Whether the apiserver showed it is alive although it failed the probe: it answered with
+    /// another status than 200 (not ready: etcd slow or down) or accepted the connection and did
+    /// not answer in time. A refused or unanswered connection, or no TLS, is not.
+    pub fn alive(&self) -> bool {
+        matches!(self, Self::Status(_) | Self::NoAnswer)
+    }
 }
 
 /// One `/readyz` probe. A trait so that tests can stand in for the network.
@@ -75,20 +88,29 @@ pub struct HttpsReadyz;
 impl ReadyzProbe for HttpsReadyz {
     fn readyz(&self, addr: SocketAddr) -> BoxFuture<'_, Result<(), ProbeError>> {
         Box::pin(async move {
-            tokio::time::timeout(PROBE_TIMEOUT, get_readyz(addr))
-                .await
-                .unwrap_or(Err(ProbeError::Timeout))
+            let connected = std::sync::atomic::AtomicBool::new(false);
+            match tokio::time::timeout(PROBE_TIMEOUT, get_readyz(addr, &connected)).await {
+                Ok(result) => result,
+                Err(_) if connected.load(std::sync::atomic::Ordering::Relaxed) => {
+                    Err(ProbeError::NoAnswer)
+                }
+                Err(_) => Err(ProbeError::Timeout),
+            }
         })
     }
 }
 
-async fn get_readyz(addr: SocketAddr) -> Result<(), ProbeError> {
+async fn get_readyz(
+    addr: SocketAddr,
+    connected: &std::sync::atomic::AtomicBool,
+) -> Result<(), ProbeError> {
     let tls = connector()
         .as_ref()
         .map_err(|e| ProbeError::Handshake(e.clone()))?;
     let tcp = TcpStream::connect(addr)
         .await
         .map_err(|e| ProbeError::Connect(e.kind().to_string()))?;
+    connected.store(true, std::sync::atomic::Ordering::Relaxed);
     let stream = tls
         .connect(ServerName::IpAddress(addr.ip().into()), tcp)
         .await
@@ -445,8 +467,8 @@ mod tests {
         let started = std::time::Instant::now();
         assert_eq!(
             probe.readyz(tls_server(Answer::Hang).await).await,
-            Err(ProbeError::Timeout),
-            "a hung apiserver"
+            Err(ProbeError::NoAnswer),
+            "a hung apiserver: connected, no answer"
         );
         let waited = started.elapsed();
         assert!(

@@ -269,6 +269,8 @@ fn in_own_netns(name: &str) -> Result<bool> {
 const READY: u8 = 0;
 /// Accepts TCP and TLS, never answers: a hung apiserver, a frozen VM's last breath.
 const HUNG: u8 = 1;
+/// Answers `/readyz` with 500: alive, not ready (etcd slow or down).
+const NOT_READY: u8 = 2;
 
 /// A TLS server on `<addr>:6443` with a throwaway self-signed certificate, answering
 /// `GET /readyz` with 200 `ok` while READY (kube-apiserver's answer when healthy).
@@ -311,7 +313,10 @@ impl StandInApiServer {
                         return std::future::pending().await;
                     }
                     let ok = buf[..n].starts_with(b"GET /readyz ");
-                    let answer: &[u8] = if ok {
+                    let not_ready = m.load(std::sync::atomic::Ordering::SeqCst) == NOT_READY;
+                    let answer: &[u8] = if ok && not_ready {
+                        b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    } else if ok {
                         b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
                     } else {
                         b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
@@ -452,8 +457,8 @@ async fn control_plane_endpoints_follow_the_apiservers_that_answer() -> Result<(
     );
     // Two control planes whose apiservers answer, a third whose VM is still booting (nothing
     // listens yet), and a worker whose address answers too but is no control plane.
-    let _a = StandInApiServer::start(&a).await?;
-    let _b = StandInApiServer::start(&b).await?;
+    let a_server = StandInApiServer::start(&a).await?;
+    let b_server = StandInApiServer::start(&b).await?;
     let _w = StandInApiServer::start(&w).await?;
     machine_pod(&client, ns, "demo-cp-a", "control-plane", &a).await?;
     machine_pod(&client, ns, "demo-cp-b", "control-plane", &b).await?;
@@ -571,7 +576,7 @@ async fn control_plane_endpoints_follow_the_apiservers_that_answer() -> Result<(
                 c.reason == "SomeAPIServersNotAnswering"
                     && c.message
                         == "2 of 3 control-plane apiservers answer /readyz; taking no traffic: \
-                            demo-cp-c (no answer within 2s)"
+                            demo-cp-c (connected, no answer within 2s)"
             })
             .map(|_| ()))
     })
@@ -584,6 +589,40 @@ async fn control_plane_endpoints_follow_the_apiservers_that_answer() -> Result<(
     })
     .await?;
     println!("control-plane endpoints: the apiserver answering again -> ready in {back:?}");
+
+    // Every apiserver alive but not ready (/readyz 500: etcd slow everywhere, as in an emulated
+    // single control plane under load): rather than refuse every connection, the Service keeps
+    // sending traffic to them, and the condition says so. Ready again: as before.
+    for server in [&a_server, &b_server, &c_server] {
+        server.set(NOT_READY);
+    }
+    eventually(40, "none ready: the Service fails open", || async {
+        let kc = kvmclusters.get("demo").await?;
+        let cond = kc.status.and_then(|s| s.conditions).and_then(|cs| {
+            cs.into_iter()
+                .find(|c| c.type_ == "ControlPlaneEndpointsReady")
+        });
+        let all_ready = ready_addresses(&slices.get("demo-apiserver").await?)
+            == [a.clone(), b.clone(), c.clone()];
+        Ok(cond
+            .filter(|c| c.status == "False" && c.reason == "APIServersNotReady" && all_ready)
+            .map(|_| ()))
+    })
+    .await?;
+    for server in [&a_server, &b_server, &c_server] {
+        server.set(READY);
+    }
+    eventually(40, "all answer again", || async {
+        let kc = kvmclusters.get("demo").await?;
+        let cond = kc.status.and_then(|s| s.conditions).and_then(|cs| {
+            cs.into_iter()
+                .find(|c| c.type_ == "ControlPlaneEndpointsReady")
+        });
+        Ok(cond
+            .filter(|c| c.reason == "APIServersAnswering")
+            .map(|_| ()))
+    })
+    .await?;
 
     // c's Pod is being deleted (its node's kubelet stops the VM within the grace period): still
     // serving, no longer ready; gone with the Pod.

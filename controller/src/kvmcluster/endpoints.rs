@@ -27,7 +27,7 @@ use kube::{Resource, ResourceExt};
 
 use super::build::owned_labels;
 use crate::{
-    apiserver_health::EndpointHealth,
+    apiserver_health::{EndpointHealth, ProbeError},
     conditions::DesiredCondition,
     ownership::{Home, Owner},
 };
@@ -137,8 +137,8 @@ pub fn endpoint_slice(
             .map(|(m, health)| Endpoint {
                 addresses: vec![m.ip.to_string()],
                 conditions: Some(EndpointConditions {
-                    ready: Some(health.answering && !m.terminating),
-                    serving: Some(health.answering),
+                    ready: Some(takes_traffic(members, m, health) && !m.terminating),
+                    serving: Some(takes_traffic(members, m, health)),
                     terminating: Some(m.terminating),
                 }),
                 node_name: m.node.clone(),
@@ -159,6 +159,29 @@ pub fn endpoint_slice(
             app_protocol: None,
         }]),
     }
+}
+
+/// No apiserver of the cluster is ready (none answers `/readyz` with 200, or only terminating
+/// ones do).
+fn none_ready(members: &[(ControlPlaneMember, EndpointHealth)]) -> bool {
+    !members.iter().any(|(m, h)| h.answering && !m.terminating)
+}
+
+/// Whether traffic goes to this apiserver: it answers `/readyz`, or, when none of the cluster's
+/// does, it is still alive (answers "not ready", or accepts connections but is slow), as a cloud
+/// load balancer fails open when every target is unhealthy. A single control plane whose etcd is
+/// slow (an emulated guest under load) would otherwise turn a slow cluster into one that refuses
+/// every connection, the workers' `kubeadm join` included. A dead VM (nothing accepts the
+/// connection) still leaves.
+fn takes_traffic(
+    members: &[(ControlPlaneMember, EndpointHealth)],
+    m: &ControlPlaneMember,
+    h: &EndpointHealth,
+) -> bool {
+    h.answering
+        || (!m.terminating
+            && none_ready(members)
+            && h.last_error.as_ref().is_some_and(ProbeError::alive))
 }
 
 /// Whether `current` already is `desired` (so nothing needs writing): same endpoints and ports,
@@ -215,29 +238,36 @@ pub fn endpoints_condition(members: &[(ControlPlaneMember, EndpointHealth)]) -> 
         );
     }
     let answering = members.iter().filter(|(_, h)| h.answering).count();
-    let silent: BTreeMap<&str, String> = members
-        .iter()
-        .filter(|(_, h)| !h.answering)
-        .map(|(m, h)| {
-            let why = h
-                .last_error
-                .as_ref()
-                .map_or("not probed yet".to_owned(), ToString::to_string);
-            (m.pod.as_str(), why)
-        })
-        .collect();
+    let why = |h: &EndpointHealth| {
+        h.last_error
+            .as_ref()
+            .map_or("not probed yet".to_owned(), ToString::to_string)
+    };
+    // Not answering, split into those that take traffic anyway (none is ready) and the others.
+    let (mut alive, mut silent) = (Vec::new(), Vec::new());
+    for (m, h) in members.iter().filter(|(_, h)| !h.answering) {
+        let entry = format!("{} ({})", m.pod, why(h));
+        if takes_traffic(members, m, h) {
+            alive.push(entry);
+        } else {
+            silent.push(entry);
+        }
+    }
     let mut message = format!(
         "{answering} of {} control-plane apiservers answer /readyz",
         members.len()
     );
+    if !alive.is_empty() {
+        message.push_str(&format!(
+            "; none is ready, so the Service sends traffic to those still alive: {}",
+            alive.join(", ")
+        ));
+    }
     if !silent.is_empty() {
-        let list: Vec<String> = silent
-            .iter()
-            .map(|(p, why)| format!("{p} ({why})"))
-            .collect();
-        message.push_str(&format!("; taking no traffic: {}", list.join(", ")));
+        message.push_str(&format!("; taking no traffic: {}", silent.join(", ")));
     }
     match answering {
+        0 if !alive.is_empty() => DesiredCondition::falsy(t, "APIServersNotReady", message),
         0 => DesiredCondition::falsy(t, "NoAPIServerAnswering", message),
         n if n == members.len() => DesiredCondition::truthy(t, "APIServersAnswering", message),
         _ => DesiredCondition::truthy(t, "SomeAPIServersNotAnswering", message),
@@ -247,7 +277,6 @@ pub fn endpoints_condition(members: &[(ControlPlaneMember, EndpointHealth)]) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::apiserver_health::ProbeError;
     use capk_api::v1alpha1::KVMClusterSpec;
     use serde_json::json;
 
@@ -494,6 +523,68 @@ mod tests {
                 "NoAPIServerAnswering".into(),
                 "0 of 2 control-plane apiservers answer /readyz; taking no traffic: demo-cp-a (not probed yet), demo-cp-b (no answer within 2s)".into()
             )
+        );
+    }
+
+    /// When no apiserver is ready, those still alive (an answer other than 200, or a connection
+    /// accepted but no answer in time) take the traffic; a dead one (nothing accepts the
+    /// connection, or refused) and a terminating one do not. As soon as one is ready again, only
+    /// the ready ones do.
+    #[test]
+    fn with_none_ready_the_service_fails_open_to_the_apiservers_still_alive() {
+        let slow = member("demo-cp-a", [10, 0, 0, 1], false);
+        let unready = member("demo-cp-b", [10, 0, 0, 2], false);
+        let frozen = member("demo-cp-c", [10, 0, 0, 3], false);
+        let leaving = member("demo-cp-d", [10, 0, 0, 4], true);
+        let gone = |e: ProbeError| EndpointHealth {
+            answering: false,
+            failures: 2,
+            last_error: Some(e),
+        };
+        let members = [
+            (slow.clone(), gone(ProbeError::NoAnswer)),
+            (unready.clone(), gone(ProbeError::Status(500))),
+            (frozen.clone(), gone(ProbeError::Timeout)),
+            (leaving.clone(), gone(ProbeError::Status(500))),
+        ];
+        let ready = |members: &[(ControlPlaneMember, EndpointHealth)]| -> Vec<String> {
+            endpoint_slice(&kvm_cluster(), "demo", members, &management())
+                .endpoints
+                .iter()
+                .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+                .map(|e| e.addresses[0].clone())
+                .collect()
+        };
+        assert_eq!(ready(&members), ["10.0.0.1", "10.0.0.2"]);
+        let c = endpoints_condition(&members);
+        assert!(!c.status);
+        assert_eq!(c.reason.to_string(), "APIServersNotReady");
+        assert_eq!(
+            c.message,
+            "0 of 4 control-plane apiservers answer /readyz; none is ready, so the Service sends \
+             traffic to those still alive: demo-cp-a (connected, no answer within 2s), demo-cp-b \
+             (/readyz answered HTTP 500); taking no traffic: demo-cp-c (no answer within 2s), \
+             demo-cp-d (/readyz answered HTTP 500)"
+        );
+
+        // One ready again: only it.
+        let mut recovered = members.clone();
+        recovered[2].1 = health(true, None);
+        assert_eq!(ready(&recovered), ["10.0.0.3"]);
+        assert_eq!(
+            endpoints_condition(&recovered).reason.to_string(),
+            "SomeAPIServersNotAnswering"
+        );
+
+        // Only dead ones: nothing takes traffic (kube-proxy refuses at once).
+        let dead = [
+            (frozen, gone(ProbeError::Timeout)),
+            (leaving, health(true, None)),
+        ];
+        assert_eq!(ready(&dead), Vec::<String>::new());
+        assert_eq!(
+            endpoints_condition(&dead).reason.to_string(),
+            "SomeAPIServersNotAnswering"
         );
     }
 }

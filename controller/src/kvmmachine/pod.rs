@@ -116,7 +116,7 @@ pub fn machine_pod(
         spec.accel.unwrap_or_default(),
         defaults.tcg_translation_cache_mib,
     );
-    if tcg_cache_mib != overhead::COVERED_TCG_CACHE_MIB && tcg_cache_mib != 0 {
+    if tcg_cache_mib != overhead::DEFAULT_TCG_CACHE_MIB && tcg_cache_mib != 0 {
         args.push(format!("--tcg-translation-cache-mib={tcg_cache_mib}"));
     }
     if let Some(dns) = &spec.dns {
@@ -443,8 +443,9 @@ mod tests {
         let r = c.resources.as_ref().unwrap();
         assert_eq!(r.requests, r.limits, "Guaranteed QoS");
         let mem: u64 = r.limits.as_ref().unwrap()["memory"].0.parse().unwrap();
-        // 8 GiB + 256 MiB fixed + 4 x 16 MiB + 8 x 16 MiB
-        assert_eq!(mem, (8 << 30) + ((256 + 64 + 128) << 20));
+        // 8 GiB + 256 MiB fixed + 4 x 16 MiB + 8 x 16 MiB + the 128 MiB translation cache
+        // (accel auto may emulate)
+        assert_eq!(mem, (8 << 30) + ((256 + 64 + 128 + 128) << 20));
         assert_eq!(r.limits.as_ref().unwrap()["cpu"].0, "4250m");
 
         // Overcommitted: 4 vCPUs and the overhead at ratio 10 request a tenth of 4250m, no CPU
@@ -487,24 +488,24 @@ mod tests {
             (mem, c.args.unwrap_or_default())
         };
         let flag = "--tcg-translation-cache-mib=1024".to_owned();
-        // Default (128 MiB, inside the fixed overhead): no flag, the old overhead.
-        let (base, args) = memory_and_args("auto", &MachineDefaults::default());
+        // accel kvm never emulates: no cache, no flag.
+        let (base, args) = memory_and_args("kvm", &emulated);
         assert_eq!(base, (1 << 30) + ((256 + 16 + 16) << 20));
+        assert!(!args.contains(&flag));
+        // Default (128 MiB, the launcher's own default): no flag, the cache on top.
+        let (mem, args) = memory_and_args("auto", &MachineDefaults::default());
+        assert_eq!(mem, base + (128 << 20));
         assert!(
             !args
                 .iter()
                 .any(|a| a.starts_with("--tcg-translation-cache-mib"))
         );
-        // 1 GiB: QEMU is told, and the Pod holds the 896 MiB beyond the covered 128.
+        // 1 GiB: QEMU is told, and the Pod holds all of it.
         for accel in ["auto", "tcg"] {
             let (mem, args) = memory_and_args(accel, &emulated);
-            assert_eq!(mem, base + (896 << 20), "{accel}");
+            assert_eq!(mem, base + (1024 << 20), "{accel}");
             assert!(args.contains(&flag), "{accel}: {args:?}");
         }
-        // accel kvm never emulates: no cache, no flag.
-        let (mem, args) = memory_and_args("kvm", &emulated);
-        assert_eq!(mem, base);
-        assert!(!args.contains(&flag));
     }
 
     #[test]
