@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e testenv testenv-down dev-up dev-down e2e e2e-stub e2e-workload fuzz clean help node-image test-node-image
+.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e bench-e2e-workload testenv testenv-down dev-up dev-down e2e e2e-stub e2e-workload fuzz clean help node-image test-node-image
 
 all: build
 
@@ -67,9 +67,13 @@ e2e-workload: ## Only the real workload-cluster journey of make e2e (the node im
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact workload_cluster_journey_on_the_local_management_cluster
 
-bench-e2e: ## Machine created -> guest up (P50/P95 over 10 machines) and machine Pod memory beyond guest RAM, on the local MC
+bench-e2e: ## On the local MC: machine created -> guest up (test guest, P50/P95 over 10 machines), then real nodes (make bench-e2e-workload)
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
-	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact bench_e2e_machine_boot_and_pod_overhead
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --test-threads=1 --exact bench_e2e_machine_boot_and_pod_overhead bench_e2e_workload_nodes
+
+bench-e2e-workload: ## Real nodes under TCG: Machine created -> Node Ready per step (P50 over 5 workers), kubeadm init, guest and Pod memory (about an hour)
+	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact bench_e2e_workload_nodes
 
 dev-down: ## Stop the local management cluster and everything it started
 	bash hack/dev-down.sh

@@ -221,6 +221,28 @@ impl E2e {
                 );
             }
         }
+        // The workload cluster, when the journey got as far as its kubeconfig.
+        let workload = self.out.join("workload.kubeconfig");
+        if workload.exists() {
+            let wdump = |file: &str, args: &[&str]| {
+                let mut cmd = Command::new(self.bin("kubectl"));
+                cmd.arg("--kubeconfig")
+                    .arg(&workload)
+                    .arg("--request-timeout=30s")
+                    .args(args);
+                let text = match self.run(cmd, None) {
+                    Ok(t) => t,
+                    Err(e) => format!("{e:#}"),
+                };
+                let _ = std::fs::write(self.out.join(file), text);
+            };
+            wdump("workload-nodes.yaml", &["get", "nodes", "-o", "yaml"]);
+            wdump("workload-pods.txt", &["get", "pods", "-A", "-o", "wide"]);
+            wdump(
+                "workload-events.txt",
+                &["get", "events", "-A", "--sort-by=.lastTimestamp"],
+            );
+        }
         eprintln!("e2e: diagnostics in {}", self.out.display());
     }
 }
@@ -1240,4 +1262,10 @@ fn bench(e: &E2e) -> Result<()> {
 #[ignore = "benchmark on the local management cluster: `make bench-e2e`"]
 fn bench_e2e_machine_boot_and_pod_overhead() {
     run_scenario("capk-bench", bench);
+}
+
+#[test]
+#[ignore = "benchmark of real nodes on the local management cluster: `make bench-e2e-workload`"]
+fn bench_e2e_workload_nodes() {
+    run_scenario("capk-bench-workload", workload::workload_bench);
 }

@@ -204,7 +204,10 @@ fn run_pod(w: &Workload, e: &E2e, pod: &Value, what: &str) -> Result<String> {
     Ok(log)
 }
 
-pub(super) fn workload_journey(e: &E2e) -> Result<()> {
+/// Creates the workload cluster from `clusterctl generate cluster --flavor node-image` (one control
+/// plane, the worker's template with the host volume, no worker yet) and waits until kubeadm init
+/// is done on the control plane. Returns the control plane's machine and when the apply was.
+fn create_workload_cluster(e: &E2e) -> Result<(String, Instant)> {
     let node_image = dev_node_image()?;
     // --- 0. a clean namespace ---------------------------------------------------------------------
     if e.kubectl(&["get", "namespace", ns()]).is_ok() {
@@ -214,8 +217,6 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
     }
     e.kubectl(&["create", "namespace", ns()])?;
     std::fs::create_dir_all(HOST_VOLUME_DIR)?;
-    let host_text = format!("written on the MC node at {}\n", chrono_stamp());
-    std::fs::write(format!("{HOST_VOLUME_DIR}/hello"), &host_text)?;
 
     // --- 1. create: one control plane, one worker, from clusterctl's output --------------------------
     let version = capk_tests::pinned_version("KUBERNETES_VERSION");
@@ -297,6 +298,17 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
         let km = e.json(&["-n", ns(), "get", "kvmmachine", &cp])?;
         Ok(condition_true(&km, "BootstrapCompleted").then_some(()))
     })?;
+    Ok((cp, created))
+}
+
+pub(super) fn workload_journey(e: &E2e) -> Result<()> {
+    let host_text = format!("written on the MC node at {}\n", chrono_stamp());
+    let (cp, created) = create_workload_cluster(e)?;
+    match kubeadm_run_seconds(e, &cp) {
+        Ok(s) => eprintln!("e2e: workload: kubeadm init ran {s:.0}s on {cp}"),
+        Err(err) => eprintln!("e2e: workload: kubeadm init time unknown: {err:#}"),
+    }
+    std::fs::write(format!("{HOST_VOLUME_DIR}/hello"), &host_text)?;
     scale_machine_deployment(e, 1)?;
     let w = Workload::fetch(e)?;
     let nodes = wait("both Nodes Ready", NODE_READY, || {
@@ -313,6 +325,9 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
         .find(|n| **n != cp)
         .cloned()
         .context("worker Node")?;
+    for node in &nodes {
+        report_boot_steps(e, &w, node);
+    }
 
     // Each Node's providerID is its KVMMachine's; Machines Running, Ready and Available.
     for node in &nodes {
@@ -613,6 +628,9 @@ fn scale_workers_through_nodes(e: &E2e, w: &Workload, cp: &str) -> Result<()> {
     let started = Instant::now();
     scale(2)?;
     let two = wait_ready_workers(e, w, 2, "2 worker Nodes Ready")?;
+    for node in two.iter().filter(|n| !before.contains(n)) {
+        report_boot_steps(e, w, node);
+    }
     eprintln!(
         "e2e: workload: 2. scaled to 2 workers: {two:?} in {:.0}s",
         started.elapsed().as_secs_f64()
@@ -699,6 +717,9 @@ fn node_health_remediation(e: &E2e, w: &Workload, cp: &str, toolbox: &str) -> Re
     )?;
     let replaced = wait_ready_workers(e, w, 1, "MachineHealthCheck replaced the worker")?;
     assert_ne!(replaced, workers, "the stopped worker was not replaced");
+    for node in &replaced {
+        report_boot_steps(e, w, node);
+    }
     assert_nothing_left_for(e, std::slice::from_ref(victim))?;
     assert!(ready_nodes(w, e)?.contains(&cp.to_owned()));
     e.kubectl(&[
@@ -903,4 +924,221 @@ fn strip_ansi(text: &str) -> String {
         }
     }
     out
+}
+
+/// Where a machine's time went from its Machine's creation to a Ready Node (issue 10 §6): each
+/// step's end from the machine Pod (scheduled), its console (`kubectl logs --timestamps`: the
+/// launcher, the firmware's bootloader, the kernel, Ignition, the image import, kubeadm) and the
+/// workload Node (registered, Ready once the CNI runs). Seconds per step, in boot order.
+fn boot_steps(e: &E2e, w: &Workload, machine: &str) -> Result<Vec<(&'static str, f64)>> {
+    use k8s_openapi::jiff::Timestamp;
+    let ts = |v: &Value, what: &str| -> Result<Timestamp> {
+        v.as_str()
+            .with_context(|| format!("{machine}: no {what}"))?
+            .parse::<Timestamp>()
+            .with_context(|| format!("{machine}: {what} {v}"))
+    };
+    let km = e.json(&["-n", ns(), "get", "kvmmachine", machine])?;
+    let owner = km["metadata"]["ownerReferences"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|o| o["kind"] == "Machine")
+        .and_then(|o| o["name"].as_str())
+        .context("KVMMachine without its Machine")?
+        .to_owned();
+    let m = e.json(&["-n", ns(), "get", "machine", &owner])?;
+    let created = ts(
+        &m["metadata"]["creationTimestamp"],
+        "Machine creationTimestamp",
+    )?;
+    let pod = e.json(&["-n", ns(), "get", "pod", machine])?;
+    let scheduled = ts(
+        &condition(&pod, "PodScheduled").context("PodScheduled")?["lastTransitionTime"],
+        "PodScheduled time",
+    )?;
+    let log = strip_ansi(&e.kubectl(&[
+        "-n",
+        ns(),
+        "logs",
+        machine,
+        "-c",
+        "launcher",
+        "--timestamps",
+    ])?);
+    let at = |markers: &[&str]| -> Result<Timestamp> {
+        let line = log
+            .lines()
+            .find(|l| markers.iter().any(|m| l.contains(m)))
+            .with_context(|| format!("{machine}: none of {markers:?} on the console"))?;
+        let stamp = line.split_whitespace().next().unwrap_or_default();
+        stamp
+            .parse::<Timestamp>()
+            .with_context(|| format!("{machine}: console timestamp {stamp:?}"))
+    };
+    let node = w.json(e, &["get", "node", machine])?;
+    let registered = ts(
+        &node["metadata"]["creationTimestamp"],
+        "Node creationTimestamp",
+    )?;
+    let ready = ts(
+        &condition(&node, "Ready").context("Node Ready")?["lastTransitionTime"],
+        "Node Ready time",
+    )?;
+    let points = [
+        ("Pod scheduled", scheduled),
+        ("launcher, QEMU and firmware", at(&["SYSLINUX"])?),
+        ("bootloader loads the kernel", at(&["Linux version"])?),
+        ("kernel + Ignition", at(&["- Ignition Complete."])?),
+        (
+            "root, containerd, image import",
+            at(&["Finished capk-preload-imag"])?,
+        ),
+        // cloud-config's runcmd (the node-image flavor) or CABPK's kubeadm.service (Ignition).
+        (
+            "kubeadm",
+            at(&["Finished capk-runcmd", "Finished kubeadm.service"])?,
+        ),
+        ("kubelet registered the Node", registered),
+        ("Node Ready (CNI)", ready),
+    ];
+    let mut out = Vec::new();
+    let mut prev = created;
+    for (step, t) in points {
+        // Node times have whole seconds; a step may end "before" the previous one by < 1 s.
+        let secs = (t.as_millisecond() - prev.as_millisecond()).max(0) as f64 / 1000.0;
+        out.push((step, secs));
+        prev = prev.max(t);
+    }
+    out.push((
+        "total",
+        (prev.as_millisecond() - created.as_millisecond()) as f64 / 1000.0,
+    ));
+    Ok(out)
+}
+
+/// Prints [`boot_steps`] of a machine whose Node is Ready (a measurement: never fails the journey).
+fn report_boot_steps(e: &E2e, w: &Workload, machine: &str) {
+    match boot_steps(e, w, machine) {
+        Ok(steps) => {
+            let parts: Vec<String> = steps.iter().map(|(s, t)| format!("{s} {t:.0}s")).collect();
+            eprintln!("e2e: workload: {machine} boot steps: {}", parts.join(", "));
+        }
+        Err(err) => eprintln!("e2e: workload: {machine}: no boot steps: {err:#}"),
+    }
+}
+
+/// `make bench-e2e-workload` (issue 10 §6): a control plane, then workers added one at a time, each
+/// machine's boot split into steps (P50 over the workers), kubeadm init on the control plane, and
+/// memory: in use inside each guest (its kubelet's summary) and the machine Pod's beyond the
+/// guest's RAM, against the controller's overhead model. Printed, not asserted.
+pub(super) fn workload_bench(e: &E2e) -> Result<()> {
+    const WORKERS: usize = 5;
+    let (cp, created) = create_workload_cluster(e)?;
+    eprintln!(
+        "bench-e2e-workload: kubeadm init done {:.0}s after apply",
+        created.elapsed().as_secs_f64()
+    );
+    let w = Workload::fetch(e)?;
+    wait("control-plane Node Ready", NODE_READY, || {
+        Ok(ready_nodes(&w, e)?.contains(&cp).then_some(()))
+    })?;
+    let cp_steps = boot_steps(e, &w, &cp)?;
+    let init = kubeadm_run_seconds(e, &cp)?;
+    let mut per_worker: Vec<Vec<(&'static str, f64)>> = Vec::new();
+    let mut seen: Vec<String> = Vec::new();
+    for n in 1..=WORKERS {
+        scale_machine_deployment(e, n)?;
+        let ready = wait_ready_workers(e, &w, n, &format!("{n} worker Nodes Ready"))?;
+        let new = ready
+            .into_iter()
+            .find(|r| !seen.contains(r))
+            .context("no new worker")?;
+        let steps = boot_steps(e, &w, &new)?;
+        let parts: Vec<String> = steps.iter().map(|(s, t)| format!("{s} {t:.0}s")).collect();
+        eprintln!(
+            "bench-e2e-workload: worker {n}/{WORKERS} {new}: {}",
+            parts.join(", ")
+        );
+        per_worker.push(steps);
+        seen.push(new);
+    }
+    let cp_parts: Vec<String> = cp_steps
+        .iter()
+        .map(|(s, t)| format!("{s} {t:.0}s"))
+        .collect();
+    println!(
+        "bench-e2e-workload: control plane {cp} (2 vCPU, TCG): {}; kubeadm init {init:.0}s",
+        cp_parts.join(", ")
+    );
+    let mut p50 = Vec::new();
+    for (i, (step, _)) in per_worker[0].iter().enumerate() {
+        let mut v: Vec<f64> = per_worker.iter().map(|s| s[i].1).collect();
+        v.sort_by(f64::total_cmp);
+        p50.push(format!("{step} {:.0}s", percentile(&v, 0.5)));
+    }
+    println!(
+        "bench-e2e-workload: Machine created -> Node Ready, P50 over {WORKERS} workers created one at a time (1 vCPU, TCG): {}",
+        p50.join(", ")
+    );
+    for (machine, guest_mib) in [(cp.as_str(), 2560u64), (seen[0].as_str(), 1536)] {
+        let summary = w.json(
+            e,
+            &[
+                "get",
+                "--raw",
+                &format!("/api/v1/nodes/{machine}/proxy/stats/summary"),
+            ],
+        );
+        let in_guest = summary
+            .ok()
+            .and_then(|s| s["node"]["memory"]["workingSetBytes"].as_u64())
+            .map_or("unknown".to_owned(), |b| format!("{} MiB", b >> 20));
+        let m = pod_memory(e, machine, guest_mib * 1024)?;
+        println!(
+            "bench-e2e-workload: {machine}: in use in the guest (kubelet working set) {in_guest} of {guest_mib} MiB; \
+             machine Pod working set {} MiB, guest RAM resident {} MiB, beyond guest RAM {} MiB (QEMU RSS {} MiB, launcher {} MiB)",
+            m.working_set_kib / 1024,
+            m.guest_ram_rss_kib / 1024,
+            m.working_set_kib.saturating_sub(m.guest_ram_rss_kib) / 1024,
+            m.qemu_rss_kib / 1024,
+            m.launcher_rss_kib / 1024,
+        );
+    }
+    e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=900s"])?;
+    e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
+    Ok(())
+}
+
+/// How long the bootstrap commands (kubeadm) ran on a machine, from its console: the runcmd unit
+/// (cloud-config) or kubeadm.service (Ignition) from Starting to Finished.
+fn kubeadm_run_seconds(e: &E2e, machine: &str) -> Result<f64> {
+    use k8s_openapi::jiff::Timestamp;
+    let log = strip_ansi(&e.kubectl(&[
+        "-n",
+        ns(),
+        "logs",
+        machine,
+        "-c",
+        "launcher",
+        "--timestamps",
+    ])?);
+    let at = |prefix: &str| -> Result<Timestamp> {
+        let line = log
+            .lines()
+            .find(|l| {
+                [
+                    format!("{prefix} capk-runcmd"),
+                    format!("{prefix} kubeadm.service"),
+                ]
+                .iter()
+                .any(|m| l.contains(m.as_str()))
+            })
+            .with_context(|| {
+                format!("{machine}: no {prefix} of the bootstrap unit on the console")
+            })?;
+        Ok(line.split_whitespace().next().unwrap_or_default().parse()?)
+    };
+    let (start, end) = (at("Starting")?, at("Finished")?);
+    Ok((end.as_millisecond() - start.as_millisecond()) as f64 / 1000.0)
 }
