@@ -6,7 +6,7 @@
 //! workload Node is Ready, long after `kubeadm init` needs its own apiserver through the Service.
 //! Instead an endpoint is ready while its apiserver answers `/readyz` ([`crate::apiserver_health`]).
 
-use std::{collections::BTreeMap, net::Ipv4Addr};
+use std::net::Ipv4Addr;
 
 use capk_api::{
     constants::{
