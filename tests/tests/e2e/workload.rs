@@ -957,25 +957,8 @@ fn boot_steps(e: &E2e, w: &Workload, machine: &str) -> Result<Vec<(&'static str,
         &condition(&pod, "PodScheduled").context("PodScheduled")?["lastTransitionTime"],
         "PodScheduled time",
     )?;
-    let log = strip_ansi(&e.kubectl(&[
-        "-n",
-        ns(),
-        "logs",
-        machine,
-        "-c",
-        "launcher",
-        "--timestamps",
-    ])?);
-    let at = |markers: &[&str]| -> Result<Timestamp> {
-        let line = log
-            .lines()
-            .find(|l| markers.iter().any(|m| l.contains(m)))
-            .with_context(|| format!("{machine}: none of {markers:?} on the console"))?;
-        let stamp = line.split_whitespace().next().unwrap_or_default();
-        stamp
-            .parse::<Timestamp>()
-            .with_context(|| format!("{machine}: console timestamp {stamp:?}"))
-    };
+    let console = TimedConsole::fetch(e, machine)?;
+    let at = |markers: &[&str]| console.first(markers);
     let node = w.json(e, &["get", "node", machine])?;
     let registered = ts(
         &node["metadata"]["creationTimestamp"],
@@ -1113,32 +1096,46 @@ pub(super) fn workload_bench(e: &E2e) -> Result<()> {
 /// How long the bootstrap commands (kubeadm) ran on a machine, from its console: the runcmd unit
 /// (cloud-config) or kubeadm.service (Ignition) from Starting to Finished.
 fn kubeadm_run_seconds(e: &E2e, machine: &str) -> Result<f64> {
-    use k8s_openapi::jiff::Timestamp;
-    let log = strip_ansi(&e.kubectl(&[
-        "-n",
-        ns(),
-        "logs",
-        machine,
-        "-c",
-        "launcher",
-        "--timestamps",
-    ])?);
-    let at = |prefix: &str| -> Result<Timestamp> {
-        let line = log
-            .lines()
-            .find(|l| {
-                [
-                    format!("{prefix} capk-runcmd"),
-                    format!("{prefix} kubeadm.service"),
-                ]
-                .iter()
-                .any(|m| l.contains(m.as_str()))
-            })
-            .with_context(|| {
-                format!("{machine}: no {prefix} of the bootstrap unit on the console")
-            })?;
-        Ok(line.split_whitespace().next().unwrap_or_default().parse()?)
-    };
-    let (start, end) = (at("Starting")?, at("Finished")?);
+    let console = TimedConsole::fetch(e, machine)?;
+    let start = console.first(&["Starting capk-runcmd", "Starting kubeadm.service"])?;
+    let end = console.first(&["Finished capk-runcmd", "Finished kubeadm.service"])?;
     Ok((end.as_millisecond() - start.as_millisecond()) as f64 / 1000.0)
+}
+
+/// A machine Pod's console as `kubectl logs --timestamps` gives it, without colour codes.
+struct TimedConsole {
+    machine: String,
+    text: String,
+}
+
+impl TimedConsole {
+    fn fetch(e: &E2e, machine: &str) -> Result<Self> {
+        let args = [
+            "-n",
+            ns(),
+            "logs",
+            machine,
+            "-c",
+            "launcher",
+            "--timestamps",
+        ];
+        Ok(Self {
+            machine: machine.to_owned(),
+            text: strip_ansi(&e.kubectl(&args)?),
+        })
+    }
+
+    /// The time of the first line that holds any of `markers`.
+    fn first(&self, markers: &[&str]) -> Result<k8s_openapi::jiff::Timestamp> {
+        let machine = &self.machine;
+        let line = self
+            .text
+            .lines()
+            .find(|l| markers.iter().any(|m| l.contains(m)))
+            .with_context(|| format!("{machine}: none of {markers:?} on the console"))?;
+        let stamp = line.split_whitespace().next().unwrap_or_default();
+        stamp
+            .parse()
+            .with_context(|| format!("{machine}: console timestamp {stamp:?}"))
+    }
 }
