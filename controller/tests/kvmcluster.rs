@@ -566,11 +566,7 @@ async fn control_plane_endpoints_follow_the_apiservers_that_answer() -> Result<(
         [a.clone(), b.clone()]
     );
     eventually(30, "the condition names c", || async {
-        let kc = kvmclusters.get("demo").await?;
-        let cond = kc.status.and_then(|s| s.conditions).and_then(|cs| {
-            cs.into_iter()
-                .find(|c| c.type_ == "ControlPlaneEndpointsReady")
-        });
+        let cond = endpoints_ready_condition(&kvmclusters).await?;
         Ok(cond
             .filter(|c| {
                 c.reason == "SomeAPIServersNotAnswering"
@@ -597,11 +593,7 @@ async fn control_plane_endpoints_follow_the_apiservers_that_answer() -> Result<(
         server.set(NOT_READY);
     }
     eventually(40, "none ready: the Service fails open", || async {
-        let kc = kvmclusters.get("demo").await?;
-        let cond = kc.status.and_then(|s| s.conditions).and_then(|cs| {
-            cs.into_iter()
-                .find(|c| c.type_ == "ControlPlaneEndpointsReady")
-        });
+        let cond = endpoints_ready_condition(&kvmclusters).await?;
         let all_ready = ready_addresses(&slices.get("demo-apiserver").await?)
             == [a.clone(), b.clone(), c.clone()];
         Ok(cond
@@ -613,11 +605,7 @@ async fn control_plane_endpoints_follow_the_apiservers_that_answer() -> Result<(
         server.set(READY);
     }
     eventually(40, "all answer again", || async {
-        let kc = kvmclusters.get("demo").await?;
-        let cond = kc.status.and_then(|s| s.conditions).and_then(|cs| {
-            cs.into_iter()
-                .find(|c| c.type_ == "ControlPlaneEndpointsReady")
-        });
+        let cond = endpoints_ready_condition(&kvmclusters).await?;
         Ok(cond
             .filter(|c| c.reason == "APIServersAnswering")
             .map(|_| ()))
@@ -651,6 +639,17 @@ async fn control_plane_endpoints_follow_the_apiservers_that_answer() -> Result<(
     })
     .await?;
     Ok(())
+}
+
+/// The `ControlPlaneEndpointsReady` condition of KVMCluster `demo`, if set.
+async fn endpoints_ready_condition(
+    kvmclusters: &Api<KVMCluster>,
+) -> Result<Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>> {
+    let kc = kvmclusters.get("demo").await?;
+    Ok(kc.status.and_then(|s| s.conditions).and_then(|cs| {
+        cs.into_iter()
+            .find(|c| c.type_ == "ControlPlaneEndpointsReady")
+    }))
 }
 
 /// kube-controller-manager with the controllers that keep a Service's endpoints, as in any
