@@ -67,6 +67,11 @@ e2e-workload: ## Only the real workload-cluster journey of make e2e (the node im
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact workload_cluster_journey_on_the_local_management_cluster
 
+e2e-move: ## clusterctl move of a running cluster to a second local management cluster (CAPK_DEV_MC=2 dev-up); its VMs keep running in the first
+	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
+	CAPK_DEV_MC=2 bash hack/dev-up.sh
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_move_between_management_clusters
+
 bench-e2e: ## On the local MC: machine created -> guest up (test guest, P50/P95 over 10 machines), then real nodes (make bench-e2e-workload)
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --test-threads=1 --exact bench_e2e_machine_boot_and_pod_overhead bench_e2e_workload_nodes

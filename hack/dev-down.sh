@@ -6,12 +6,19 @@
 #
 #   make dev-down                      keep state (etcd, certificates, images): the next dev-up is warm
 #   bash hack/dev-down.sh --purge      also delete _output/dev (built binaries in _output/bin stay)
+#   CAPK_DEV_MC=2 bash hack/dev-down.sh   only the second management cluster (the first stops it
+#                                         too, before itself); it leaves the first one's kube-proxy,
+#                                         kubelet chains, firewall, bridge and sysctls alone
 set -euo pipefail
 # shellcheck source=dev/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/dev/lib.sh"
 purge=false
 [[ ${1:-} == --purge ]] && purge=true
 [[ $(id -u) == 0 ]] || die "needs root"
+# The second management cluster lives on the first one's bridge: it goes first.
+if ((MC == 1)) && [[ -d $OUT/dev-mc2 ]]; then
+  CAPK_DEV_MC=2 bash "${BASH_SOURCE[0]}" "$@"
+fi
 [[ -d $DEV ]] || { log "nothing to stop (no ${DEV#"$ROOT"/})"; exit 0; }
 
 stop_daemon kubelet 30
@@ -44,6 +51,13 @@ for pid in $(pgrep -f containerd-shim-runc-v2 || true); do
   fi
 done
 
+if ((MC == 2)); then
+  # What the second cluster added to the host's firewall: its DNAT chain and its service range's rule.
+  while iptables -w -t nat -D PREROUTING -j "$NAT_CHAIN_MC2" 2>/dev/null; do :; done
+  iptables -w -t nat -F "$NAT_CHAIN_MC2" 2>/dev/null || true
+  iptables -w -t nat -X "$NAT_CHAIN_MC2" 2>/dev/null || true
+  while iptables -w -D "$FW_CHAIN_INPUT" -d "$SERVICE_CIDR" -j DROP 2>/dev/null; do :; done
+else
 stop_daemon kube-proxy
 if [[ -x $BIN/kube-proxy ]]; then
   "$BIN/kube-proxy" --cleanup >>"$LOGS/kube-proxy-cleanup.log" 2>&1 || log "kube-proxy --cleanup failed (see logs/kube-proxy-cleanup.log)"
@@ -72,6 +86,7 @@ for hook_chain in "FORWARD:$FW_CHAIN_FORWARD" "INPUT:$FW_CHAIN_INPUT"; do
   iptables -w -F "$chain" 2>/dev/null || true
   iptables -w -X "$chain" 2>/dev/null || true
 done
+fi
 
 # Unmount what pods left (netns, shm, tokens, rootfs) under _output/dev, deepest first.
 awk -v d="$DEV/" 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r | while read -r m; do
@@ -84,6 +99,10 @@ stop_daemon kube-apiserver 30
 stop_daemon etcd 30
 
 # After the control plane: the apiserver talks to itself on the bridge's address until it stops.
+if ((MC == 2)); then
+  ip addr del "$NODE_IP/${POD_CIDR#*/}" dev "$BRIDGE" 2>/dev/null || true
+  rm -rf "$DEV/cni/ipam"
+else
 # The bridge (veth ends went with their network namespaces) and the pods' IP allocations.
 for v in $(ip -o link show master "$BRIDGE" 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1); do
   ip link delete "$v" 2>/dev/null || true
@@ -100,22 +119,26 @@ for s in net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables; do
   sysctl -qw "$s=$(<"$f")"
   rm -f "$f"
 done
+fi
 
-# The kubelet's (cgroupfs driver) pod cgroups, empty by now: deepest first.
+# The kubelet's (cgroupfs driver) pod cgroups, empty by now: deepest first (the second
+# cluster's with their root).
+pods_cgroup=kubepods
+((MC == 1)) || pods_cgroup=${CGROUP_ROOT#/}
 for h in /sys/fs/cgroup/*/; do
-  [[ -d ${h}kubepods ]] || continue
-  find "${h}kubepods" -depth -type d -exec rmdir {} + 2>/dev/null || true
+  [[ -d $h$pods_cgroup ]] || continue
+  find "$h$pods_cgroup" -depth -type d -exec rmdir {} + 2>/dev/null || true
 done
 
 # Paths outside _output/dev that the kubelet and containerd hard-code: the device-plugin socket
 # (not under --root-dir) and runc's/the shims' state. Removed only when nothing else is in them.
-rm -f /var/lib/kubelet/device-plugins/kubelet.sock
+((MC == 2)) || rm -f /var/lib/kubelet/device-plugins/kubelet.sock
 for d in /var/lib/kubelet/device-plugins /var/lib/kubelet /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd/s /run/containerd; do
   [[ -d $d ]] && rmdir "$d" 2>/dev/null || true
 done
 
 # Nothing of ours may be left running.
-left=$(ps -eo pid=,args= | grep -F -e "$DEV" -e "$CONTAINERD_SOCK" | grep -v -e grep -e "hack/dev-down.sh" || true)
+left=$(ps -eo pid=,args= | grep -F -e "$DEV/" -e "$CONTAINERD_SOCK" | grep -v -e grep -e "hack/dev-down.sh" || true)
 if [[ -n $left ]]; then
   log "processes left behind:"
   echo "$left" >&2
@@ -126,4 +149,4 @@ if $purge; then
   rm -rf "$DEV"
   log "removed ${DEV#"$ROOT"/}"
 fi
-log "local management cluster is down"
+log "local management cluster $NODE_NAME is down"

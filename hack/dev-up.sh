@@ -37,6 +37,20 @@ mkdir -p "$DEV" "$RUN" "$LOGS"
 bash "$ROOT/hack/dev/pki.sh"
 
 # --- host network: the node bridge and our firewall chains -----------------------------------------
+if ((MC == 2)); then
+  # The second management cluster's node: an address of its own on the first's bridge, whose
+  # firewall chains already keep pod traffic on this machine (10.240.1.0/24 is in the cluster
+  # range they guard), and its `kubernetes` Service sent to its apiserver (no kube-proxy here).
+  ip link show "$BRIDGE" >/dev/null 2>&1 && iptables -w -S "$FW_CHAIN_FORWARD" >/dev/null 2>&1 ||
+    die "the first local management cluster is not up (no bridge $BRIDGE or chain $FW_CHAIN_FORWARD): make dev-up first"
+  ip addr show dev "$BRIDGE" | grep -q "inet $NODE_IP/" || ip addr add "$NODE_IP/${POD_CIDR#*/}" dev "$BRIDGE"
+  iptables -w -t nat -N "$NAT_CHAIN_MC2" 2>/dev/null || iptables -w -t nat -F "$NAT_CHAIN_MC2"
+  iptables -w -t nat -A "$NAT_CHAIN_MC2" -i "$BRIDGE" -d "$KUBERNETES_SVC_IP/32" -p tcp --dport 443 \
+    -j DNAT --to-destination "$NODE_IP:$APISERVER_PORT"
+  iptables -w -t nat -C PREROUTING -j "$NAT_CHAIN_MC2" 2>/dev/null || iptables -w -t nat -I PREROUTING 1 -j "$NAT_CHAIN_MC2"
+  iptables -w -C "$FW_CHAIN_INPUT" -d "$SERVICE_CIDR" -j DROP 2>/dev/null ||
+    iptables -w -A "$FW_CHAIN_INPUT" -d "$SERVICE_CIDR" -j DROP
+else
 # Remember the host's forwarding setting once, so dev-down can restore it.
 [[ -f $RUN/ip_forward.orig ]] || cat /proc/sys/net/ipv4/ip_forward >"$RUN/ip_forward.orig"
 modprobe br_netfilter 2>/dev/null || true
@@ -70,6 +84,12 @@ iptables -w -A "$FW_CHAIN_INPUT" -d "$SERVICE_CIDR" -j DROP
 # back onto the bridge; the chains above keep that forwarding on the bridge.
 sysctl -qw net.bridge.bridge-nf-call-iptables=1
 sysctl -qw net.ipv4.ip_forward=1
+fi
+
+# The second cluster has no kube-proxy: its apiserver calls admission and conversion webhooks at
+# their endpoints instead of their ClusterIPs.
+AGGREGATOR_ROUTING=
+((MC == 1)) || AGGREGATOR_ROUTING=1
 
 # --- etcd and the control plane -----------------------------------------------------------------
 start_etcd() {
@@ -93,7 +113,8 @@ start_apiserver() {
     --service-account-issuer=https://kubernetes.default.svc.cluster.local \
     --service-cluster-ip-range="$SERVICE_CIDR" \
     --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
-    --allow-privileged=true --profiling=false --v=1
+    --allow-privileged=true --profiling=false --v=1 \
+    ${AGGREGATOR_ROUTING:+--enable-aggregator-routing=true}
 }
 serve kube-apiserver 120 start_apiserver kc get --raw /readyz
 
@@ -106,17 +127,17 @@ start_controller_manager() {
     --service-account-private-key-file="$PKI/sa.key" --root-ca-file="$PKI/ca.crt" \
     --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
     --service-cluster-ip-range="$SERVICE_CIDR" --cluster-cidr="$CLUSTER_CIDR" --allocate-node-cidrs=false \
-    --cluster-name=capk-dev --profiling=false --v=1
+    --cluster-name="$NODE_NAME" --secure-port="$CONTROLLER_MANAGER_PORT" --profiling=false --v=1
 }
-serve kube-controller-manager 60 start_controller_manager curl -fsSk https://127.0.0.1:10257/healthz
+serve kube-controller-manager 60 start_controller_manager curl -fsSk "https://127.0.0.1:$CONTROLLER_MANAGER_PORT/healthz"
 
 start_scheduler() {
   start_daemon kube-scheduler "--kubeconfig=$DEV/scheduler.kubeconfig" "$BIN/kube-scheduler" \
     --kubeconfig="$DEV/scheduler.kubeconfig" \
     --authentication-kubeconfig="$DEV/scheduler.kubeconfig" --authorization-kubeconfig="$DEV/scheduler.kubeconfig" \
-    --bind-address=127.0.0.1 --leader-elect=false --profiling=false --v=1
+    --bind-address=127.0.0.1 --secure-port="$SCHEDULER_PORT" --leader-elect=false --profiling=false --v=1
 }
-serve kube-scheduler 60 start_scheduler curl -fsSk https://127.0.0.1:10259/healthz
+serve kube-scheduler 60 start_scheduler curl -fsSk "https://127.0.0.1:$SCHEDULER_PORT/healthz"
 
 # --- containerd ---------------------------------------------------------------------------------
 mkdir -p "$DEV/containerd" "$DEV/cni/net.d" "$DEV/cni/ipam"
@@ -163,15 +184,19 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 EOF
 # Bridge CNI: no masquerade; the default route leads to the node, whose chains above forward only
 # bridge to bridge (pods reach their subnet, the node and services, nothing beyond).
+# The second cluster's gateway is the bridge's second address, set above: the bridge plugin would
+# refuse it ("already has an IP address different from"), so it only routes through it.
+CNI_IS_GATEWAY=true
+((MC == 1)) || CNI_IS_GATEWAY=false
 write_config "$DEV/cni/net.d/10-capk-dev.conflist" containerd <<EOF
 {
   "cniVersion": "1.0.0",
-  "name": "capk-dev",
+  "name": "$NODE_NAME",
   "plugins": [
     {
       "type": "bridge",
       "bridge": "$BRIDGE",
-      "isGateway": true,
+      "isGateway": $CNI_IS_GATEWAY,
       "isDefaultGateway": false,
       "ipMasq": false,
       "hairpinMode": true,
@@ -202,14 +227,15 @@ address: $NODE_IP
 port: 10250
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
-healthzPort: 10248
+healthzPort: $KUBELET_HEALTHZ_PORT
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: true}
   x509: {clientCAFile: $PKI/ca.crt}
 authorization: {mode: Webhook}
 containerRuntimeEndpoint: unix://$CONTAINERD_SOCK
-cgroupDriver: cgroupfs
+cgroupDriver: cgroupfs${CGROUP_ROOT:+
+cgroupRoot: $CGROUP_ROOT}
 # Kubernetes >= 1.35 refuses cgroup v1 unless told otherwise; this host is cgroup v1.
 failCgroupV1: false
 failSwapOn: false
@@ -227,15 +253,28 @@ serializeImagePulls: false
 rotateCertificates: false
 serverTLSBootstrap: false
 EOF
+# The second kubelet's cgroup root, in every v1 hierarchy (cpuset needs its CPUs and memory nodes).
+if [[ -n $CGROUP_ROOT ]]; then
+  for h in /sys/fs/cgroup/*/; do
+    [[ -f ${h}cgroup.procs && $h != */unified/ ]] || continue
+    mkdir -p "$h${CGROUP_ROOT#/}"
+    if [[ -f ${h}cpuset.cpus ]]; then
+      cp "${h}cpuset.cpus" "$h${CGROUP_ROOT#/}/cpuset.cpus"
+      cp "${h}cpuset.mems" "$h${CGROUP_ROOT#/}/cpuset.mems"
+    fi
+  done
+fi
 start_kubelet() {
   start_daemon kubelet "--config=$DEV/kubelet-config.yaml" "$BIN/kubelet" \
     --config="$DEV/kubelet-config.yaml" --kubeconfig="$DEV/kubelet.kubeconfig" \
     --root-dir="$DEV/kubelet" --cert-dir="$DEV/kubelet/pki" \
     --hostname-override="$NODE_NAME" --node-ip="$NODE_IP" --v=1
 }
-serve kubelet 120 start_kubelet curl -fsS http://127.0.0.1:10248/healthz
+serve kubelet 120 start_kubelet curl -fsS "http://127.0.0.1:$KUBELET_HEALTHZ_PORT/healthz"
 
 # --- kube-proxy -----------------------------------------------------------------------------------
+# The second cluster has none (see lib.sh): two would fight over the same iptables chains.
+if ((MC == 1)); then
 write_config "$DEV/kube-proxy-config.yaml" kube-proxy <<EOF
 # Generated by hack/dev-up.sh.
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
@@ -257,6 +296,7 @@ start_kube_proxy() {
   start_daemon kube-proxy "--config=$DEV/kube-proxy-config.yaml" "$BIN/kube-proxy" --config="$DEV/kube-proxy-config.yaml" --v=1
 }
 serve kube-proxy 60 start_kube_proxy curl -fsS http://127.0.0.1:10256/healthz
+fi
 
 # --- checks ---------------------------------------------------------------------------------------
 node_ready() { [[ $(kc get node "$NODE_NAME" -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}') == True ]]; }
@@ -293,7 +333,7 @@ pod_ip=$(kc get pod "$smoke" -o 'jsonpath={.status.podIP}')
 log "smoke pod Running with IP $pod_ip"
 
 # --- cluster DNS: CoreDNS behind kube-dns (10.96.0.10), the cluster domain only ------------------
-bash "$ROOT/hack/dev/coredns.sh"
+((MC == 2)) || bash "$ROOT/hack/dev/coredns.sh"
 
 # --- Cluster API, this provider, a sample cluster ----------------------------------------------------
 # Images built here (never pulled), cert-manager, then the real `clusterctl init` from a local
@@ -301,7 +341,11 @@ bash "$ROOT/hack/dev/coredns.sh"
 # done. CAPK_DEV_PROVIDERS=0: the bare cluster only; CAPK_DEV_SAMPLE=0: no sample cluster;
 # CAPK_DEV_NODE_IMAGE=0: without the Kubernetes node image (make node-image) in containerd, which
 # workload clusters of `--flavor node-image` boot (its name: _output/dev/node-image.env).
-if [[ ${CAPK_DEV_PROVIDERS:-1} != 0 ]]; then
+if [[ ${CAPK_DEV_PROVIDERS:-1} != 0 ]] && ((MC == 2)); then
+  # The same managers as the first cluster, copied from its containerd; no VMs run here.
+  bash "$ROOT/hack/dev/mc2-images.sh"
+  bash "$ROOT/hack/dev/capi.sh" >/dev/null
+elif [[ ${CAPK_DEV_PROVIDERS:-1} != 0 ]]; then
   bash "$ROOT/hack/dev/images.sh"
   bash "$ROOT/hack/dev/cert-manager.sh"
   bash "$ROOT/hack/dev/capi.sh" >/dev/null

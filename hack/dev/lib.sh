@@ -5,28 +5,72 @@
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${CAPK_OUTPUT:-$ROOT/_output}
 BIN=$OUT/bin
-DEV=$OUT/dev
+
+# CAPK_DEV_MC=2: the second management cluster (issue 12: the target of `clusterctl move`), a
+# second node beside the first on the same bridge: its own etcd, control plane, containerd and
+# kubelet (own root, socket, ports and cgroup root), pods in 10.240.1.0/24, services in
+# 10.98.0.0/16. It has no kube-proxy and no CoreDNS of its own: one DNAT rule sends its
+# `kubernetes` Service to its apiserver, its apiserver reaches webhooks at their endpoints
+# (--enable-aggregator-routing) and its pods resolve names with the first cluster's CoreDNS, where
+# the control-plane Services of clusters it manages (hosted in the first) live.
+MC=${CAPK_DEV_MC:-1}
+case $MC in
+  1)
+    DEV=$OUT/dev
+    NODE_NAME=capk-dev
+    NODE_IP=10.240.0.1
+    POD_CIDR=10.240.0.0/24
+    SERVICE_CIDR=10.96.0.0/16
+    KUBERNETES_SVC_IP=10.96.0.1
+    ETCD_CLIENT_PORT=2379
+    ETCD_PEER_PORT=2380
+    CONTROLLER_MANAGER_PORT=10257
+    SCHEDULER_PORT=10259
+    KUBELET_HEALTHZ_PORT=10248
+    # The kubelet's default cgroup root (/): its pods under /kubepods.
+    CGROUP_ROOT=
+    ;;
+  2)
+    DEV=$OUT/dev-mc2
+    NODE_NAME=capk-dev-mc2
+    NODE_IP=10.240.1.1
+    POD_CIDR=10.240.1.0/24
+    SERVICE_CIDR=10.98.0.0/16
+    KUBERNETES_SVC_IP=10.98.0.1
+    ETCD_CLIENT_PORT=2479
+    ETCD_PEER_PORT=2480
+    CONTROLLER_MANAGER_PORT=10357
+    SCHEDULER_PORT=10359
+    KUBELET_HEALTHZ_PORT=10348
+    # Apart from the first kubelet's /kubepods: a kubelet kills what it finds in pod cgroups it
+    # does not know.
+    CGROUP_ROOT=/capk-mc2
+    # The first cluster, which this one needs (bridge, firewall, DNS).
+    DEV1=$OUT/dev
+    ;;
+  *)
+    echo "CAPK_DEV_MC must be 1 or 2, not $MC" >&2
+    exit 1
+    ;;
+esac
 PKI=$DEV/pki
 RUN=$DEV/run
 LOGS=$DEV/logs
 
-NODE_NAME=capk-dev
 # The node's bridge: its address is the node IP, the apiserver's advertise/bind address and the
-# pods' gateway. It exists only on this machine; pods' default route ends at it (see dev-up.sh's chains).
+# pods' gateway. It exists only on this machine; pods' default route ends at it (see dev-up.sh's
+# chains). Both management clusters' nodes and pods share it.
 BRIDGE=capk0
-NODE_IP=10.240.0.1
-POD_CIDR=10.240.0.0/24
 CLUSTER_CIDR=10.240.0.0/16
-SERVICE_CIDR=10.96.0.0/16
-KUBERNETES_SVC_IP=10.96.0.1
+# The first cluster's CoreDNS (kube-dns), the cluster DNS of both.
 DNS_SVC_IP=10.96.0.10
 APISERVER_PORT=6443
-ETCD_CLIENT_PORT=2379
-ETCD_PEER_PORT=2380
 CONTAINERD_SOCK=$RUN/containerd.sock
-# iptables chains of our own (filter table), hooked first into INPUT and FORWARD.
+# iptables chains of our own (filter table), hooked first into INPUT and FORWARD; the second
+# cluster's DNAT of its `kubernetes` Service (nat table), hooked into PREROUTING.
 FW_CHAIN_FORWARD=CAPK-DEV-FORWARD
 FW_CHAIN_INPUT=CAPK-DEV-INPUT
+NAT_CHAIN_MC2=CAPK-DEV-MC2
 
 # The pause image: Debian's static catatonit in pause mode, built here (hack/dev/pause-image.sh).
 # "localhost/" so that no lookup could ever leave this machine.
