@@ -11,6 +11,9 @@
 //! a stable control plane) and rolls with maxUnavailable 1 (a new Machine never becomes Available).
 //!
 //! Every step asserts with a timeout; on failure everything useful goes to `_output/e2e/`.
+//!
+//! `make e2e-move` adds a second local management cluster and moves a cluster to it with the
+//! real `clusterctl move` (issue 12; [`pivot`]).
 
 use std::{
     path::PathBuf,
@@ -22,6 +25,8 @@ use std::{
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Value, json};
 
+#[path = "e2e/pivot.rs"]
+mod pivot;
 #[path = "e2e/workload.rs"]
 mod workload;
 
@@ -50,11 +55,18 @@ struct E2e {
 }
 
 impl E2e {
+    /// The local management cluster of `make dev-up`.
     fn new() -> Result<Self> {
+        Self::for_dev_dir("dev", "make dev-up")
+    }
+
+    /// A local management cluster whose files hack/dev-up.sh wrote to `_output/<dir>/`;
+    /// `bring_up` is the command that does so, named when they are missing.
+    fn for_dev_dir(dir: &str, bring_up: &str) -> Result<Self> {
         let root = capk_tests::repo_root();
         let out = capk_tests::output_dir();
-        let kubeconfig = out.join("dev/admin.kubeconfig");
-        let clusterctl_config = out.join("dev/clusterctl/clusterctl.yaml");
+        let kubeconfig = out.join(dir).join("admin.kubeconfig");
+        let clusterctl_config = out.join(dir).join("clusterctl/clusterctl.yaml");
         for (f, what) in [
             (&kubeconfig, "the local management cluster"),
             (
@@ -64,7 +76,7 @@ impl E2e {
         ] {
             if !f.exists() {
                 bail!(
-                    "{} missing: {what} is not up; run `make dev-up`",
+                    "{} missing: {what} is not up; run `{bring_up}`",
                     f.display()
                 );
             }
@@ -253,11 +265,19 @@ fn run_scenario(namespace: &'static str, scenario: fn(&E2e) -> Result<()>) {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     NS.with(|n| n.set(namespace));
     let e = &E2e::new().unwrap_or_else(|err| panic!("{err:#}"));
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| scenario(e))) {
-        Ok(Ok(())) => {}
+    if let Err(err) = collect_on_failure(e, || scenario(e)) {
+        panic!("{err:#}");
+    }
+}
+
+/// Runs `f`; when it fails (an error, or a failed assertion's panic), `e`'s diagnostics are
+/// collected before the failure goes on.
+fn collect_on_failure<T>(e: &E2e, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
         Ok(Err(err)) => {
             e.collect();
-            panic!("{err:#}");
+            Err(err)
         }
         Err(panic) => {
             e.collect();
@@ -331,6 +351,11 @@ fn worker_machines(e: &E2e) -> Result<Vec<Value>> {
 /// A machine is up when its KVMMachine says BootstrapCompleted, its Pod runs, and the Machine
 /// has the provider ID and infrastructure provisioned.
 fn machine_up(e: &E2e, machine: &Value) -> Result<Option<String>> {
+    machine_up_in(e, e, machine)
+}
+
+/// [`machine_up`] for a Machine of `e` whose Pod runs in `hosting` (the same namespace there).
+fn machine_up_in(e: &E2e, hosting: &E2e, machine: &Value) -> Result<Option<String>> {
     let Some(km_name) = machine["spec"]["infrastructureRef"]["name"].as_str() else {
         return Ok(None);
     };
@@ -343,7 +368,7 @@ fn machine_up(e: &E2e, machine: &Value) -> Result<Option<String>> {
     if !provisioned || provider_id != format!("kvm://{}/{km_name}", ns()) {
         return Ok(None);
     }
-    let pod = e.json(&["-n", ns(), "get", "pod", km_name])?;
+    let pod = hosting.json(&["-n", ns(), "get", "pod", km_name])?;
     if pod["status"]["phase"] != "Running" {
         return Ok(None);
     }
@@ -370,6 +395,11 @@ fn scale_workers(e: &E2e, replicas: usize) -> Result<Vec<String>> {
 /// Waits until exactly `n` worker machines are up and only their Pods (plus the control plane's)
 /// exist; returns the worker KVMMachine names.
 fn wait_workers(e: &E2e, n: usize) -> Result<Vec<String>> {
+    wait_workers_in(e, e, n)
+}
+
+/// [`wait_workers`] for the machines of `e` whose Pods run in `hosting`.
+fn wait_workers_in(e: &E2e, hosting: &E2e, n: usize) -> Result<Vec<String>> {
     wait(
         &format!("{n} worker machines up, no other machine Pods"),
         Duration::from_secs(420),
@@ -384,7 +414,7 @@ fn wait_workers(e: &E2e, n: usize) -> Result<Vec<String>> {
             }
             let mut up = Vec::new();
             for m in &machines {
-                match machine_up(e, m)? {
+                match machine_up_in(e, hosting, m)? {
                     Some(km) => up.push(km),
                     None => return Ok(None),
                 }
@@ -392,7 +422,7 @@ fn wait_workers(e: &E2e, n: usize) -> Result<Vec<String>> {
             let cp = control_plane_kvmmachines(e)?;
             let mut expected: Vec<String> = up.iter().cloned().chain(cp).collect();
             expected.sort();
-            if pod_names(e)? != expected {
+            if pod_names(hosting)? != expected {
                 return Ok(None);
             }
             up.sort();
@@ -480,12 +510,22 @@ fn set_paused(e: &E2e, paused: bool) -> Result<()> {
 }
 
 fn restart_count(e: &E2e, pod: &str) -> Result<i64> {
-    let p = e.json(&["-n", ns(), "get", "pod", pod])?;
-    Ok(p["status"]["containerStatuses"]
+    Ok(launcher_restarts(&e.json(&[
+        "-n",
+        ns(),
+        "get",
+        "pod",
+        pod,
+    ])?))
+}
+
+/// How often a machine Pod's launcher container restarted (its VM with it).
+fn launcher_restarts(pod: &Value) -> i64 {
+    pod["status"]["containerStatuses"]
         .as_array()
         .and_then(|cs| cs.iter().find(|c| c["name"] == "launcher"))
         .and_then(|c| c["restartCount"].as_i64())
-        .unwrap_or(0))
+        .unwrap_or(0)
 }
 
 /// `kill -9` of the machine Pod's QEMU, from inside the Pod, as a user with `kubectl exec` would;
@@ -812,7 +852,9 @@ fn control_plane_endpoint_follows_its_apiserver(e: &E2e, cp: &str) -> Result<()>
 }
 
 /// The workers' own bootstrap Secret (a real CABPK worker join, Ignition) and the
-/// MachineDeployment settings a cluster without a real workload control plane needs.
+/// MachineDeployment settings a cluster without a real workload control plane needs. The Secret
+/// is labelled for `clusterctl move`, which takes it along with the cluster (nothing else links
+/// it to the Cluster).
 fn prepare_workers(e: &E2e) -> Result<()> {
     let fixture = std::fs::read_to_string(
         e.root
@@ -822,7 +864,8 @@ fn prepare_workers(e: &E2e) -> Result<()> {
     let secret = json!({
         "apiVersion": "v1", "kind": "Secret",
         "metadata": {"name": "e2e-worker-bootstrap", "namespace": ns(),
-                     "labels": {"cluster.x-k8s.io/cluster-name": CLUSTER}},
+                     "labels": {"cluster.x-k8s.io/cluster-name": CLUSTER,
+                                capk_api::constants::MOVE_LABEL: ""}},
         "type": "cluster.x-k8s.io/secret",
         "stringData": {"format": fixture["format"], "value": fixture["value"]},
     });
@@ -1096,6 +1139,12 @@ fn cluster_journey_on_the_local_management_cluster() {
 #[ignore = "a real workload cluster on the local management cluster, minutes under TCG: `make e2e`"]
 fn workload_cluster_journey_on_the_local_management_cluster() {
     run_scenario("capk-e2e-workload", workload::workload_journey);
+}
+
+#[test]
+#[ignore = "clusterctl move between two local management clusters: `make e2e-move`"]
+fn cluster_move_between_management_clusters() {
+    run_scenario("capk-e2e-move", pivot::move_journey);
 }
 
 /// Resident KiB of QEMU's guest-RAM mapping: the anonymous mapping whose size is the guest's

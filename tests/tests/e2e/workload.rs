@@ -17,33 +17,41 @@ const TOOLBOX_PREFIX: &str = "localhost/capk/toolbox:";
 /// The node-image flavor's etcdStorage hostPath on the MC node.
 const ETCD_HOST_PATH: &str = "/var/lib/capk/etcd";
 /// How long a TCG machine may take from created to a Ready Node (boot, image import, kubeadm).
-const NODE_READY: Duration = Duration::from_secs(45 * 60);
+pub(super) const NODE_READY: Duration = Duration::from_secs(45 * 60);
 
-/// `KEY=value` from `_output/dev/node-image.env` (written by hack/dev/node-image.sh).
-fn dev_node_image() -> Result<String> {
-    let path = capk_tests::output_dir().join("dev/node-image.env");
-    let text = std::fs::read_to_string(&path).with_context(|| {
-        format!(
-            "{}: the node image is not in the local MC; run `make dev-up` (it runs \
-             hack/dev/node-image.sh, which builds it with `make node-image`)",
-            path.display()
-        )
-    })?;
+/// The node image's name in the local MC: `_output/dev/node-image.env` (written by
+/// hack/dev/node-image.sh).
+pub(super) fn dev_node_image() -> Result<String> {
+    dev_setting(
+        "node-image.env",
+        "CAPK_NODE_IMAGE",
+        "the node image is not in the local MC; run `make dev-up` (it runs \
+         hack/dev/node-image.sh, which builds it with `make node-image`)",
+    )
+}
+
+/// `KEY=value` from `_output/dev/<file>`, which hack/dev wrote; `missing` says why the file may
+/// not be there and what to run.
+pub(super) fn dev_setting(file: &str, key: &str, missing: &str) -> Result<String> {
+    let path = capk_tests::output_dir().join("dev").join(file);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("{}: {missing}", path.display()))?;
+    let prefix = format!("{key}=");
     text.lines()
-        .find_map(|l| l.strip_prefix("CAPK_NODE_IMAGE="))
+        .find_map(|l| l.strip_prefix(&prefix))
         .map(str::to_owned)
-        .with_context(|| format!("no CAPK_NODE_IMAGE in {}", path.display()))
+        .with_context(|| format!("no {key} in {}", path.display()))
 }
 
 /// The workload cluster seen from the MC node: its kubeconfig (the `<cluster>-kubeconfig` Secret
 /// Cluster API wrote) with the server reached through the control-plane Service's ClusterIP: the
 /// endpoint's DNS name resolves inside the MC only, and the name stays the TLS server name.
-struct Workload {
+pub(super) struct Workload {
     kubeconfig: PathBuf,
 }
 
 impl Workload {
-    fn fetch(e: &E2e) -> Result<Self> {
+    pub(super) fn fetch(e: &E2e) -> Result<Self> {
         let secret = e.json(&[
             "-n",
             ns(),
@@ -112,13 +120,13 @@ impl Workload {
         e.run(cmd, Some(input))
     }
 
-    fn json(&self, e: &E2e, args: &[&str]) -> Result<Value> {
+    pub(super) fn json(&self, e: &E2e, args: &[&str]) -> Result<Value> {
         let mut all = args.to_vec();
         all.extend(["-o", "json"]);
         Ok(serde_json::from_str(&self.kubectl(e, &all)?)?)
     }
 
-    fn items(&self, e: &E2e, args: &[&str]) -> Result<Vec<Value>> {
+    pub(super) fn items(&self, e: &E2e, args: &[&str]) -> Result<Vec<Value>> {
         Ok(self.json(e, args)?["items"]
             .as_array()
             .cloned()
@@ -131,7 +139,7 @@ fn node_ready(node: &Value) -> bool {
 }
 
 /// The names of the workload cluster's Nodes that are Ready.
-fn ready_nodes(w: &Workload, e: &E2e) -> Result<Vec<String>> {
+pub(super) fn ready_nodes(w: &Workload, e: &E2e) -> Result<Vec<String>> {
     let mut names: Vec<String> = w
         .items(e, &["get", "nodes"])?
         .iter()
@@ -219,6 +227,24 @@ fn create_workload_cluster(e: &E2e) -> Result<(String, Instant)> {
     std::fs::create_dir_all(HOST_VOLUME_DIR)?;
 
     // --- 1. create: one control plane, one worker, from clusterctl's output --------------------------
+    // The worker's template shares a directory of the MC node with the guest.
+    apply_workload_cluster(e, &node_image, |worker| {
+        worker["hostVolumes"] = serde_yaml_ng::to_value(json!([
+            {"mountTag": MOUNT_TAG, "hostPath": HOST_VOLUME_DIR}
+        ]))?;
+        Ok(())
+    })
+}
+
+/// Applies `clusterctl generate cluster --flavor node-image` with `node_image` to the (existing)
+/// namespace: one control plane, no worker yet; `worker` edits the machine spec of the workers'
+/// KVMMachineTemplate. Waits until kubeadm init is done on the control plane; returns its
+/// machine and when the apply was.
+pub(super) fn apply_workload_cluster(
+    e: &E2e,
+    node_image: &str,
+    mut worker: impl FnMut(&mut serde_yaml_ng::Value) -> Result<()>,
+) -> Result<(String, Instant)> {
     let version = capk_tests::pinned_version("KUBERNETES_VERSION");
     let manifest = e.clusterctl(
         &[
@@ -241,7 +267,7 @@ fn create_workload_cluster(e: &E2e) -> Result<(String, Instant)> {
             "0",
         ],
         &[
-            ("KVM_NODE_IMAGE", node_image.as_str()),
+            ("KVM_NODE_IMAGE", node_image),
             // kubeadm's preflight: 2 CPUs and 1700 MB on a control-plane node.
             ("CONTROL_PLANE_MACHINE_CPUS", "2"),
             ("CONTROL_PLANE_MACHINE_MEMORY", "2560Mi"),
@@ -258,22 +284,12 @@ fn create_workload_cluster(e: &E2e) -> Result<(String, Instant)> {
             ("KUBE_LEADER_ELECT_RETRY_PERIOD", "5s"),
         ],
     )?;
-    // The worker's template shares a directory of the MC node with the guest.
-    let mut docs: Vec<serde_yaml_ng::Value> = Vec::new();
-    for d in serde_yaml_ng::Deserializer::from_str(&manifest) {
-        let mut v = serde_yaml_ng::Value::deserialize(d)?;
+    let manifest = map_yaml_docs(&manifest, |mut v| {
         if v["kind"] == "KVMMachineTemplate" && v["metadata"]["name"] == format!("{CLUSTER}-md-0") {
-            v["spec"]["template"]["spec"]["hostVolumes"] = serde_yaml_ng::to_value(json!([
-                {"mountTag": MOUNT_TAG, "hostPath": HOST_VOLUME_DIR}
-            ]))?;
+            worker(&mut v["spec"]["template"]["spec"])?;
         }
-        docs.push(v);
-    }
-    let manifest = docs
-        .iter()
-        .map(serde_yaml_ng::to_string)
-        .collect::<Result<Vec<_>, _>>()?
-        .join("---\n");
+        Ok(Some(v))
+    })?;
     std::fs::create_dir_all(&e.out)?;
     std::fs::write(e.out.join("cluster.yaml"), &manifest)?;
     let created = Instant::now();
@@ -299,6 +315,25 @@ fn create_workload_cluster(e: &E2e) -> Result<(String, Instant)> {
         Ok(condition_true(&km, "BootstrapCompleted").then_some(()))
     })?;
     Ok((cp, created))
+}
+
+/// A multi-document YAML manifest with each document passed through `f`: changed, or left out
+/// (`None`).
+pub(super) fn map_yaml_docs(
+    text: &str,
+    mut f: impl FnMut(serde_yaml_ng::Value) -> Result<Option<serde_yaml_ng::Value>>,
+) -> Result<String> {
+    let mut docs: Vec<serde_yaml_ng::Value> = Vec::new();
+    for d in serde_yaml_ng::Deserializer::from_str(text) {
+        if let Some(v) = f(serde_yaml_ng::Value::deserialize(d)?)? {
+            docs.push(v);
+        }
+    }
+    Ok(docs
+        .iter()
+        .map(serde_yaml_ng::to_string)
+        .collect::<Result<Vec<_>, _>>()?
+        .join("---\n"))
 }
 
 pub(super) fn workload_journey(e: &E2e) -> Result<()> {
@@ -558,7 +593,14 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
         );
     }
     e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
-    // The control planes' etcd disks (etcdStorage hostPath, one directory per machine).
+    assert_no_etcd_data_left();
+    eprintln!("e2e: workload: 6. cluster deleted, nothing left");
+    Ok(())
+}
+
+/// The control planes' etcd disks (etcdStorage hostPath, one directory per machine on the MC
+/// node) of the namespace are gone.
+pub(super) fn assert_no_etcd_data_left() {
     let etcd_dir = format!("{ETCD_HOST_PATH}/{}", ns());
     let left: Vec<String> = std::fs::read_dir(&etcd_dir)
         .map(|d| {
@@ -567,8 +609,6 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
         })
         .unwrap_or_default();
     assert!(left.is_empty(), "etcd data left in {etcd_dir}: {left:?}");
-    eprintln!("e2e: workload: 6. cluster deleted, nothing left");
-    Ok(())
 }
 
 /// The worker Nodes (all Nodes but the control plane's), Ready or not.
