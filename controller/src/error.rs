@@ -158,6 +158,26 @@ impl Error {
     }
 }
 
+impl Error {
+    /// The reconciled object itself is gone (404 on its status or its finalizer): it was deleted
+    /// while the reconcile ran, as `clusterctl move` does to the source's copies right after
+    /// pausing them. Nothing is left to report on: no Warning Event about an object that no
+    /// longer exists.
+    pub fn is_object_gone(&self) -> bool {
+        use kube::runtime::finalizer::Error as F;
+        let not_found = |e: &kube::Error| matches!(e, kube::Error::Api(s) if s.code == 404);
+        match self {
+            Error::UpdateStatus(e) => not_found(e),
+            Error::Finalizer(f) => match f.as_ref() {
+                F::AddFinalizer(e) | F::RemoveFinalizer(e) => not_found(e),
+                F::ApplyFailed(e) | F::CleanupFailed(e) => e.is_object_gone(),
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+}
+
 /// Result of a reconcile step.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -188,5 +208,23 @@ mod tests {
         assert!(!add(api(500, json!([]))).is_conflict());
         assert!(Error::UpdateStatus(api(409, json!([]))).is_conflict());
         assert!(!Error::MissingNamespace.is_conflict());
+    }
+
+    #[test]
+    fn only_a_404_on_the_object_itself_means_it_is_gone() {
+        assert!(Error::UpdateStatus(api(404, json!([]))).is_object_gone());
+        let apply_failed = |e| Error::Finalizer(Box::new(F::ApplyFailed(e)));
+        assert!(apply_failed(Error::UpdateStatus(api(404, json!([])))).is_object_gone());
+        assert!(
+            Error::Finalizer(Box::new(F::RemoveFinalizer(api(404, json!([]))))).is_object_gone()
+        );
+        assert!(!Error::UpdateStatus(api(409, json!([]))).is_object_gone());
+        // A missing object the reconcile reads or deletes is another object: a real failure.
+        let read = Error::Read {
+            kind: "Cluster",
+            name: "demo".into(),
+            source: api(404, json!([])),
+        };
+        assert!(!read.is_object_gone());
     }
 }

@@ -332,6 +332,10 @@ pub async fn run_with_metrics(
         workloads,
         hosting,
     ));
+    tokio::spawn(kvmcluster::prune_hosting_links(
+        ctx.clone(),
+        stopped(rx.clone()),
+    ));
     {
         let (caches, metrics) = (caches.clone(), metrics.clone());
         tokio::spawn(caches.clone().watch_readiness(synced_tx));

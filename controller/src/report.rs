@@ -64,6 +64,8 @@ where
         if e.is_conflict() {
             // Someone else wrote the object first; the retry reads the new version.
             debug!(error = %e, "reconcile lost a write race; retrying");
+        } else if e.is_object_gone() {
+            debug!(error = %e, "the object was deleted while it was reconciled");
         } else if e.is_waiting() {
             info!(error = %e, "reconcile waits");
         } else {

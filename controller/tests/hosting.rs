@@ -9,7 +9,7 @@ use std::{collections::BTreeMap, process::Command, sync::OnceLock, time::Duratio
 
 use anyhow::{Context, Result, anyhow, bail};
 use capk_api::{
-    capi::Machine,
+    capi::{Cluster, Machine},
     v1alpha1::{KVMCluster, KVMMachine},
 };
 use capk_tests::env::{EnvOptions, TestEnv};
@@ -674,6 +674,49 @@ async fn a_recreated_kvmmachine_adopts_its_labelled_objects() -> Result<()> {
         hosted_pods.list(&ListParams::default()).await?.items.len(),
         1
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_cluster_moved_away_leaves_no_connection_to_its_hosting_cluster() -> Result<()> {
+    let (ns, hosted_ns) = ("hosting-moved-away", "moved-away");
+    let hosting = hosting_as_admin(hosted_ns).await?;
+    let mc = TestEnv::shared().client().await?;
+    create_namespace(&mc, ns).await?;
+    let _stop = start_controller(mc.clone(), ns);
+    hosted_cluster(
+        &mc,
+        ns,
+        "demo-hosting",
+        &hosting.kubeconfig,
+        Some(hosted_ns),
+    )
+    .await?;
+    let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
+    eventually(60, "the hosting cluster connected", || async {
+        let kc = kcs.get("demo").await?;
+        let connected = cluster_condition(&kc, "HostingClusterAvailable")
+            .is_some_and(|(s, r, _)| s == "True" && r == "HostingClusterConnected");
+        Ok(connected.then_some(()))
+    })
+    .await?;
+    assert!(
+        hosting.relay.connections() > 0,
+        "the controller watches the hosting cluster through the relay"
+    );
+
+    // What `clusterctl move` does to the source's copy: pause, remove the finalizer, delete.
+    // No reconcile of that KVMCluster follows; its link must go all the same.
+    let clusters: Api<Cluster> = Api::namespaced(mc.clone(), ns);
+    let pause = json!({"spec": {"paused": true}});
+    clusters
+        .patch("demo", &PatchParams::default(), &Patch::Merge(&pause))
+        .await?;
+    delete_without_finalizers(&kcs, "demo").await?;
+    eventually(60, "no connection left to the hosting cluster", || async {
+        Ok((hosting.relay.connections() == 0).then_some(()))
+    })
+    .await?;
     Ok(())
 }
 

@@ -45,7 +45,7 @@ use crate::{
     conditions::DesiredCondition,
     context::{Context, FIELD_MANAGER},
     error::{Error, Result},
-    hosting::{HostingKey, Target, Unavailable},
+    hosting::{HostingKey, REASON_CONNECTING, Target, Unavailable},
     ownership::{Claim, Owner},
     report,
 };
@@ -126,7 +126,8 @@ async fn get_cluster(ctx: &Context, ns: &str, name: &str) -> Result<Option<Clust
 }
 
 /// Where `kc`'s objects live, or why that cluster cannot be used now; a Warning Event when it
-/// stops being usable.
+/// stops being usable (a Normal one while its first list is on the way: every start and every
+/// `clusterctl move` goes through that, and nothing is wrong).
 async fn target(ctx: &Context, kc: &KVMCluster) -> std::result::Result<Target, Unavailable> {
     let result = ctx
         .hosting
@@ -140,7 +141,12 @@ async fn target(ctx: &Context, kc: &KVMCluster) -> std::result::Result<Target, U
             .and_then(|cs| crate::conditions::find(cs, CONDITION_HOSTING_CLUSTER_AVAILABLE))
             .is_some_and(|c| c.status == "False" && c.reason == u.reason);
         if !shown {
-            report::publish(ctx, kc, EventType::Warning, u.reason, u.message.clone()).await;
+            let kind = if u.reason == REASON_CONNECTING {
+                EventType::Normal
+            } else {
+                EventType::Warning
+            };
+            report::publish(ctx, kc, kind, u.reason, u.message.clone()).await;
         }
     }
     result
@@ -198,6 +204,31 @@ async fn apply(
     // The health check's pace: the apiservers are probed again then, or sooner when a
     // control-plane machine Pod changes.
     Ok(Action::requeue(recheck))
+}
+
+/// How often [`prune_hosting_links`] looks for hosting clusters no KVMCluster names any more.
+pub const HOSTING_LINK_PRUNE_PERIOD: Duration = Duration::from_secs(10);
+
+/// Drops, every [`HOSTING_LINK_PRUNE_PERIOD`] until `stopped`, the links (client and watches) of
+/// hosting clusters that no KVMCluster names any more. A KVMCluster can go without a reconcile
+/// that would drop its link: `clusterctl move` pauses it, removes its finalizer and deletes it,
+/// and the controller of the source cluster would otherwise keep watching the hosting namespace
+/// with the moved credential for as long as it runs.
+pub async fn prune_hosting_links(
+    ctx: Arc<Context>,
+    stopped: impl std::future::Future<Output = ()>,
+) {
+    let prune = async {
+        ctx.caches.ready().await;
+        loop {
+            tokio::time::sleep(HOSTING_LINK_PRUNE_PERIOD).await;
+            retain_hosting_links(&ctx, None);
+        }
+    };
+    tokio::select! {
+        () = prune => {}
+        () = stopped => {}
+    }
 }
 
 /// Drops the links of hosting clusters no KVMCluster names any more (`leaving`: one that is

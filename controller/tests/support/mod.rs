@@ -182,6 +182,8 @@ pub struct Relay {
     pub addr: std::net::SocketAddr,
     open: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
+    /// Connections relayed now.
+    connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Relay {
@@ -190,24 +192,39 @@ impl Relay {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let (open, rx) = tokio::sync::watch::channel(true);
+        let connections = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = connections.clone();
         let task = tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
                 if !*rx.borrow() {
                     continue;
                 }
                 let mut closed = rx.clone();
+                let counted = counted.clone();
                 tokio::spawn(async move {
                     let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await else {
                         return;
                     };
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     tokio::select! {
                         _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
                         _ = closed.wait_for(|o| !*o) => {}
                     }
+                    counted.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                 });
             }
         });
-        Ok(Self { addr, open, task })
+        Ok(Self {
+            addr,
+            open,
+            task,
+            connections,
+        })
+    }
+
+    /// How many connections it relays now (a client that keeps none open has dropped its link).
+    pub fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Cuts (`false`) or restores (`true`) the connection.
