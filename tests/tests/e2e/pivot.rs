@@ -456,12 +456,30 @@ fn nothing_left(left: Vec<String>) -> Result<Option<()>> {
     }
 }
 
-/// Step 4: the real `clusterctl move`, as a user runs it; returns when it started.
+/// Step 4: the real `clusterctl move`, as a user runs it; returns when MC1's controller had
+/// stopped acting on the cluster. clusterctl's first write is `spec.paused` on the Cluster; the
+/// journey sets it a moment earlier, and waits for the controller to say it saw it (`Paused` on
+/// the KVMCluster and every KVMMachine), so that "nothing published since" starts at a known
+/// point rather than somewhere in clusterctl's discovery, during which an emulated apiserver's
+/// health may still change and be reported.
 fn clusterctl_move(mc1: &E2e, mc2: &E2e) -> Result<Timestamp> {
     let to = mc2
         .kubeconfig
         .to_str()
         .context("MC2's kubeconfig path is not UTF-8")?;
+    set_paused(mc1, true)?;
+    wait(
+        "MC1's KVMCluster and KVMMachines Paused",
+        Duration::from_secs(60),
+        || {
+            let mut objects = mc1.items("kvmmachines", None)?;
+            objects.push(mc1.json(&["-n", ns(), "get", "kvmcluster", CLUSTER])?);
+            Ok(objects
+                .iter()
+                .all(|o| condition_true(o, "Paused"))
+                .then_some(()))
+        },
+    )?;
     let from = Timestamp::now();
     let started = Instant::now();
     mc1.clusterctl(&["move", "--to-kubeconfig", to, "--namespace", ns()], &[])?;
@@ -473,8 +491,9 @@ fn clusterctl_move(mc1: &E2e, mc2: &E2e) -> Result<Timestamp> {
 }
 
 /// Step 5: MC1 keeps none of the Cluster API objects, but every VM and everything the controller
-/// made for them, untouched; its controller published nothing since the move began (clusterctl
-/// paused the Cluster before it deleted anything, and a paused cluster is left alone).
+/// made for them, untouched; its controller published nothing since the Cluster was paused for
+/// the move (clusterctl deletes the source's objects only after pausing them, and a paused
+/// cluster is left alone, also when its objects vanish under a reconcile).
 fn source_left_alone(
     mc1: &E2e,
     vms: &Vms,
@@ -529,10 +548,10 @@ fn source_left_alone(
         .collect();
     assert!(
         acted.is_empty(),
-        "MC1's controller published Events since the move began ({from}): {acted:#?}"
+        "MC1's controller published Events after it paused the cluster for the move ({from}): {acted:#?}"
     );
     eprintln!(
-        "e2e: move: 5. MC1: no Cluster API object left, {} machine Pods and {} objects of the controller untouched, no Event of its controller since the move began",
+        "e2e: move: 5. MC1: no Cluster API object left, {} machine Pods and {} objects of the controller untouched, no Event of its controller since it paused the cluster",
         vms.pods.len(),
         hosted.len()
     );
