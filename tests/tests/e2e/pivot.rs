@@ -132,6 +132,9 @@ fn fresh_namespaces(mc1: &E2e, mc2: &E2e) -> Result<()> {
     for (which, mc) in both {
         if mc.kubectl(&["-n", ns(), "get", "cluster", CLUSTER]).is_ok() {
             eprintln!("e2e: move: 0. deleting Cluster {CLUSTER} left in {which} by an earlier run");
+            // A move that stopped half-way leaves it paused, and a paused Cluster's machines
+            // are never deleted.
+            set_paused(mc, false)?;
             mc.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=600s"])
                 .with_context(|| {
                     format!("deleting the Cluster left in {which} (machines in MC1's namespace)")
@@ -456,38 +459,72 @@ fn nothing_left(left: Vec<String>) -> Result<Option<()>> {
     }
 }
 
-/// Step 4: the real `clusterctl move`, as a user runs it; returns when MC1's controller had
-/// stopped acting on the cluster. clusterctl's first write is `spec.paused` on the Cluster; the
-/// journey sets it a moment earlier, and waits for the controller to say it saw it (`Paused` on
-/// the KVMCluster and every KVMMachine), so that "nothing published since" starts at a known
-/// point rather than somewhere in clusterctl's discovery, during which an emulated apiserver's
-/// health may still change and be reported.
+/// What `clusterctl move -v 1` says right before it sets `spec.paused` on the source's Cluster
+/// (cmd/clusterctl/client/cluster/mover.go); from then on the source's controller must act no
+/// more.
+const PAUSING: &str = "Pausing the source cluster";
+
+/// Step 4: the real `clusterctl move`, as a user runs it (with `-v 1`); returns when it paused
+/// the source's Cluster, as its output said it would while it ran. That is the start of "MC1's
+/// controller published nothing": before it, during clusterctl's discovery, the emulated control
+/// plane's health may still change and be reported, as it should.
 fn clusterctl_move(mc1: &E2e, mc2: &E2e) -> Result<Timestamp> {
-    let to = mc2
-        .kubeconfig
-        .to_str()
-        .context("MC2's kubeconfig path is not UTF-8")?;
-    set_paused(mc1, true)?;
-    wait(
-        "MC1's KVMCluster and KVMMachines Paused",
-        Duration::from_secs(60),
-        || {
-            let mut objects = mc1.items("kvmmachines", None)?;
-            objects.push(mc1.json(&["-n", ns(), "get", "kvmcluster", CLUSTER])?);
-            Ok(objects
-                .iter()
-                .all(|o| condition_true(o, "Paused"))
-                .then_some(()))
-        },
-    )?;
-    let from = Timestamp::now();
+    use std::io::{BufRead, BufReader, Read};
+    let mut cmd = Command::new(mc1.bin("clusterctl"));
+    cmd.args(["move", "-v", "1", "--namespace", ns(), "--to-kubeconfig"])
+        .arg(&mc2.kubeconfig)
+        .arg("--config")
+        .arg(&mc1.clusterctl_config)
+        .arg("--kubeconfig")
+        .arg(&mc1.kubeconfig)
+        .env("CLUSTERCTL_DISABLE_VERSIONCHECK", "true")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let started = Instant::now();
-    mc1.clusterctl(&["move", "--to-kubeconfig", to, "--namespace", ns()], &[])?;
+    let mut child = cmd.spawn().context("spawn clusterctl move")?;
+    let paused_at = std::sync::Arc::new(std::sync::Mutex::new(None::<Timestamp>));
+    let streams: Vec<Box<dyn Read + Send>> = vec![
+        Box::new(child.stdout.take().context("stdout")?),
+        Box::new(child.stderr.take().context("stderr")?),
+    ];
+    let readers: Vec<_> = streams
+        .into_iter()
+        .map(|stream| {
+            let paused_at = paused_at.clone();
+            std::thread::spawn(move || {
+                let mut said = String::new();
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    if line.contains(PAUSING) {
+                        let mut at = paused_at.lock().unwrap_or_else(|p| p.into_inner());
+                        at.get_or_insert_with(Timestamp::now);
+                    }
+                    said.push_str(&line);
+                    said.push('\n');
+                }
+                said
+            })
+        })
+        .collect();
+    let status = child.wait().context("wait for clusterctl move")?;
+    let said: String = readers
+        .into_iter()
+        .map(|r| r.join().unwrap_or_default())
+        .collect();
+    std::fs::create_dir_all(&mc1.out)?;
+    std::fs::write(mc1.out.join("clusterctl-move.log"), &said)?;
+    if !status.success() {
+        bail!("clusterctl move failed ({status}):\n{said}");
+    }
+    let paused = paused_at
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .with_context(|| format!("clusterctl move never said {PAUSING:?}:\n{said}"))?;
     eprintln!(
         "e2e: move: 4. clusterctl move MC1 -> MC2 took {:.1}s",
         started.elapsed().as_secs_f64()
     );
-    Ok(from)
+    Ok(paused)
 }
 
 /// Step 5: MC1 keeps none of the Cluster API objects, but every VM and everything the controller
@@ -548,10 +585,10 @@ fn source_left_alone(
         .collect();
     assert!(
         acted.is_empty(),
-        "MC1's controller published Events after it paused the cluster for the move ({from}): {acted:#?}"
+        "MC1's controller published Events after clusterctl paused the cluster ({from}): {acted:#?}"
     );
     eprintln!(
-        "e2e: move: 5. MC1: no Cluster API object left, {} machine Pods and {} objects of the controller untouched, no Event of its controller since it paused the cluster",
+        "e2e: move: 5. MC1: no Cluster API object left, {} machine Pods and {} objects of the controller untouched, no Event of its controller since clusterctl paused the cluster",
         vms.pods.len(),
         hosted.len()
     );
