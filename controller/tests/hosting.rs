@@ -208,6 +208,28 @@ async fn hosted_cluster(
     kvm_cluster(mc, ns, json!({"hostingCluster": hosting})).await
 }
 
+/// Namespace `ns` of the management cluster with the controller running in it, and cluster
+/// `demo` there whose machines live in `hosted_ns` of `hosting` (kubeconfig Secret
+/// `demo-hosting`). The controller stops when the returned sender is dropped.
+async fn controller_and_hosted_cluster(
+    ns: &str,
+    hosting: &Hosting,
+    hosted_ns: &str,
+) -> Result<(Client, tokio::sync::oneshot::Sender<()>, KVMCluster)> {
+    let mc = TestEnv::shared().client().await?;
+    create_namespace(&mc, ns).await?;
+    let stop = start_controller(mc.clone(), ns);
+    let kc = hosted_cluster(
+        &mc,
+        ns,
+        "demo-hosting",
+        &hosting.kubeconfig,
+        Some(hosted_ns),
+    )
+    .await?;
+    Ok((mc, stop, kc))
+}
+
 /// Cluster `demo` (provisioned, as Cluster API records it) and its KVMCluster of `spec`.
 async fn kvm_cluster(mc: &Client, ns: &str, spec: Value) -> Result<KVMCluster> {
     support::provisioned_cluster(mc, ns).await?;
@@ -291,17 +313,7 @@ fn labels_of(
 async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> Result<()> {
     let ns = "hosted";
     let hosting = hosting_with_released_rbac().await?;
-    let mc = TestEnv::shared().client().await?;
-    create_namespace(&mc, ns).await?;
-    let _stop = start_controller(mc.clone(), ns);
-    hosted_cluster(
-        &mc,
-        ns,
-        "demo-hosting",
-        &hosting.kubeconfig,
-        Some(HOSTING_NS),
-    )
-    .await?;
+    let (mc, _stop, _) = controller_and_hosted_cluster(ns, &hosting, HOSTING_NS).await?;
     let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
     let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
     let hosted_services: Api<Service> = Api::namespaced(hosting.admin.clone(), HOSTING_NS);
@@ -585,17 +597,7 @@ where
 async fn a_recreated_kvmmachine_adopts_its_labelled_objects() -> Result<()> {
     let (ns, hosted_ns) = ("hosting-adopt", "adopt");
     let hosting = hosting_as_admin(hosted_ns).await?;
-    let mc = TestEnv::shared().client().await?;
-    create_namespace(&mc, ns).await?;
-    let stop = start_controller(mc.clone(), ns);
-    let kc = hosted_cluster(
-        &mc,
-        ns,
-        "demo-hosting",
-        &hosting.kubeconfig,
-        Some(hosted_ns),
-    )
-    .await?;
+    let (mc, stop, kc) = controller_and_hosted_cluster(ns, &hosting, hosted_ns).await?;
     control_plane_machine(&mc, ns, "demo-cp-0", BOOTSTRAP).await?;
     let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
     let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
@@ -681,17 +683,7 @@ async fn a_recreated_kvmmachine_adopts_its_labelled_objects() -> Result<()> {
 async fn a_cluster_moved_away_leaves_no_connection_to_its_hosting_cluster() -> Result<()> {
     let (ns, hosted_ns) = ("hosting-moved-away", "moved-away");
     let hosting = hosting_as_admin(hosted_ns).await?;
-    let mc = TestEnv::shared().client().await?;
-    create_namespace(&mc, ns).await?;
-    let _stop = start_controller(mc.clone(), ns);
-    hosted_cluster(
-        &mc,
-        ns,
-        "demo-hosting",
-        &hosting.kubeconfig,
-        Some(hosted_ns),
-    )
-    .await?;
+    let (mc, _stop, _) = controller_and_hosted_cluster(ns, &hosting, hosted_ns).await?;
     let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
     eventually(60, "the hosting cluster connected", || async {
         let kc = kcs.get("demo").await?;
