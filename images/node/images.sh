@@ -92,12 +92,20 @@ STATIC=$(layer "$stage/static.tar")
 cp "$WORK/iptables-base.tar" "$stage/iptables.tar"
 IPTABLES=$(layer "$stage/iptables.tar")
 
-# bin_layer PATH_IN_IMAGE BINARY -> the layer (see layer) holding just that program.
+# bin_layer PATH_IN_IMAGE BINARY [FILE_CAPS] -> the layer (see layer) holding just that program,
+# with FILE_CAPS (setcap's syntax) as its file capabilities, stored in the tar as the
+# security.capability xattr (containerd sets it when it unpacks the layer).
 bin_layer() {
   local dir=$stage/bin-$(basename "$1")
   mkdir -p "$dir$(dirname "$1")"
   install -m 0755 "$2" "$dir$1"
-  tar_dir "$dir" "$dir.tar"
+  if [[ -n ${3:-} ]]; then
+    setcap "$3" "$dir$1"
+    tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 --xattrs --xattrs-include=security.capability \
+      -C "$dir" -cf "$dir.tar" .
+  else
+    tar_dir "$dir" "$dir.tar"
+  fi
   layer "$dir.tar"
 }
 
@@ -135,9 +143,12 @@ done
 # etcd: kubeadm names a patch the proxy may not serve; ours is $ETCD_VERSION (see README.md).
 image "$(kubeadm_name etcd)" "{$PATH_ENV,\"Entrypoint\":[\"/usr/local/bin/etcd\"],\"Labels\":{\"org.opencontainers.image.version\":\"$ETCD_VERSION\"}}" \
   "$STATIC" "$(bin_layer /usr/local/bin/etcd "$BIN/etcd")"
-# CoreDNS runs as nonroot like upstream's image; its Deployment grants NET_BIND_SERVICE.
+# CoreDNS runs as nonroot like upstream's image, and like it carries the file capability
+# cap_net_bind_service: kubeadm's Deployment adds NET_BIND_SERVICE to the container, but a non-root
+# process only gets a capability in its effective set from the file (containerd sets no ambient
+# capabilities), and without it `listen tcp :53: bind: permission denied` (seen in make e2e-workload).
 image "$(kubeadm_name coredns)" "{$PATH_ENV,\"Entrypoint\":[\"/coredns\"],\"User\":\"65532:65532\",\"Labels\":{\"org.opencontainers.image.version\":\"$COREDNS_VERSION\"}}" \
-  "$STATIC" "$(bin_layer /coredns "$BIN/coredns")"
+  "$STATIC" "$(bin_layer /coredns "$BIN/coredns" cap_net_bind_service=+ep)"
 # kube-proxy programs iptables: Debian's iptables (nft backend, like the guest's own).
 image "$(kubeadm_name kube-proxy)" "{$PATH_ENV,\"Entrypoint\":[\"/usr/local/bin/kube-proxy\"]}" \
   "$IPTABLES" "$(bin_layer /usr/local/bin/kube-proxy "$BIN/kube-proxy")"

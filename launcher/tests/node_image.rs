@@ -163,6 +163,7 @@ r "hostname=$(hostname)"
 r "ignition-file=$(sha256sum </etc/capk/plain.txt | cut -d' ' -f1)"
 r "kubeadm result=$(systemctl show -p Result --value kubeadm.service) status=$(systemctl show -p ExecMainStatus --value kubeadm.service)"
 r "bootstrap-success=$(test -e /run/cluster-api/bootstrap-success.complete && echo yes || echo no)"
+r "seed $(journalctl -b -u capk-seed-containerd.service -o cat | grep capk-seed-containerd: | tail -1)"
 r "preload $(journalctl -b -u capk-preload-images.service -o cat | grep capk-preload-images: | tail -1)"
 disk() { lsblk -dno SERIAL,FSTYPE "$(findmnt -no SOURCE "$1")" | tr -s ' ' ,; }
 r "containerd-disk=$(disk /var/lib/containerd)"
@@ -536,6 +537,7 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
     l.wait_for("CAPK-NODE report-done", Duration::from_secs(1800));
     let boot = l.wait_for("CAPK-NODE Startup finished", Duration::from_secs(120));
     println!("MEASURE {boot}");
+    println!("MEASURE {}", l.fact("seed "));
     println!("MEASURE {}", l.fact("preload "));
 
     assert_eq!(l.fact("hostname="), HOSTNAME);
@@ -544,8 +546,19 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
         sha256_hex(&fixture_file("/etc/capk/plain.txt"))
     );
     // The launcher's containerd disk is mounted over /var/lib/containerd: the images came from
-    // the boot-time import, and they are exactly kubeadm's (plus the CNI's and the toolbox), nothing pulled.
+    // the image's unpacked seed, copied before containerd started (no import needed), and they
+    // are exactly kubeadm's (plus the CNI's and the toolbox), nothing pulled.
     assert_eq!(l.fact("containerd-disk="), "dockerfs,ext4");
+    assert!(
+        l.fact("seed ").starts_with("capk-seed-containerd: copied"),
+        "containerd's disk was not seeded: {}",
+        l.fact("seed ")
+    );
+    assert!(
+        l.fact("preload ").starts_with("capk-preload-images: containerd has all"),
+        "the seeded containerd lacked images: {}",
+        l.fact("preload ")
+    );
     let images = l.facts("image ");
     for w in &want {
         assert!(images.contains(w), "{w} not in containerd: {images:?}");

@@ -1014,7 +1014,7 @@ fn boot_steps(e: &E2e, w: &Workload, machine: &str) -> Result<Vec<(&'static str,
         ("bootloader loads the kernel", at(&["Linux version"])?),
         ("kernel + Ignition", at(&["- Ignition Complete."])?),
         (
-            "root, containerd, image import",
+            "root, containerd seeded with the images",
             at(&["Finished capk-preload-imag"])?,
         ),
         // cloud-config's runcmd (the node-image flavor) or CABPK's kubeadm.service (Ignition).
