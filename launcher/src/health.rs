@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::BufReader;
 use tokio::sync::Mutex;
 
-use crate::line::{Frame, LineReader};
+use crate::line::{Frame, LineFramer, LineReader};
 use crate::qemu::argv::{Accel, DiskAttachment};
 use crate::qemu::qmp::VmStatus;
 
@@ -68,6 +68,9 @@ pub struct LauncherState {
     pub apiserver: Option<ApiserverReadyz>,
     /// Heartbeat-port lines longer than [`HEARTBEAT_LINE_MAX`], dropped.
     pub heartbeat_lines_too_long: u64,
+    /// The guest's boot stopped in a shell (emergency or rescue mode), as its console said:
+    /// [`console_boot_failure`] and the line. Cleared by the next heartbeat (the boot went on).
+    pub guest_boot_failure: Option<String>,
 }
 
 /// The apiserver check of a control-plane machine.
@@ -98,6 +101,7 @@ impl LauncherState {
             disks: Vec::new(),
             apiserver: None,
             heartbeat_lines_too_long: 0,
+            guest_boot_failure: None,
         }
     }
 }
@@ -146,6 +150,11 @@ pub fn liveness(state: &LauncherState, qmp: Option<Result<VmStatus, String>>) ->
 pub fn readiness(state: &LauncherState, now: Instant) -> ProbeResult {
     if let Some(exit) = &state.qemu_exit {
         return ProbeResult::fail(format!("qemu exited: {exit}"));
+    }
+    if let Some(failure) = &state.guest_boot_failure {
+        return ProbeResult::fail(format!(
+            "guest boot stopped in {failure}; the console (kubectl logs) says why"
+        ));
     }
     let Some(beat) = state.last_heartbeat else {
         return ProbeResult::fail("no guest heartbeat yet");
@@ -203,6 +212,8 @@ pub struct StatusReport {
     pub disks: Vec<DiskAttachment>,
     /// Heartbeat-port lines dropped for being too long (a misbehaving guest).
     pub heartbeat_lines_too_long: u64,
+    /// The guest's boot stopped in emergency or rescue mode (what its console said), if it did.
+    pub guest_boot_failure: Option<String>,
 }
 
 /// Builds the status report.
@@ -222,6 +233,7 @@ pub fn status_report(state: &LauncherState, vm: Option<&VmStatus>, now: Instant)
         bootstrap_succeeded: state.bootstrap_succeeded,
         disks: state.disks.clone(),
         heartbeat_lines_too_long: state.heartbeat_lines_too_long,
+        guest_boot_failure: state.guest_boot_failure.clone(),
     }
 }
 
@@ -240,6 +252,9 @@ pub fn record_heartbeat(state: &mut LauncherState, line: &str, now: Instant) -> 
     }
     state.bootstrap_succeeded = done;
     state.last_heartbeat = Some(now);
+    if let Some(failure) = state.guest_boot_failure.take() {
+        tracing::info!(was = %failure, "guest heartbeat again: its boot went on");
+    }
     true
 }
 
@@ -278,6 +293,82 @@ pub async fn follow_heartbeat(path: std::path::PathBuf, state: SharedState) {
             }
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Longest console line [`watch_console`] looks at; longer ones are skipped.
+const CONSOLE_LINE_MAX: usize = 4096;
+
+/// What a console line says about a boot that stopped in a shell instead of reaching its units:
+/// systemd's emergency or rescue mode (its sulogin shell prints "You are in emergency mode"), or
+/// dracut's emergency shell in the initramfs (Ignition failing there: "Entering emergency
+/// mode"). `None` for every other line.
+pub fn console_boot_failure(line: &str) -> Option<&'static str> {
+    const MARKERS: [(&str, &str); 3] = [
+        ("You are in emergency mode", "emergency mode"),
+        ("Entering emergency mode", "emergency mode"),
+        ("You are in rescue mode", "rescue mode"),
+    ];
+    MARKERS
+        .iter()
+        .find(|(marker, _)| line.contains(marker))
+        .map(|(_, what)| *what)
+}
+
+/// Applies one console line: a boot failure is recorded (and logged once).
+pub fn record_console_line(state: &mut LauncherState, line: &[u8]) {
+    let text = String::from_utf8_lossy(line);
+    let Some(what) = console_boot_failure(&text) else {
+        return;
+    };
+    let said: String = text
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(200)
+        .collect::<String>()
+        .trim()
+        .to_owned();
+    let failure = format!("{what} (console: {said:?})");
+    if state.guest_boot_failure.as_ref() != Some(&failure) {
+        tracing::warn!(failure = %failure, "the guest's boot stopped in a shell: its units will not run");
+        state.guest_boot_failure = Some(failure);
+    }
+}
+
+/// Follows the console log QEMU appends to (`path`) from byte `from` (its length before this
+/// QEMU started: an earlier boot's lines say nothing of this one) and records what
+/// [`record_console_line`] recognizes. Polls once a second; never holds more than a line.
+pub async fn watch_console(path: std::path::PathBuf, from: u64, state: SharedState) {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut offset = from;
+    let mut framer = LineFramer::new(CONSOLE_LINE_MAX);
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        if let Ok(mut file) = std::fs::File::open(&path) {
+            let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+            if len < offset {
+                // Truncated or replaced: start over at its beginning.
+                offset = 0;
+                framer = LineFramer::new(CONSOLE_LINE_MAX);
+            }
+            if file.seek(SeekFrom::Start(offset)).is_ok() {
+                while let Ok(n) = file.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    offset += n as u64;
+                    let mut input = &buf[..n];
+                    while !input.is_empty() {
+                        let (taken, frame) = framer.feed(input);
+                        input = &input[taken..];
+                        if let Some(Frame::Line(line)) = frame {
+                            record_console_line(&mut *state.lock().await, &line);
+                        }
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
@@ -385,6 +476,92 @@ mod tests {
             now
         ));
         assert!(s.bootstrap_succeeded);
+    }
+
+    #[test]
+    fn a_boot_stopped_in_a_shell_fails_readiness_until_the_guest_beats_again() {
+        let now = Instant::now();
+        let mut s = running();
+        s.last_heartbeat = Some(now);
+        s.bootstrap_succeeded = true;
+        for line in [
+            "[  OK  ] Started \u{1b}[0;1;39mcontainerd.service\u{1b}[0m - containerd container runtime.",
+            "kubelet: emergency-mode is not a word here",
+        ] {
+            record_console_line(&mut s, line.as_bytes());
+        }
+        assert_eq!(s.guest_boot_failure, None);
+        assert!(readiness(&s, now).ok);
+        record_console_line(
+            &mut s,
+            b"\rYou are in emergency mode. After logging in, type \"journalctl -xb\" to view\r",
+        );
+        let r = readiness(&s, now);
+        assert!(!r.ok);
+        assert!(
+            r.reason.starts_with(
+                "guest boot stopped in emergency mode (console: \"You are in emergency mode."
+            ) && r.reason.ends_with("; the console (kubectl logs) says why"),
+            "{}",
+            r.reason
+        );
+        assert_eq!(
+            status_report(&s, None, now).guest_boot_failure,
+            s.guest_boot_failure
+        );
+        assert_eq!(
+            console_boot_failure(
+                "[  181.2] dracut: Entering emergency mode. Exit the shell to continue."
+            ),
+            Some("emergency mode")
+        );
+        assert_eq!(
+            console_boot_failure("You are in rescue mode. After logging in, type ..."),
+            Some("rescue mode")
+        );
+        // Somebody continued the boot: the heartbeat unit runs again.
+        assert!(record_heartbeat(
+            &mut s,
+            "capk-heartbeat/1 bootstrap=done uptime=300.0",
+            now
+        ));
+        assert_eq!(s.guest_boot_failure, None);
+        assert!(readiness(&s, now).ok);
+    }
+
+    /// The console log QEMU appends to: lines of an earlier boot (before `from`) are not read,
+    /// a failure line split across two writes is still seen, and a flood without newlines is
+    /// read through.
+    #[tokio::test]
+    async fn the_console_watch_reads_only_this_boot_and_finds_emergency_mode() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("console.log");
+        let mut f = std::fs::File::create(&path).unwrap();
+        f.write_all(b"old boot: You are in emergency mode.\n")
+            .unwrap();
+        let from = f.metadata().unwrap().len();
+        let state: SharedState = Arc::new(Mutex::new(running()));
+        let watch = tokio::spawn(watch_console(path.clone(), from, state.clone()));
+        f.write_all(&vec![b'*'; 100 * 1024]).unwrap();
+        f.write_all(b"\n[  OK  ] Reached target basic.target\n")
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(state.lock().await.guest_boot_failure, None);
+        f.write_all(b"You are in emergen").unwrap();
+        f.flush().unwrap();
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        f.write_all(b"cy mode. After logging in\n").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(failure) = state.lock().await.guest_boot_failure.clone() {
+                assert!(failure.starts_with("emergency mode"), "{failure}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "the emergency line was not seen");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        watch.abort();
     }
 
     /// A guest that floods the heartbeat port with a 16 MiB line: the launcher reads through it

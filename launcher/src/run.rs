@@ -414,6 +414,11 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         s.mac = Some(net_plan.vm_mac.to_string());
     }
 
+    // QEMU appends to the console log: what it holds now is an earlier boot's.
+    let console_log = a.runtime_dir.join(CONSOLE_LOG);
+    let console_from = std::fs::metadata(&console_log)
+        .map(|m| m.len())
+        .unwrap_or(0);
     let started = start_vm(&a, &v, &net_plan, decision.accel, &hostname, &state).await;
     let (pid, dhcp_task, mut reaper) = match started {
         Ok(x) => x,
@@ -443,6 +448,11 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     } else {
         None
     };
+    let console_task = tokio::spawn(health::watch_console(
+        console_log,
+        console_from,
+        state.clone(),
+    ));
     let hb_task = tokio::spawn(health::follow_heartbeat(
         a.runtime_dir.join("heartbeat.sock"),
         state.clone(),
@@ -468,7 +478,7 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     };
 
     let result = supervise(&mut signals, &a, pid, &mut reaper, &state, &qmp_slot).await;
-    for t in [dhcp_task, hb_task, qmp_task, control_task]
+    for t in [dhcp_task, hb_task, qmp_task, control_task, console_task]
         .into_iter()
         .chain(readyz_task)
     {

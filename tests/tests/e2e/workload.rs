@@ -278,10 +278,11 @@ pub(super) fn apply_workload_cluster(
             ("VOLUME_SIZE_GB", "8"),
             ("DOCKER_VOLUME_SIZE_GB", "4"),
             // Emulated control planes renew leases slowly: the controller-manager lost its
-            // lease in a loop with Kubernetes' defaults (15s/10s/2s) and never ran a DaemonSet.
-            ("KUBE_LEADER_ELECT_LEASE_DURATION", "60s"),
-            ("KUBE_LEADER_ELECT_RENEW_DEADLINE", "40s"),
-            ("KUBE_LEADER_ELECT_RETRY_PERIOD", "5s"),
+            // lease in a loop with Kubernetes' defaults (15s/10s/2s) and never ran a DaemonSet;
+            // with 60s/40s/5s it still lost it (and exited) 5 times while the worker joined.
+            ("KUBE_LEADER_ELECT_LEASE_DURATION", "120s"),
+            ("KUBE_LEADER_ELECT_RENEW_DEADLINE", "90s"),
+            ("KUBE_LEADER_ELECT_RETRY_PERIOD", "10s"),
         ],
     )?;
     let manifest = map_yaml_docs(&manifest, |mut v| {
