@@ -555,7 +555,8 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
         l.fact("seed ")
     );
     assert!(
-        l.fact("preload ").starts_with("capk-preload-images: containerd has all"),
+        l.fact("preload ")
+            .starts_with("capk-preload-images: containerd has all"),
         "the seeded containerd lacked images: {}",
         l.fact("preload ")
     );
