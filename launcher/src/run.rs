@@ -15,6 +15,7 @@ use crate::control::{self, SharedQmp};
 use crate::disk::{self, DiskError, DiskRequest};
 use crate::health::{self, LauncherState, Phase, SharedState};
 use crate::ignition::{self, IgnitionError};
+use crate::net::netns::{self, NetnsKind, NetnsUnknown};
 use crate::net::observe::NetlinkError;
 use crate::net::plan::{GuestNaming, PlanError};
 use crate::net::{MacAddr, apply, dhcp, observe, plan, resolv, tap};
@@ -141,6 +142,16 @@ pub enum RunError {
         tap::TUN_DEVICE
     )]
     NoTun,
+    /// Run in the host's network namespace.
+    #[error(
+        "this is the host's network namespace (hostNetwork, or run by hand on a node): the VM \
+         would take the node's own address and MAC; run capk-launcher as PID 1 of a machine Pod \
+         in the Pod's own network namespace (hostNetwork: false)"
+    )]
+    HostNetwork,
+    /// The network namespace could not be told.
+    #[error(transparent)]
+    NetnsUnknown(#[from] NetnsUnknown),
     /// KVM required but unusable.
     #[error("--accel kvm: {0}")]
     Kvm(#[from] KvmUnusable),
@@ -306,6 +317,10 @@ fn preflight(a: &RunConfig) -> Result<(), RunError> {
     }
     if !tap::tun_available() {
         return Err(RunError::NoTun);
+    }
+    // Before anything touches a link: in the host's namespace "the Pod's interface" is the node's.
+    if netns::classify(Path::new(netns::CORE_SYSCTLS))? == NetnsKind::Initial {
+        return Err(RunError::HostNetwork);
     }
     Ok(())
 }

@@ -1214,6 +1214,58 @@ fn bad_input_exits_nonzero_with_one_line_cause() {
     assert!(text.contains("is `capk-launcher run` running"), "{text}");
 }
 
+/// Run by hand on a node (or in a `hostNetwork` Pod), the launcher would bind the node's own
+/// interface and give its address and MAC to the VM. It refuses in the host's network namespace
+/// (where this test runs, as every test here that creates namespaces does) before it touches any
+/// link. `--interface` names a link that does not exist, so that a launcher without the check
+/// fails on "not found" instead of taking this machine's eth0.
+#[test]
+fn refuses_the_host_network_namespace() {
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    let links = || {
+        sh_out("ip -o link show; ip -o addr show; ip -o route show table all")
+            .lines()
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let before = links();
+    let work = work_dir();
+    let g = guest_dir();
+    let out = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
+        .args(["run", "--accel", "tcg", "--interface", "capk-absent0"])
+        .args(["--image", &g.join("base.qcow2").display().to_string()])
+        .args(["--kernel", &g.join("vmlinuz").display().to_string()])
+        .args(["--initrd", &g.join("initrd.img").display().to_string()])
+        .args(["--memory", "256Mi", "--disk-size", "512Mi"])
+        .args([
+            "--state-dir",
+            &work.path().join("state").display().to_string(),
+        ])
+        .args([
+            "--runtime-dir",
+            &work.path().join("run").display().to_string(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last = err.trim().lines().last().unwrap_or_default();
+    assert!(!out.status.success(), "{err}");
+    assert_eq!(
+        last,
+        "capk-launcher: this is the host's network namespace (hostNetwork, or run by hand on a \
+         node): the VM would take the node's own address and MAC; run capk-launcher as PID 1 of a \
+         machine Pod in the Pod's own network namespace (hostNetwork: false)"
+    );
+    assert_eq!(links(), before, "no link, address or route may change");
+    assert!(
+        !work.path().join("run").exists() && !work.path().join("state").exists(),
+        "nothing is set up before the refusal"
+    );
+}
+
 #[test]
 fn accel_kvm_fails_clearly_where_kvm_hangs() {
     let _g = serial();

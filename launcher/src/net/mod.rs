@@ -3,6 +3,7 @@
 
 pub mod apply;
 pub mod dhcp;
+pub mod netns;
 pub mod observe;
 pub mod plan;
 pub mod resolv;
