@@ -7,7 +7,8 @@ use std::process::Command;
 
 use serde::Serialize;
 
-use crate::qemu::argv::{DiskAttachment, DiskFormat};
+use crate::qcow2::{self, NotSelfContained};
+use crate::qemu::argv::{BaseImage, DiskAttachment, DiskFormat};
 use crate::size::ByteSize;
 
 /// What the controller asked for.
@@ -34,6 +35,10 @@ pub struct DiskRequest {
 pub struct DiskState {
     /// Virtual size of the node image.
     pub image_size: Option<ByteSize>,
+    /// The backing file a qcow2 node image's header names.
+    pub image_backing_file: Option<String>,
+    /// The external data file a qcow2 node image's header names (empty: the feature bit alone).
+    pub image_data_file: Option<String>,
     /// Virtual size of the root overlay, when it exists.
     pub overlay_size: Option<ByteSize>,
     /// Size of the containerd disk, when it exists.
@@ -110,6 +115,9 @@ pub enum DiskError {
         /// Image virtual size.
         image: ByteSize,
     },
+    /// The node image names another file to open.
+    #[error(transparent)]
+    NotSelfContained(#[from] NotSelfContained),
     /// qemu-img failed.
     #[error("{command}: {stderr}")]
     QemuImg {
@@ -154,6 +162,21 @@ pub fn plan(r: &DiskRequest, s: &DiskState) -> Result<DiskPlan, DiskError> {
     let image_size = s
         .image_size
         .ok_or_else(|| DiskError::Image(r.image.clone(), "not found".into()))?;
+    // What a tenant's image names is never opened: QEMU would serve it to the guest.
+    if let Some(name) = &s.image_backing_file {
+        return Err(NotSelfContained::BackingFile {
+            path: r.image.clone(),
+            name: name.clone(),
+        }
+        .into());
+    }
+    if let Some(name) = &s.image_data_file {
+        return Err(NotSelfContained::DataFile {
+            path: r.image.clone(),
+            name: name.clone(),
+        }
+        .into());
+    }
     if r.root_size < image_size {
         return Err(DiskError::RootTooSmall {
             requested: r.root_size,
@@ -181,6 +204,10 @@ pub fn plan(r: &DiskRequest, s: &DiskState) -> Result<DiskPlan, DiskError> {
         serial: ROOT_SERIAL.into(),
         path: overlay,
         format: DiskFormat::Qcow2,
+        base: Some(BaseImage {
+            path: r.image.clone(),
+            format: r.image_format,
+        }),
     });
 
     for (serial, file, want, have) in [
@@ -212,6 +239,7 @@ pub fn plan(r: &DiskRequest, s: &DiskState) -> Result<DiskPlan, DiskError> {
             serial: serial.into(),
             path,
             format: DiskFormat::Raw,
+            base: None,
         });
     }
 
@@ -228,6 +256,7 @@ pub fn plan(r: &DiskRequest, s: &DiskState) -> Result<DiskPlan, DiskError> {
             serial: ETCD_SERIAL.into(),
             path: path.clone(),
             format: DiskFormat::Raw,
+            base: None,
         });
     }
     Ok(DiskPlan {
@@ -250,35 +279,27 @@ fn qemu_img(qemu_img: &Path, args: &[&str]) -> Result<String, DiskError> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// The first bytes of every qcow2 file (version 2 and 3).
-const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
-
-/// Virtual size of an image, read from the file itself: a qcow2 header's `size` field (bytes
-/// 24..32, big-endian), a raw file's (or block device's) length in 512-byte sectors. What
-/// `qemu-img info` reports, without a process: a restart spawns nothing before QEMU (the two
-/// `qemu-img info` runs were most of the 15-60 ms from launcher start to QEMU exec).
-fn virtual_size(path: &Path, format: DiskFormat) -> Result<ByteSize, DiskError> {
-    use std::io::{Read, Seek, SeekFrom};
+/// An image's virtual size and, for qcow2, what its header names, read from the file itself:
+/// a qcow2 header (`qcow2::read`), a raw file's (or block device's) length in 512-byte sectors.
+/// What `qemu-img info` reports, without a process: a restart spawns nothing before QEMU (the
+/// two `qemu-img info` runs were most of the 15-60 ms from launcher start to QEMU exec), and
+/// nothing the header names is opened.
+fn read_image(
+    path: &Path,
+    format: DiskFormat,
+) -> Result<(ByteSize, Option<qcow2::Header>), DiskError> {
+    use std::io::{Seek, SeekFrom};
     let bad = |why: String| DiskError::Image(path.to_path_buf(), why);
-    let mut f = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
     match format {
-        // QEMU sees a raw file in whole 512-byte sectors, the last one zero-padded.
-        DiskFormat::Raw => f
-            .seek(SeekFrom::End(0))
-            .map(|len| ByteSize(len.div_ceil(512) * 512))
-            .map_err(|e| bad(format!("size: {e}"))),
+        // QEMU sees a raw file in whole 512-byte sectors, the last one zero-padded. Its bytes
+        // are the guest's: never looked at as a header (QEMU is always told `raw`).
+        DiskFormat::Raw => std::fs::File::open(path)
+            .and_then(|mut f| f.seek(SeekFrom::End(0)))
+            .map(|len| (ByteSize(len.div_ceil(512) * 512), None))
+            .map_err(|e| bad(e.to_string())),
         DiskFormat::Qcow2 => {
-            let mut header = [0u8; 32];
-            f.read_exact(&mut header)
-                .map_err(|e| bad(format!("read the qcow2 header: {e}")))?;
-            if header[..4] != QCOW2_MAGIC {
-                return Err(bad(
-                    "not a qcow2 image (no qcow2 magic); is --image-format right?".into(),
-                ));
-            }
-            let mut size = [0u8; 8];
-            size.copy_from_slice(&header[24..32]);
-            Ok(ByteSize(u64::from_be_bytes(size)))
+            let h = qcow2::read(path).map_err(|e| bad(e.to_string()))?;
+            Ok((ByteSize(h.size), Some(h)))
         }
     }
 }
@@ -291,10 +312,14 @@ fn file_size(path: &Path) -> Option<ByteSize> {
 /// by their length).
 pub fn observe(r: &DiskRequest) -> Result<DiskState, DiskError> {
     let overlay = overlay_path(r);
+    let (image_size, header) = read_image(&r.image, r.image_format)?;
+    let header = header.unwrap_or_default();
     Ok(DiskState {
-        image_size: Some(virtual_size(&r.image, r.image_format)?),
+        image_size: Some(image_size),
+        image_backing_file: header.backing_file,
+        image_data_file: header.data_file,
         overlay_size: if overlay.exists() {
-            Some(virtual_size(&overlay, DiskFormat::Qcow2)?)
+            Some(read_image(&overlay, DiskFormat::Qcow2)?.0)
         } else {
             None
         },
@@ -326,11 +351,15 @@ pub fn apply(plan: &DiskPlan, qemu_img_bin: &Path) -> Result<(), DiskError> {
                     path: backing.clone(),
                     source,
                 })?;
+                // -u: qemu-img does not open the base (its header was checked by the planner);
+                // the size is given, so it need not. QEMU opens the base itself, read-only and
+                // with no backing of its own (`qemu::argv`).
                 qemu_img(
                     qemu_img_bin,
                     &[
                         "create",
                         "-q",
+                        "-u",
                         "-f",
                         "qcow2",
                         "-F",
@@ -343,16 +372,15 @@ pub fn apply(plan: &DiskPlan, qemu_img_bin: &Path) -> Result<(), DiskError> {
                 )?;
             }
             DiskAction::GrowOverlay { path, size } => {
+                // `backing: null`: growing the overlay opens neither the base nor what it names.
+                let opts = serde_json::json!({
+                    "driver": "qcow2",
+                    "file": { "driver": "file", "filename": path },
+                    "backing": null,
+                });
                 qemu_img(
                     qemu_img_bin,
-                    &[
-                        "resize",
-                        "-q",
-                        "-f",
-                        "qcow2",
-                        &path.display().to_string(),
-                        &size.0.to_string(),
-                    ],
+                    &["resize", "-q", &format!("json:{opts}"), &size.0.to_string()],
                 )?;
             }
             DiskAction::CreateRaw { path, size } => {
@@ -431,6 +459,7 @@ mod tests {
             docker_size: Some(ByteSize::gib(30)),
             kubelet_size: Some(ByteSize::gib(20)),
             etcd_size: Some(ByteSize::gib(5)),
+            ..Default::default()
         };
         let p = plan(&request(), &s).unwrap();
         assert_eq!(
@@ -572,15 +601,13 @@ mod tests {
             .unwrap();
             let v: serde_json::Value = serde_json::from_str(&info).unwrap();
             assert_eq!(
-                Some(virtual_size(path, format).unwrap().0),
+                Some(read_image(path, format).unwrap().0.0),
                 v["virtual-size"].as_u64(),
                 "{p}"
             );
         }
         assert_eq!(
-            virtual_size(&raw, DiskFormat::Qcow2)
-                .unwrap_err()
-                .to_string(),
+            read_image(&raw, DiskFormat::Qcow2).unwrap_err().to_string(),
             format!(
                 "node image {}: not a qcow2 image (no qcow2 magic); is --image-format right?",
                 raw.display()
@@ -588,10 +615,117 @@ mod tests {
         );
         let missing = dir.path().join("missing.qcow2");
         assert!(
-            virtual_size(&missing, DiskFormat::Qcow2)
+            read_image(&missing, DiskFormat::Qcow2)
                 .unwrap_err()
                 .to_string()
                 .contains("No such file or directory")
+        );
+    }
+
+    /// Crafted node images made by the real qemu-img whose headers name something outside the
+    /// image: a host file, a raw block device, an nbd export through a `json:` name, an external
+    /// data file. Each is refused by observe → plan (before qemu-img or QEMU opens it), with a
+    /// message naming what the header names; the self-contained image of the same size passes.
+    #[test]
+    fn images_that_name_other_files_are_refused() {
+        let Some(qemu_img_bin) =
+            crate::testsupport::require_tool("qemu-img", "apt-get install qemu-utils")
+        else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let d = |name: &str| dir.path().join(name).display().to_string();
+        // Stands in for a copy of /etc/shadow: a host file a tenant must never read.
+        std::fs::write(d("shadow"), "root:$y$j9T$secret:19000:0:99999:7:::\n").unwrap();
+        let nbd = r#"json:{"file":{"driver":"nbd","server":{"type":"inet","host":"127.0.0.1","port":"10809"},"export":"root"}}"#;
+        let create = |image: &str, extra: &[&str]| {
+            let mut args = vec!["create", "-q", "-f", "qcow2"];
+            args.extend_from_slice(extra);
+            args.extend_from_slice(&[image, "64M"]);
+            qemu_img(&qemu_img_bin, &args).unwrap();
+        };
+        let shadow = d("shadow");
+        let data = d("data.raw");
+        let data_file = format!("data_file={data},data_file_raw=on");
+        create(&d("host-file.qcow2"), &["-F", "raw", "-b", &shadow]);
+        // -u: the device need not exist here to be named.
+        create(&d("device.qcow2"), &["-u", "-F", "raw", "-b", "/dev/vda"]);
+        create(&d("nbd.qcow2"), &["-u", "-F", "raw", "-b", nbd]);
+        create(&d("data-file.qcow2"), &["-o", &data_file]);
+        create(&d("clean.qcow2"), &[]);
+        let cases = [
+            ("host-file.qcow2", format!("a backing file ({shadow})")),
+            ("device.qcow2", "a backing file (/dev/vda)".to_string()),
+            ("nbd.qcow2", format!("a backing file ({nbd})")),
+            ("data-file.qcow2", format!("an external data file ({data})")),
+        ];
+        for (image, names) in cases {
+            let r = DiskRequest {
+                state_dir: dir.path().join("state"),
+                image: dir.path().join(image),
+                image_format: DiskFormat::Qcow2,
+                root_size: ByteSize::mib(128),
+                docker_size: ByteSize(0),
+                kubelet_size: ByteSize(0),
+                etcd: None,
+            };
+            let err = plan(&r, &observe(&r).unwrap()).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "node image {}: the qcow2 header names {names}; a node image must be \
+                     self-contained: flatten it with `qemu-img convert -O qcow2 <image> <new image>`",
+                    d(image)
+                )
+            );
+        }
+        let r = DiskRequest {
+            state_dir: dir.path().join("state"),
+            image: dir.path().join("clean.qcow2"),
+            image_format: DiskFormat::Qcow2,
+            root_size: ByteSize::mib(128),
+            docker_size: ByteSize(0),
+            kubelet_size: ByteSize(0),
+            etcd: None,
+        };
+        assert!(plan(&r, &observe(&r).unwrap()).is_ok());
+        assert!(!dir.path().join("state").exists(), "nothing was created");
+    }
+
+    /// A raw image's bytes are the guest's, never a header: a "raw" file that holds a qcow2
+    /// header naming a backing file is planned as raw, and QEMU is told `raw` for the base.
+    #[test]
+    fn raw_images_are_never_read_as_qcow2() {
+        let Some(qemu_img_bin) =
+            crate::testsupport::require_tool("qemu-img", "apt-get install qemu-utils")
+        else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("looks-like-qcow2.raw");
+        let i = image.display().to_string();
+        let args = [
+            "create", "-q", "-u", "-f", "qcow2", "-F", "raw", "-b", "/dev/vda", &i, "64M",
+        ];
+        qemu_img(&qemu_img_bin, &args).unwrap();
+        let r = DiskRequest {
+            state_dir: dir.path().join("state"),
+            image: image.clone(),
+            image_format: DiskFormat::Raw,
+            root_size: ByteSize::mib(128),
+            docker_size: ByteSize(0),
+            kubelet_size: ByteSize(0),
+            etcd: None,
+        };
+        let s = observe(&r).unwrap();
+        assert_eq!((s.image_backing_file, s.image_data_file), (None, None));
+        let p = plan(&r, &observe(&r).unwrap()).unwrap();
+        assert_eq!(
+            p.attachments[0].base,
+            Some(BaseImage {
+                path: image,
+                format: DiskFormat::Raw
+            })
         );
     }
 }

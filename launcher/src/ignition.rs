@@ -156,6 +156,7 @@ mod tests {
             serial: serial.into(),
             path: "/x".into(),
             format: DiskFormat::Raw,
+            base: None,
         };
         BootInputs {
             hostname: "capk-md-0-abcde".into(),

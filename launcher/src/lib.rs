@@ -11,6 +11,7 @@ pub mod health;
 pub mod ignition;
 pub mod line;
 pub mod net;
+pub mod qcow2;
 pub mod qemu;
 pub mod run;
 pub mod size;

@@ -355,6 +355,18 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     );
     let v = validate(&a)?;
     preflight(&a)?;
+    // Disks are planned before anything changes: a node image that names other files (qcow2
+    // backing or data file) is refused here, before qemu-img or QEMU opens it.
+    let disk_req = DiskRequest {
+        state_dir: a.state_dir.clone(),
+        image: a.image.clone(),
+        image_format: v.image_format,
+        root_size: a.disk_size,
+        docker_size: a.docker_disk_size,
+        kubelet_size: a.kubelet_disk_size,
+        etcd: a.etcd_disk.clone().map(|p| (p, a.etcd_disk_size)),
+    };
+    let disk_plan = disk::plan(&disk_req, &disk::observe(&disk_req)?)?;
     let hostname = match &a.hostname {
         Some(h) => h.clone(),
         None => nix::unistd::gethostname()
@@ -434,7 +446,16 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     let console_from = std::fs::metadata(&console_log)
         .map(|m| m.len())
         .unwrap_or(0);
-    let started = start_vm(&a, &v, &net_plan, decision.accel, &hostname, &state).await;
+    let started = start_vm(
+        &a,
+        &v,
+        disk_plan,
+        &net_plan,
+        decision.accel,
+        &hostname,
+        &state,
+    )
+    .await;
     let (pid, dhcp_task, mut reaper) = match started {
         Ok(x) => x,
         Err(e) => {
@@ -509,21 +530,12 @@ type Started = (u32, tokio::task::JoinHandle<()>, Reaper);
 async fn start_vm(
     a: &RunConfig,
     v: &Validated,
+    disk_plan: disk::DiskPlan,
     net_plan: &plan::NetworkPlan,
     accel: argv::Accel,
     hostname: &str,
     state: &SharedState,
 ) -> Result<Started, RunError> {
-    let req = DiskRequest {
-        state_dir: a.state_dir.clone(),
-        image: a.image.clone(),
-        image_format: v.image_format,
-        root_size: a.disk_size,
-        docker_size: a.docker_disk_size,
-        kubelet_size: a.kubelet_disk_size,
-        etcd: a.etcd_disk.clone().map(|p| (p, a.etcd_disk_size)),
-    };
-    let disk_plan = disk::plan(&req, &disk::observe(&req)?)?;
     disk::apply(&disk_plan, &a.qemu_img)?;
     state.lock().await.disks = disk_plan.attachments.clone();
 

@@ -1214,6 +1214,98 @@ fn bad_input_exits_nonzero_with_one_line_cause() {
     assert!(text.contains("is `capk-launcher run` running"), "{text}");
 }
 
+/// A tenant's node image whose qcow2 header names a host file, a block device, an nbd export
+/// (`json:` backing) or an external data file is refused by `capk-launcher run` in a machine Pod
+/// before anything changes: exit 1 with the reason, QEMU never started (no console log, no QMP
+/// socket), no overlay created, the Pod's eth0 untouched.
+#[test]
+fn node_images_that_name_host_files_are_refused_before_qemu_starts() {
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    let t = calico();
+    let work = work_dir();
+    let w = |name: &str| work.path().join(name).display().to_string();
+    std::fs::write(w("shadow"), "root:$y$j9T$secret:19000:0:99999:7:::\n").unwrap();
+    let nbd = r#"json:{"file":{"driver":"nbd","server":{"type":"inet","host":"127.0.0.1","port":"10809"},"export":"root"}}"#;
+    let data_file = format!("data_file={},data_file_raw=on", w("data.raw"));
+    let shadow = w("shadow");
+    let cases: [(&str, Vec<&str>, String); 4] = [
+        (
+            "host-file.qcow2",
+            vec!["-F", "raw", "-b", &shadow],
+            format!("a backing file ({shadow})"),
+        ),
+        (
+            "device.qcow2",
+            vec!["-u", "-F", "raw", "-b", "/dev/vda"],
+            "a backing file (/dev/vda)".into(),
+        ),
+        (
+            "nbd.qcow2",
+            vec!["-u", "-F", "raw", "-b", nbd],
+            format!("a backing file ({nbd})"),
+        ),
+        (
+            "data-file.qcow2",
+            vec!["-o", &data_file],
+            format!("an external data file ({})", w("data.raw")),
+        ),
+    ];
+    let eth0 = || {
+        sh_out(&format!(
+            "ip -n {} -o addr show dev eth0; ip -n {} -o link show",
+            t.pod, t.pod
+        ))
+    };
+    let before = eth0();
+    for (image, create, names) in cases {
+        let out = Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .args(&create)
+            .args([&w(image), "64M"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let g = guest_dir();
+        let boot = [
+            "--image".to_string(),
+            w(image),
+            "--kernel".to_string(),
+            g.join("vmlinuz").display().to_string(),
+            "--initrd".to_string(),
+            g.join("initrd.img").display().to_string(),
+        ];
+        let mut l = Launcher::spawn(&t, work.path(), &boot, "tcg", false);
+        let exit = l.wait_exit(Duration::from_secs(30));
+        assert!(!exit.success(), "{image}: the launcher must refuse it");
+        let cause = l
+            .seen
+            .iter()
+            .rev()
+            .find(|x| x.contains("capk-launcher: "))
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            cause.ends_with(&format!(
+                "capk-launcher: disk setup: node image {}: the qcow2 header names {names}; a node \
+                 image must be self-contained: flatten it with `qemu-img convert -O qcow2 <image> \
+                 <new image>`",
+                w(image)
+            )),
+            "{cause}"
+        );
+        for never in ["run/console.log", "run/qmp.sock", "state/root.qcow2"] {
+            assert!(
+                !work.path().join(never).exists(),
+                "{image}: {never} exists: QEMU or qemu-img ran"
+            );
+        }
+        assert_eq!(eth0(), before, "{image}: the Pod's eth0 must be untouched");
+    }
+}
+
 /// Run by hand on a node (or in a `hostNetwork` Pod), the launcher would bind the node's own
 /// interface and give its address and MAC to the VM. It refuses in the host's network namespace
 /// (where this test runs, as every test here that creates namespaces does) before it touches any

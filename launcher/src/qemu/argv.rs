@@ -71,6 +71,36 @@ pub struct DiskAttachment {
     pub path: PathBuf,
     /// Its format.
     pub format: DiskFormat,
+    /// The read-only image under a qcow2 overlay (the root disk's node image).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base: Option<BaseImage>,
+}
+
+/// The read-only base of an overlay: opened by QEMU as its own node, never through the names in
+/// the overlay's or its own header.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BaseImage {
+    /// Image file.
+    pub path: PathBuf,
+    /// Its format (always explicit: a raw image is never probed).
+    pub format: DiskFormat,
+}
+
+/// The `-blockdev` of an overlay's base, in QEMU's JSON syntax: the dotted syntax cannot say
+/// `backing: null` (it reads `null` as a node name). Read-only, and a qcow2 base gets no backing
+/// of its own whatever its header says (the planner refuses such images before; this holds even
+/// if the file changes after the check).
+fn base_blockdev(node: &str, b: &BaseImage) -> String {
+    let mut v = serde_json::json!({
+        "driver": b.format.as_str(),
+        "node-name": node,
+        "read-only": true,
+        "file": { "driver": "file", "filename": b.path },
+    });
+    if b.format == DiskFormat::Qcow2 {
+        v["backing"] = serde_json::Value::Null;
+    }
+    v.to_string()
 }
 
 /// A host directory shared over virtio-9p.
@@ -218,11 +248,19 @@ pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
 
     for (i, d) in spec.disks.iter().enumerate() {
         let id = format!("disk-{}", d.serial);
+        let backing = match &d.base {
+            Some(b) => {
+                let base = format!("base-{}", d.serial);
+                push(&mut a, "-blockdev", base_blockdev(&base, b));
+                format!(",backing={base}")
+            }
+            None => String::new(),
+        };
         push(
             &mut a,
             "-blockdev",
             format!(
-                "driver={},node-name={id},discard=unmap,file.driver=file,file.filename={}",
+                "driver={},node-name={id},discard=unmap,file.driver=file,file.filename={}{backing}",
                 d.format.as_str(),
                 p(&d.path)
             ),
@@ -315,16 +353,22 @@ mod tests {
                     serial: "rootfs".into(),
                     path: "/var/lib/capk/root.qcow2".into(),
                     format: DiskFormat::Qcow2,
+                    base: Some(BaseImage {
+                        path: "/images/flatcar.qcow2".into(),
+                        format: DiskFormat::Qcow2,
+                    }),
                 },
                 DiskAttachment {
                     serial: "dockerfs".into(),
                     path: "/var/lib/capk/docker.img".into(),
                     format: DiskFormat::Raw,
+                    base: None,
                 },
                 DiskAttachment {
                     serial: "etcdfs".into(),
                     path: "/var/lib/etcd-disk/etcd.img".into(),
                     format: DiskFormat::Raw,
+                    base: None,
                 },
             ],
             ignition: Some("/run/capk/ignition.json".into()),
