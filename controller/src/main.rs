@@ -6,7 +6,7 @@ use anyhow::Context;
 use capk_bootstrap::{BootstrapFormat, MachineFacts};
 use capk_controller::{
     leader::LEASE_NAME,
-    settings::{MachineDefaults, NodeImageSource},
+    settings::{MachineDefaults, NodeImageSource, TenantPolicy},
 };
 use clap::{
     Parser, Subcommand, ValueEnum,
@@ -80,6 +80,32 @@ struct Cli {
             .try_map(|s| s.parse::<NodeImageSource>()),
     )]
     node_image_source: NodeImageSource,
+    /// Host directories KVMMachines may share into their VMs (`spec.hostVolumes[].hostPath`
+    /// must be one of these or below one), comma-separated. Empty (default): no host volumes.
+    /// Guests write into read-write shares as QEMU's user, so list only directories meant for
+    /// them.
+    #[arg(
+        long,
+        env = "CAPK_ALLOWED_HOST_VOLUME_PATHS",
+        value_delimiter = ',',
+        value_parser = absolute_dir
+    )]
+    allowed_host_volume_paths: Vec<String>,
+    /// Host directories KVMMachines may keep etcd data in (`spec.etcdStorage.hostPath`),
+    /// comma-separated; etcd cleanup Pods remove data only there.
+    #[arg(
+        long,
+        default_value = capk_controller::settings::DEFAULT_ETCD_HOST_PATH_PREFIX,
+        value_delimiter = ',',
+        value_parser = absolute_dir
+    )]
+    allowed_etcd_host_paths: Vec<String>,
+    /// Allow tolerations with no key (`operator: Exists`), which place a machine Pod on any node.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    allow_tolerate_all_taints: bool,
+    /// Allow machine Pods to use the `system-` PriorityClasses.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    allow_system_priority_classes: bool,
     /// Reconciles that run at once, per kind.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     concurrency: u16,
@@ -110,6 +136,20 @@ enum Command {
         #[arg(long)]
         instance_id: Option<String>,
     },
+}
+
+/// An allowed host directory: absolute, no `..` element (or empty: none).
+fn absolute_dir(s: &str) -> Result<String, String> {
+    let s = s.trim();
+    if s.is_empty() {
+        return Ok(String::new());
+    }
+    if !s.starts_with('/') || s.split('/').any(|e| e == "..") {
+        return Err(format!(
+            "{s:?} must be an absolute directory without '..' elements"
+        ));
+    }
+    Ok(s.to_owned())
 }
 
 fn render_ignition(
@@ -173,6 +213,20 @@ async fn main() -> anyhow::Result<()> {
             ..Default::default()
         },
         concurrency: cli.concurrency,
+        tenant_policy: TenantPolicy {
+            host_volume_prefixes: cli
+                .allowed_host_volume_paths
+                .into_iter()
+                .filter(|p| !p.is_empty())
+                .collect(),
+            etcd_host_path_prefixes: cli
+                .allowed_etcd_host_paths
+                .into_iter()
+                .filter(|p| !p.is_empty())
+                .collect(),
+            allow_tolerate_all_taints: cli.allow_tolerate_all_taints,
+            allow_system_priority_classes: cli.allow_system_priority_classes,
+        },
     };
     // Kubernetes stops Pods with SIGTERM; a terminal sends SIGINT.
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

@@ -13,6 +13,8 @@ pub struct Settings {
     pub machine_defaults: MachineDefaults,
     /// Reconciles that run at once per kind.
     pub concurrency: u16,
+    /// What a KVMMachine's author may reach past their namespace.
+    pub tenant_policy: TenantPolicy,
 }
 
 impl Default for Settings {
@@ -22,6 +24,71 @@ impl Default for Settings {
             cluster_domain: "cluster.local".into(),
             machine_defaults: Default::default(),
             concurrency: 16,
+            tenant_policy: TenantPolicy::default(),
+        }
+    }
+}
+
+/// Where the etcd disks of `etcdStorage.type: hostPath` may live unless the operator says
+/// otherwise: one directory the provider owns.
+pub const DEFAULT_ETCD_HOST_PATH_PREFIX: &str = "/var/lib/capk/etcd";
+
+/// What a KVMMachine's author (a tenant, who may create Cluster API objects in a namespace but
+/// not privileged Pods) may reach on the management cluster's nodes through the machine Pod.
+/// The operator's decision: everything past the tenant's VM is off unless listed here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TenantPolicy {
+    /// Host directories `spec.hostVolumes[].hostPath` may name: each path must be one of these
+    /// or below one. Empty (the default): no host volumes.
+    pub host_volume_prefixes: Vec<String>,
+    /// Host directories `spec.etcdStorage.hostPath` may name, and the only places an etcd
+    /// cleanup Pod removes data from.
+    pub etcd_host_path_prefixes: Vec<String>,
+    /// Whether a toleration with no key (`operator: Exists`: every taint) is allowed: it puts a
+    /// machine Pod on any node, control-plane and dedicated nodes included.
+    pub allow_tolerate_all_taints: bool,
+    /// Whether the `system-` PriorityClasses (`system-node-critical`, ...) are allowed: they
+    /// let a machine Pod preempt the cluster's own critical Pods.
+    pub allow_system_priority_classes: bool,
+}
+
+impl Default for TenantPolicy {
+    fn default() -> Self {
+        Self {
+            host_volume_prefixes: Vec::new(),
+            etcd_host_path_prefixes: vec![DEFAULT_ETCD_HOST_PATH_PREFIX.into()],
+            allow_tolerate_all_taints: false,
+            allow_system_priority_classes: false,
+        }
+    }
+}
+
+impl TenantPolicy {
+    /// Whether `path` is one of `prefixes` or below one, element by element (`/srv/data` does
+    /// not cover `/srv/database`). `path` must already be absolute without `..` elements.
+    pub fn allows(prefixes: &[String], path: &str) -> bool {
+        let elements = |p: &str| -> Vec<String> {
+            p.split('/')
+                .filter(|e| !e.is_empty() && *e != ".")
+                .map(str::to_owned)
+                .collect()
+        };
+        if !path.starts_with('/') {
+            return false;
+        }
+        let path = elements(path);
+        prefixes
+            .iter()
+            .filter(|p| p.starts_with('/'))
+            .any(|p| path.starts_with(&elements(p)))
+    }
+
+    /// The prefixes as a message lists them: `none` when empty.
+    pub fn describe(prefixes: &[String]) -> String {
+        if prefixes.is_empty() {
+            "none".into()
+        } else {
+            prefixes.join(", ")
         }
     }
 }
@@ -115,6 +182,34 @@ impl std::str::FromStr for NodeImageSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prefix_covers_itself_and_what_is_below_it_element_by_element() {
+        let prefixes = vec!["/srv/data/".to_owned(), "/var/lib/capk/etcd".to_owned()];
+        for ok in [
+            "/srv/data",
+            "/srv/data/",
+            "/srv/data/a/b",
+            "/var/lib/capk/etcd/team-a",
+        ] {
+            assert!(TenantPolicy::allows(&prefixes, ok), "{ok}");
+        }
+        for refused in [
+            "/srv/database",
+            "/srv",
+            "/",
+            "/var/lib/capk",
+            "/etc",
+            "srv/data",
+        ] {
+            assert!(!TenantPolicy::allows(&prefixes, refused), "{refused}");
+        }
+        assert!(!TenantPolicy::allows(&[], "/srv/data"));
+        // `/` as a prefix is the operator's explicit choice: everything.
+        assert!(TenantPolicy::allows(&["/".to_owned()], "/etc"));
+        // A relative prefix covers nothing.
+        assert!(!TenantPolicy::allows(&["srv".to_owned()], "/srv"));
+    }
 
     #[test]
     fn every_node_image_source_name_parses_to_itself() {

@@ -25,7 +25,7 @@ use support::{
 
 const CLOUD_CONFIG: &str = "#cloud-config\nruncmd:\n- kubeadm init\n";
 /// The hostPath of `support::control_plane_machine`'s etcd storage.
-const HOST_PATH: &str = "/var/lib/capk-etcd";
+const HOST_PATH: &str = "/var/lib/capk/etcd";
 
 async fn setup(ns: &str) -> Result<(Client, tokio::sync::oneshot::Sender<()>)> {
     let client = TestEnv::shared().client().await?;
@@ -142,6 +142,17 @@ async fn the_kvmmachine_stays_until_its_cleanup_pod_removed_the_etcd_directory()
         Ok(recorded.filter(|r| *r == format!("etcd-node-1:{dir}")))
     })
     .await?;
+    // The record the cleanup trusts is in status, which the KVMMachine's author cannot write.
+    let status = kms
+        .get_status("demo-cp-0")
+        .await?
+        .status
+        .unwrap_or_default();
+    let record = status.etcd_host_dir.context("status.etcdHostDir")?;
+    assert_eq!(
+        (record.node.as_str(), record.path.as_str()),
+        ("etcd-node-1", dir.as_str())
+    );
 
     delete_machine(&kms, &pods, "demo-cp-0").await?;
     let cleanup = eventually(30, "the cleanup Pod", || async {
@@ -357,5 +368,99 @@ async fn a_namespace_being_deleted_does_not_hold_the_deletion() -> Result<()> {
     })
     .await?;
     assert!(pods.get_opt("demo-cp-4-etcd-cleanup").await?.is_none());
+    Ok(())
+}
+
+/// Waits until the controller recorded machine `name`'s etcd directory in its status.
+async fn recorded(kms: &Api<KVMMachine>, name: &str) -> Result<()> {
+    eventually(30, "the etcd directory recorded in status", || async {
+        let km = kms.get_status(name).await?;
+        Ok(km.status.and_then(|s| s.etcd_host_dir).map(|_| ()))
+    })
+    .await
+}
+
+/// A tenant who edits the annotation to point the privileged cleanup Pod elsewhere (another
+/// node, another directory) gets a Warning, and nothing is removed anywhere.
+#[tokio::test]
+async fn an_edited_etcd_dir_annotation_is_refused_and_removes_nothing() -> Result<()> {
+    let ns = "etcd-cleanup-edited";
+    let (client, _stop) = setup(ns).await?;
+    create_node(&client, "etcd-node-5").await?;
+    create_node(&client, "etcd-node-5-other").await?;
+    control_plane_machine(&client, ns, "demo-cp-5", CLOUD_CONFIG).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    schedule(&pods, "demo-cp-5", "etcd-node-5").await?;
+    recorded(&kms, "demo-cp-5").await?;
+    // Edited while the machine is deleted (before, the controller sets its copy back).
+    kms.delete("demo-cp-5", &DeleteParams::default()).await?;
+    eventually(30, "the machine Pod being deleted", || async {
+        let pod = pods.get_opt("demo-cp-5").await?;
+        Ok(pod
+            .is_some_and(|p| p.metadata.deletion_timestamp.is_some())
+            .then_some(()))
+    })
+    .await?;
+    let forged = format!("etcd-node-5-other:{HOST_PATH}/{ns}/demo-cp-5");
+    let patch = json!({"metadata": {"annotations": {
+        "infrastructure.cluster.x-k8s.io/etcd-host-dir": forged}}});
+    kms.patch("demo-cp-5", &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    let force = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    pods.delete("demo-cp-5", &force).await?;
+    eventually(30, "KVMMachine gone", || async {
+        Ok(kms.get_opt("demo-cp-5").await?.is_none().then_some(()))
+    })
+    .await?;
+    let ev = event(&client, ns, "demo-cp-5", "EtcdDataLeft").await?;
+    assert_eq!(ev.type_.as_deref(), Some("Warning"));
+    let note = ev.note.unwrap_or_default();
+    assert!(
+        note.contains("was changed")
+            && note.contains("nothing is removed")
+            && note.contains(&format!("node etcd-node-5 in {HOST_PATH}/{ns}/demo-cp-5")),
+        "{note}"
+    );
+    assert!(pods.get_opt("demo-cp-5-etcd-cleanup").await?.is_none());
+    Ok(())
+}
+
+/// A directory named only by the annotation (written by the KVMMachine's author, never
+/// recorded from a machine Pod) is never removed.
+#[tokio::test]
+async fn an_etcd_dir_only_annotated_removes_nothing() -> Result<()> {
+    let ns = "etcd-cleanup-annotated-only";
+    let (client, _stop) = setup(ns).await?;
+    create_node(&client, "etcd-node-6").await?;
+    control_plane_machine(&client, ns, "demo-cp-6", CLOUD_CONFIG).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    // The machine Pod never reaches a node; the tenant names one, and a directory of its own
+    // shape under the allowed prefix.
+    eventually(30, "the machine Pod", || async {
+        Ok(pods.get_opt("demo-cp-6").await?)
+    })
+    .await?;
+    let forged = format!("etcd-node-6:{HOST_PATH}/{ns}/demo-cp-6");
+    let patch = json!({"metadata": {"annotations": {
+        "infrastructure.cluster.x-k8s.io/etcd-host-dir": forged}}});
+    kms.patch("demo-cp-6", &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    delete_machine(&kms, &pods, "demo-cp-6").await?;
+    eventually(30, "KVMMachine gone", || async {
+        Ok(kms.get_opt("demo-cp-6").await?.is_none().then_some(()))
+    })
+    .await?;
+    let ev = event(&client, ns, "demo-cp-6", "EtcdDataLeft").await?;
+    let note = ev.note.unwrap_or_default();
+    assert!(
+        note.contains("only the annotation") && note.contains("nothing is removed"),
+        "{note}"
+    );
+    assert!(pods.get_opt("demo-cp-6-etcd-cleanup").await?.is_none());
     Ok(())
 }

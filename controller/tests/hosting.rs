@@ -541,7 +541,7 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
             .host_path
             .as_ref()
             .map(|h| h.path.as_str()),
-        Some("/var/lib/capk-etcd/hosted"),
+        Some("/var/lib/capk/etcd/hosted"),
         "the parent of the machine Pod's own directory"
     );
     assert!(

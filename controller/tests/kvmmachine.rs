@@ -453,3 +453,49 @@ async fn a_spec_that_cannot_run_is_reported_and_nothing_is_applied() -> Result<(
     .await?;
     Ok(())
 }
+
+/// A tenant's KVMMachine reaching past its VM (the MC node's root shared into the guest, a
+/// toleration of every taint, a system PriorityClass) is refused with the shipped operator
+/// settings before anything is applied: each field named, with what the operator allows.
+#[tokio::test]
+async fn host_paths_and_placement_past_the_tenant_are_refused() -> Result<()> {
+    let ns = "kvmmachine-tenant-reach";
+    let (client, _stop) = setup(ns).await?;
+    support::bootstrap_secret(&client, ns, "demo-cp-7", CLOUD_CONFIG).await?;
+    let spec = json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
+                      "hostVolumes": [{"mountTag": "hostroot", "hostPath": "/"}],
+                      "etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/kubelet"},
+                      "tolerations": [{"operator": "Exists"}],
+                      "priorityClassName": "system-node-critical"});
+    support::control_plane_machine_with_spec(&client, ns, "demo-cp-7", spec).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let (status, message) = ready_with_reason(&kms, "demo-cp-7", "SpecInvalid").await?;
+    assert_eq!(status, "False");
+    for expected in [
+        "spec.hostVolumes[0].hostPath: \"/\" is not in a directory the operator allows host volumes in (allowed: none)",
+        "spec.etcdStorage.hostPath: \"/var/lib/kubelet\" is not in a directory the operator allows etcd data in (allowed: /var/lib/capk/etcd)",
+        "spec.tolerations[0].operator",
+        "spec.priorityClassName",
+    ] {
+        assert!(message.contains(expected), "{expected:?} not in {message}");
+    }
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    eventually(30, "a Warning Event", || async {
+        let list = events.list(&ListParams::default()).await?;
+        Ok(list.items.into_iter().find(|e| {
+            e.reason.as_deref() == Some("SpecInvalid")
+                && e.type_.as_deref() == Some("Warning")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("demo-cp-7")
+        }))
+    })
+    .await?;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(
+        Api::<Pod>::namespaced(client.clone(), ns)
+            .get_opt("demo-cp-7")
+            .await?
+            .is_none(),
+        "a machine Pod was made for a spec that reaches the MC node"
+    );
+    Ok(())
+}

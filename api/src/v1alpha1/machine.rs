@@ -294,7 +294,10 @@ pub struct EtcdStorage {
     /// `hostPath` (a directory on the MC node) or `persistentVolume` (a PVC per machine).
     #[serde(rename = "type")]
     pub type_: EtcdStorageType,
-    /// Directory on the MC node holding the etcd disk file (type hostPath).
+    /// Directory on the MC node holding the etcd disk file (type hostPath): one of the
+    /// directories the operator allows etcd data under (the controller's
+    /// `--allowed-etcd-host-paths`, default `/var/lib/capk/etcd`). Each machine gets
+    /// `<hostPath>/<namespace>/<name>` below it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("etcdStorage.hostPath must be an absolute path"))]
@@ -328,10 +331,16 @@ pub struct HostVolume {
     #[schemars(length(max = 64))]
     #[x_kube(validation = Rule::new(crate::mount_tag::CEL_RULE).message(crate::mount_tag::CEL_MESSAGE))]
     pub mount_tag: String,
-    /// Absolute path of the directory on the MC node.
+    /// Absolute path of the directory on the MC node: one of the directories the operator
+    /// allows host volumes under (the controller's `--allowed-host-volume-paths`; none by
+    /// default).
     #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("hostVolumes.hostPath must be an absolute path"))]
     pub host_path: String,
+    /// Share the directory read-only: the machine Pod mounts it read-only and the VM gets a
+    /// read-only 9p export.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_only: Option<bool>,
 }
 
 /// Hardware acceleration choice.
@@ -381,6 +390,24 @@ pub struct KVMMachineStatus {
     /// The generation the status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+
+    /// Where the machine Pod keeps its etcd disk on an MC node (`etcdStorage.type: hostPath`),
+    /// recorded by the controller from the Pod: the only record the etcd cleanup trusts, since
+    /// the spec's author cannot write status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd_host_dir: Option<EtcdHostDirStatus>,
+}
+
+/// A directory on a management-cluster node.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EtcdHostDirStatus {
+    /// The node's name.
+    #[schemars(length(max = 253))]
+    pub node: String,
+    /// The directory's absolute path on that node.
+    #[schemars(length(max = 4096))]
+    pub path: String,
 }
 
 /// A template for KVMMachines (used by KubeadmControlPlane and MachineDeployments). Immutable:

@@ -2,15 +2,19 @@
 //! deleted (`etcdStorage.type: hostPath`).
 //!
 //! The machine Pod mounts `<hostPath>/<namespace>/<pod>` from its node, and the launcher keeps
-//! the etcd disk there, so it survives the Pod. Where that was is recorded on the KVMMachine
-//! ([`ETCD_HOST_DIR_ANNOTATION`], `<node>:<directory>`, read from the machine Pod itself) as
-//! soon as the Pod is on a node: the record survives a controller restart, `clusterctl move`
-//! (annotations move, status does not) and a machine Pod that is gone before the KVMMachine.
+//! the etcd disk there, so it survives the Pod. Where that was is recorded, read from the machine
+//! Pod itself as soon as it is on a node, in the KVMMachine's `status.etcdHostDir`: the spec's
+//! author (a tenant) cannot write status, and the record survives a controller restart and a
+//! machine Pod that is gone before the KVMMachine. A copy goes into the annotation
+//! [`ETCD_HOST_DIR_ANNOTATION`] (`<node>:<directory>`) for people and `clusterctl move` (which
+//! moves annotations, not status); a tenant can edit it, so it never names what is removed: an
+//! annotation that disagrees with the record stops the cleanup, with a Warning.
 //!
 //! After the machine Pod is gone, a short-lived cleanup Pod runs on that node, with the launcher
 //! image, the directory's parent mounted and `rm -rf -- <that directory>` as its command (as
 //! local-path-provisioner's helper Pod removes a volume). Nothing wider is ever removed: the
-//! directory must be absolute and plain, and end in the machine's own `<namespace>/<pod>`.
+//! directory must be absolute and plain, under a directory the operator allows etcd data in,
+//! and end in the machine's own `<namespace>/<pod>`.
 //! The cleanup Pod carries the machine's owner labels, not an owner reference: the garbage
 //! collector of a KVMMachine deleted in the foreground would delete it while it works.
 
@@ -81,8 +85,21 @@ impl EtcdHostDir {
         Some(Self { node, dir })
     }
 
-    /// What the KVMMachine's [`ETCD_HOST_DIR_ANNOTATION`] records, if anything.
+    /// What the KVMMachine's `status.etcdHostDir` records: the controller wrote it from the
+    /// machine Pod, and the spec's author cannot write status, so it is the record the cleanup
+    /// acts on.
     pub fn recorded(km: &KVMMachine) -> Option<Self> {
+        let r = km.status.as_ref()?.etcd_host_dir.as_ref()?;
+        Some(Self {
+            node: r.node.clone(),
+            dir: r.path.clone(),
+        })
+    }
+
+    /// What the KVMMachine's [`ETCD_HOST_DIR_ANNOTATION`] says, if anything: for people and
+    /// `clusterctl move`; anyone who may edit the KVMMachine may edit it, so it only ever
+    /// stops a cleanup (when it disagrees with [`Self::recorded`]), never directs one.
+    pub fn annotated(km: &KVMMachine) -> Option<Self> {
         let value = km.annotations().get(ETCD_HOST_DIR_ANNOTATION)?;
         let (node, dir) = value.split_once(':')?;
         Some(Self {
@@ -91,15 +108,24 @@ impl EtcdHostDir {
         })
     }
 
+    /// As `status.etcdHostDir`.
+    pub fn to_status(&self) -> capk_api::v1alpha1::EtcdHostDirStatus {
+        capk_api::v1alpha1::EtcdHostDirStatus {
+            node: self.node.clone(),
+            path: self.dir.clone(),
+        }
+    }
+
     /// The annotation's value: `<node>:<directory>` (a node name has no colon).
     pub fn annotation(&self) -> String {
         format!("{}:{}", self.node, self.dir)
     }
 
     /// The directory as the cleanup removes it, when it is the machine's own: an absolute,
-    /// plain path (no empty, `.` or `..` element) ending in `<namespace>/<pod>` of `km`, on a
-    /// node whose name is a DNS subdomain. Otherwise why not.
-    pub fn removable(&self, km: &KVMMachine) -> Result<RemovableDir, String> {
+    /// plain path (no empty, `.` or `..` element) under one of the operator's `allowed`
+    /// directories, ending in `<namespace>/<pod>` of `km`, on a node whose name is a DNS
+    /// subdomain. Otherwise why not.
+    pub fn removable(&self, km: &KVMMachine, allowed: &[String]) -> Result<RemovableDir, String> {
         let node_ok = !self.node.is_empty()
             && self.node.len() <= MAX_SUBDOMAIN_LEN
             && self
@@ -126,6 +152,13 @@ impl EtcdHostDir {
         }
         if self.dir.len() > 4096 || self.dir.contains('\0') {
             return Err(format!("{:?} is not a usable path", self.dir));
+        }
+        if !crate::settings::TenantPolicy::allows(allowed, &self.dir) {
+            return Err(format!(
+                "{:?} is not in a directory the operator allows etcd data in (allowed: {})",
+                self.dir,
+                crate::settings::TenantPolicy::describe(allowed)
+            ));
         }
         let ns = km.namespace().unwrap_or_else(|| "default".into());
         let name = pod_name(km);
@@ -416,6 +449,11 @@ mod tests {
         )
     }
 
+    /// The shipped allowlist.
+    fn shipped() -> Vec<String> {
+        vec![crate::settings::DEFAULT_ETCD_HOST_PATH_PREFIX.into()]
+    }
+
     fn dir(node: &str, dir: &str) -> EtcdHostDir {
         EtcdHostDir {
             node: node.into(),
@@ -427,7 +465,7 @@ mod tests {
     fn the_cleanup_pod_removes_the_machines_directory_on_its_node_and_nothing_else() {
         let km = km();
         let target = dir("mc-node-1", "/var/lib/capk/etcd/team-a/demo-cp-x7k2p")
-            .removable(&km)
+            .removable(&km, &shipped())
             .unwrap();
         let since: Timestamp = "2026-11-23T10:00:00Z".parse().unwrap();
         let pod = cleanup_pod(
@@ -473,13 +511,20 @@ mod tests {
     }
 
     #[test]
-    fn the_record_round_trips_through_the_annotation() {
+    fn status_is_the_record_and_the_annotation_only_a_copy() {
         let mut km = km();
         let d = dir("mc-node-1", "/var/lib/capk/etcd/team-a/demo-cp-x7k2p");
         km.metadata.annotations = Some(BTreeMap::from([(
             ETCD_HOST_DIR_ANNOTATION.to_owned(),
             d.annotation(),
         )]));
+        // The annotation alone (written by whoever edits the KVMMachine) records nothing.
+        assert_eq!(EtcdHostDir::recorded(&km), None);
+        assert_eq!(EtcdHostDir::annotated(&km), Some(d.clone()));
+        km.status = Some(capk_api::v1alpha1::KVMMachineStatus {
+            etcd_host_dir: Some(d.to_status()),
+            ..Default::default()
+        });
         assert_eq!(EtcdHostDir::recorded(&km), Some(d));
     }
 
@@ -487,13 +532,27 @@ mod tests {
     fn nothing_but_the_machines_own_plain_directory_is_removable() {
         let km = km();
         let ok = dir("mc-node-1", "/var/lib/capk/etcd/team-a/demo-cp-x7k2p")
-            .removable(&km)
+            .removable(&km, &shipped())
             .unwrap();
         assert_eq!(ok.parent, "/var/lib/capk/etcd/team-a");
         assert_eq!(ok.path(), "/var/lib/capk/etcd/team-a/demo-cp-x7k2p");
         // hostPath "/": the parent is the namespace's directory, never "/".
-        let root = dir("n", "/team-a/demo-cp-x7k2p").removable(&km).unwrap();
+        let everywhere = vec!["/".to_owned()];
+        let root = dir("n", "/team-a/demo-cp-x7k2p")
+            .removable(&km, &everywhere)
+            .unwrap();
         assert_eq!(root.parent, "/team-a");
+        // Outside the operator's directories: refused, whatever its last elements.
+        for outside in [
+            "/team-a/demo-cp-x7k2p",
+            "/var/lib/kubelet/team-a/demo-cp-x7k2p",
+        ] {
+            let err = dir("n", outside).removable(&km, &shipped()).unwrap_err();
+            assert!(
+                err.contains("not in a directory the operator allows etcd data in"),
+                "{outside}: {err}"
+            );
+        }
         for (bad, why) in [
             ("/", "not a plain path"),
             ("/var/lib/capk/etcd", "not the machine's own"),
@@ -510,12 +569,12 @@ mod tests {
             ("var/team-a/demo-cp-x7k2p", "not an absolute path"),
             ("", "not an absolute path"),
         ] {
-            let err = dir("n", bad).removable(&km).unwrap_err();
+            let err = dir("n", bad).removable(&km, &everywhere).unwrap_err();
             assert!(err.contains(why), "{bad}: {err}");
         }
         for node in ["", "Node", "a b", "n;rm", "-n", "n/1"] {
             let err = dir(node, "/team-a/demo-cp-x7k2p")
-                .removable(&km)
+                .removable(&km, &everywhere)
                 .unwrap_err();
             assert!(err.contains("not a node name"), "{node}: {err}");
         }

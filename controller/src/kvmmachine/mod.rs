@@ -101,7 +101,7 @@ async fn reconcile_inner(km: Arc<KVMMachine>, ctx: &Context) -> Result<Action> {
     let paused = cluster.as_deref().is_some_and(Cluster::is_paused)
         || km.annotations().contains_key(PAUSED_ANNOTATION);
     if paused {
-        write_status(&api, &km, &MachineState::Paused, &[], None).await?;
+        write_status(&api, &km, &MachineState::Paused, &[], None, None).await?;
         return Ok(Action::await_change());
     }
     let kvm_cluster = kvm_cluster_of(ctx, &ns, &km, machine.as_deref(), cluster.as_deref()).await?;
@@ -246,7 +246,7 @@ async fn patch_machine(
     if km.annotations().contains_key(BLOCK_MOVE_ANNOTATION) != block {
         annotations.insert(BLOCK_MOVE_ANNOTATION.into(), json!(block.then_some("true")));
     }
-    if let Some(etcd) = etcd.filter(|e| EtcdHostDir::recorded(km).as_ref() != Some(*e)) {
+    if let Some(etcd) = etcd.filter(|e| EtcdHostDir::annotated(km).as_ref() != Some(*e)) {
         annotations.insert(
             etcd_cleanup::ETCD_HOST_DIR_ANNOTATION.into(),
             json!(etcd.annotation()),
@@ -359,7 +359,8 @@ async fn apply(
 
         // 2. Validate the spec: one the launcher or the apiserver would refuse is the user's to
         // fix (a condition, a Warning Event), at once, and nothing is applied for it.
-        let valid = match validate::validate(km, &placement, defaults) {
+        let valid = match validate::validate(km, &placement, defaults, &ctx.settings.tenant_policy)
+        {
             Ok(v) => v,
             Err(e) => {
                 let msg = e.to_string();
@@ -582,11 +583,19 @@ async fn apply(
         }
     };
     let failure_domain = machine.and_then(|m| m.spec.failure_domain.as_deref());
-    write_status(api, &current, &observed.state, &conditions, failure_domain).await?;
+    // Where the etcd data is, once the Pod is on a node: deletion removes it from there, even
+    // when the Pod is gone by then.
+    let etcd = observed.pod.as_ref().and_then(EtcdHostDir::of_pod);
+    write_status(
+        api,
+        &current,
+        &observed.state,
+        &conditions,
+        failure_domain,
+        etcd.as_ref(),
+    )
+    .await?;
     if let (Some(pod), Some(gate), Some(there)) = (&observed.pod, &observed.gate, &target) {
-        // Where the etcd data is, once the Pod is on a node: deletion removes it from there,
-        // even when the Pod is gone by then.
-        let etcd = EtcdHostDir::of_pod(pod);
         patch_machine(api, &current, false, etcd.as_ref()).await?;
         if let Err(e) = set_gate(&there.api(), pod, gate).await {
             warn!(error = %e, "cannot set the machine Pod's readiness gate");
@@ -676,7 +685,7 @@ async fn cleanup(
         Ok(t) => t,
         Err(u) => {
             let state = MachineState::HostingUnavailable(u.condition());
-            write_status(api, km, &state, &[u.condition()], None).await?;
+            write_status(api, km, &state, &[u.condition()], None, None).await?;
             return Err(Error::HostingUnavailable(u.message));
         }
     };
@@ -686,13 +695,13 @@ async fn cleanup(
     let pod = pods.get_opt(&name).await.map_err(read_err("Pod", &name))?;
     match pod {
         Some(pod) if owner.owns(&pod.metadata) => {
-            // Where its etcd data is, recorded before the Pod goes (if apply has not yet).
+            // Where its etcd data is, recorded before the Pod goes (if apply has not yet). A
+            // record made is left as it is: the annotation is no longer set back, so an edit of
+            // it during the deletion stops the cleanup ([`remove_etcd_data`]).
             if let Some(etcd) = EtcdHostDir::of_pod(&pod)
-                && EtcdHostDir::recorded(km).as_ref() != Some(&etcd)
+                && EtcdHostDir::recorded(km).is_none()
             {
-                let patch = json!({"metadata": {"annotations": {
-                    etcd_cleanup::ETCD_HOST_DIR_ANNOTATION: etcd.annotation()}}});
-                report::merge_patch(api, km, "KVMMachine", &patch).await?;
+                record_etcd_dir(api, km, &etcd).await?;
             }
             if pod.metadata.deletion_timestamp.is_none() {
                 pods.delete(&name, &DeleteParams::default())
@@ -758,10 +767,34 @@ async fn remove_etcd_data(
         return done;
     };
     let km = &fresh;
+    let annotated = EtcdHostDir::annotated(km);
     let Some(recorded) = EtcdHostDir::recorded(km) else {
+        // Only the annotation, which the KVMMachine's author can write, names a directory:
+        // nothing is removed on its word.
+        if let Some(a) = annotated {
+            forget_etcd_dir(api, km).await?;
+            let why = format!(
+                "only the annotation {} names it, not status.etcdHostDir (recorded by the \
+                 controller from the machine Pod), so nothing is removed",
+                etcd_cleanup::ETCD_HOST_DIR_ANNOTATION
+            );
+            give_up(ctx, km, &a.node, &a.dir, &why).await;
+        }
         return done;
     };
-    let dir = match recorded.removable(km) {
+    if let Some(a) = annotated.filter(|a| *a != recorded) {
+        forget_etcd_dir(api, km).await?;
+        let why = format!(
+            "the annotation {} was changed to {:?} after the controller recorded the directory, \
+             so nothing is removed",
+            etcd_cleanup::ETCD_HOST_DIR_ANNOTATION,
+            a.annotation()
+        );
+        give_up(ctx, km, &recorded.node, &recorded.dir, &why).await;
+        return done;
+    }
+    let allowed = &ctx.settings.tenant_policy.etcd_host_path_prefixes;
+    let dir = match recorded.removable(km, allowed) {
         Ok(d) => d,
         Err(why) => {
             forget_etcd_dir(api, km).await?;
@@ -831,7 +864,7 @@ async fn remove_etcd_data(
                     reason,
                     message: msg.clone(),
                 };
-                write_status(api, km, &state, &[], None).await?;
+                write_status(api, km, &state, &[], None, None).await?;
             }
             let due = etcd_cleanup::finished_at(p).unwrap_or(now)
                 + k8s_openapi::jiff::SignedDuration::try_from(attempt.backoff())
@@ -913,7 +946,7 @@ async fn create_cleanup_pod(
         reason: REASON_REMOVING_ETCD_DATA,
         message: message.clone(),
     };
-    write_status(api, km, &state, &[], None).await?;
+    write_status(api, km, &state, &[], None, None).await?;
     Err(Error::EtcdCleanupPending {
         message,
         retry: Duration::from_secs(10),
@@ -924,9 +957,23 @@ async fn create_cleanup_pod(
 /// (done or given up), and a reconcile that comes after it (from a cache that still shows the
 /// finalizer) finds nothing to do.
 async fn forget_etcd_dir(api: &Api<KVMMachine>, km: &KVMMachine) -> Result<()> {
-    let patch =
-        json!({"metadata": {"annotations": {etcd_cleanup::ETCD_HOST_DIR_ANNOTATION: null}}});
-    report::merge_patch(api, km, "KVMMachine", &patch).await?;
+    if EtcdHostDir::recorded(km).is_some() {
+        report::write_status(
+            api,
+            km,
+            |k| k.status.as_ref(),
+            |k| capk_api::v1alpha1::KVMMachineStatus {
+                etcd_host_dir: None,
+                ..k.status.clone().unwrap_or_default()
+            },
+        )
+        .await?;
+    }
+    if EtcdHostDir::annotated(km).is_some() {
+        let patch =
+            json!({"metadata": {"annotations": {etcd_cleanup::ETCD_HOST_DIR_ANNOTATION: null}}});
+        report::merge_patch(api, km, "KVMMachine", &patch).await?;
+    }
     Ok(())
 }
 
@@ -974,20 +1021,52 @@ where
     Ok(())
 }
 
+/// The one status write: `state` with the Pod's conditions, and where the machine Pod keeps
+/// its etcd data when `etcd` says (otherwise what status recorded stays).
 async fn write_status(
     api: &Api<KVMMachine>,
     km: &KVMMachine,
     state: &MachineState,
     pod: &[crate::conditions::DesiredCondition],
     failure_domain: Option<&str>,
+    etcd: Option<&EtcdHostDir>,
 ) -> Result<()> {
     report::write_status(
         api,
         km,
         |k| k.status.as_ref(),
-        |k| status::status(k, state, pod, failure_domain, Timestamp::now()),
+        |k| {
+            let mut s = status::status(k, state, pod, failure_domain, Timestamp::now());
+            if let Some(etcd) = etcd {
+                s.etcd_host_dir = Some(etcd.to_status());
+            }
+            s
+        },
     )
     .await
+}
+
+/// Records where the machine Pod keeps its etcd data in the KVMMachine's status (the record
+/// the cleanup trusts) and, for people and `clusterctl move`, in its annotation.
+async fn record_etcd_dir(api: &Api<KVMMachine>, km: &KVMMachine, etcd: &EtcdHostDir) -> Result<()> {
+    if EtcdHostDir::recorded(km).as_ref() != Some(etcd) {
+        report::write_status(
+            api,
+            km,
+            |k| k.status.as_ref(),
+            |k| capk_api::v1alpha1::KVMMachineStatus {
+                etcd_host_dir: Some(etcd.to_status()),
+                ..k.status.clone().unwrap_or_default()
+            },
+        )
+        .await?;
+    }
+    if EtcdHostDir::annotated(km).as_ref() != Some(etcd) {
+        let patch = json!({"metadata": {"annotations": {
+            etcd_cleanup::ETCD_HOST_DIR_ANNOTATION: etcd.annotation()}}});
+        report::merge_patch(api, km, "KVMMachine", &patch).await?;
+    }
+    Ok(())
 }
 
 /// Requeue after a failure; a Pod still terminating is checked again soon, a step that says

@@ -176,9 +176,17 @@ pub fn machine_pod(
         for hv in spec.host_volumes.iter().flatten() {
             let name = format!("hostvol-{}", sanitize(&hv.mount_tag));
             let path = format!("/var/lib/capk/host-volumes/{}", hv.mount_tag);
+            let read_only = hv.read_only == Some(true);
             volumes.push(host_path(&name, &hv.host_path, "Directory"));
-            mounts.push(mount(&name, &path, false));
-            args.push(format!("--host-volume={}={path}", hv.mount_tag));
+            // Read-only twice: the Pod's mount (nothing in the Pod writes it) and the 9p export
+            // (the guest cannot, even through a QEMU that could).
+            mounts.push(mount(&name, &path, read_only));
+            let flag = if read_only {
+                "--host-volume-readonly"
+            } else {
+                "--host-volume"
+            };
+            args.push(format!("{flag}={}={path}", hv.mount_tag));
         }
     }
 
@@ -355,9 +363,19 @@ mod tests {
     use crate::settings::NodeImageSource;
     use serde_json::json;
 
+    /// An operator who allows host volumes under /srv and the test's etcd directory.
+    fn lenient() -> crate::settings::TenantPolicy {
+        crate::settings::TenantPolicy {
+            host_volume_prefixes: vec!["/srv".into()],
+            etcd_host_path_prefixes: vec!["/var/lib/capk-etcd".into()],
+            ..Default::default()
+        }
+    }
+
     /// The Pod of a spec that must pass validation.
     fn build(km: &KVMMachine, placement: &MachinePlacement, defaults: &MachineDefaults) -> Pod {
-        let valid = crate::kvmmachine::validate::validate(km, placement, defaults).unwrap();
+        let valid =
+            crate::kvmmachine::validate::validate(km, placement, defaults, &lenient()).unwrap();
         machine_pod(km, placement, &management(), &valid, defaults)
     }
 
@@ -387,7 +405,8 @@ mod tests {
             "demo-md-0-abcde",
             json!({
                 "resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
-                "hostVolumes": [{"mountTag": "Data_1", "hostPath": "/srv/data"}],
+                "hostVolumes": [{"mountTag": "Data_1", "hostPath": "/srv/data"},
+                                {"mountTag": "reference", "hostPath": "/srv/ref", "readOnly": true}],
                 "image": {"containerImage": {"image": "capk-test-guest:v1"}},
                 "nodeSelector": {"kvm": "true"},
                 "priorityClassName": "workload-vms",

@@ -8,7 +8,7 @@ use std::net::Ipv4Addr;
 use capk_api::{quantity::SizeQuantity, v1alpha1::KVMMachine};
 
 use super::{overhead, placement::MachinePlacement};
-use crate::settings::MachineDefaults;
+use crate::settings::{MachineDefaults, TenantPolicy};
 
 /// Most vCPUs the launcher runs (its `--vcpus` limit), the CRD's limit too; checked here as well
 /// for objects admitted before the CRD said so.
@@ -50,11 +50,12 @@ pub struct FieldError {
 pub struct SpecErrors(pub Vec<FieldError>);
 
 /// Checks `km`'s spec for a machine placed as `placement`, with `defaults` for what it leaves
-/// out.
+/// out and `policy` for what it may reach past its VM (host paths, placement).
 pub fn validate(
     km: &KVMMachine,
     placement: &MachinePlacement,
     defaults: &MachineDefaults,
+    policy: &TenantPolicy,
 ) -> Result<ValidSpec, SpecErrors> {
     let spec = &km.spec;
     let mut errors = Vec::new();
@@ -175,6 +176,17 @@ pub fn validate(
                 format!("spec.hostVolumes[{i}].hostPath"),
                 "must not contain a '..' element (Kubernetes refuses such hostPath volumes)".into(),
             );
+        } else if !TenantPolicy::allows(&policy.host_volume_prefixes, &v.host_path) {
+            fail(
+                format!("spec.hostVolumes[{i}].hostPath"),
+                format!(
+                    "{:?} is not in a directory the operator allows host volumes in (allowed: {}); \
+                     the operator lists them with the provider variable \
+                     CAPK_ALLOWED_HOST_VOLUME_PATHS",
+                    v.host_path,
+                    TenantPolicy::describe(&policy.host_volume_prefixes)
+                ),
+            );
         }
     }
     if let Some(path) = spec
@@ -186,6 +198,21 @@ pub fn validate(
         fail(
             "spec.etcdStorage.hostPath".into(),
             "must not contain a '..' element (Kubernetes refuses such hostPath volumes)".into(),
+        );
+    } else if let Some(path) = spec
+        .etcd_storage
+        .as_ref()
+        .and_then(|s| s.host_path.as_ref())
+        .filter(|_| placement.control_plane)
+        && !TenantPolicy::allows(&policy.etcd_host_path_prefixes, path)
+    {
+        fail(
+            "spec.etcdStorage.hostPath".into(),
+            format!(
+                "{path:?} is not in a directory the operator allows etcd data in (allowed: {}); \
+                 use one of those, or etcdStorage.type persistentVolume",
+                TenantPolicy::describe(&policy.etcd_host_path_prefixes)
+            ),
         );
     }
     if let Some(ci) = spec.image.as_ref().and_then(|i| i.container_image.as_ref()) {
@@ -252,14 +279,34 @@ pub fn validate(
                 "applies only to the effect NoExecute".into(),
             );
         }
+        if key.is_empty() && operator == "Exists" && !policy.allow_tolerate_all_taints {
+            fail(
+                at("operator"),
+                "a toleration with no key tolerates every taint and would place the machine \
+                 Pod on any node, control-plane and dedicated nodes included; name the taint's \
+                 key (the operator allows key-less tolerations with the provider variable \
+                 CAPK_ALLOW_TOLERATE_ALL_TAINTS=true)"
+                    .into(),
+            );
+        }
     }
-    if let Some(p) = &spec.priority_class_name
-        && !is_dns_subdomain(p)
-    {
-        fail(
-            "spec.priorityClassName".into(),
-            format!("{p:?} is not a PriorityClass name (a DNS subdomain)"),
-        );
+    if let Some(p) = &spec.priority_class_name {
+        if !is_dns_subdomain(p) {
+            fail(
+                "spec.priorityClassName".into(),
+                format!("{p:?} is not a PriorityClass name (a DNS subdomain)"),
+            );
+        } else if p.starts_with("system-") && !policy.allow_system_priority_classes {
+            fail(
+                "spec.priorityClassName".into(),
+                format!(
+                    "{p:?} is a system PriorityClass, which lets the machine Pod preempt the \
+                     cluster's own critical Pods; use a PriorityClass of your own (the operator \
+                     allows system ones with the provider variable \
+                     CAPK_ALLOW_SYSTEM_PRIORITY_CLASSES=true)"
+                ),
+            );
+        }
     }
 
     if !errors.is_empty() {
@@ -353,9 +400,22 @@ mod tests {
         spec
     }
 
+    /// An operator who allows host volumes under /srv.
+    fn policy() -> TenantPolicy {
+        TenantPolicy {
+            host_volume_prefixes: vec!["/srv".into()],
+            ..TenantPolicy::default()
+        }
+    }
+
     fn errors(extra: Value, control_plane: bool) -> Vec<String> {
         let km = kvm_machine("m", spec(extra));
-        match validate(&km, &placement(control_plane), &MachineDefaults::default()) {
+        match validate(
+            &km,
+            &placement(control_plane),
+            &MachineDefaults::default(),
+            &policy(),
+        ) {
             Ok(_) => vec![],
             Err(e) => e.0.into_iter().map(|e| e.field).collect(),
         }
@@ -402,7 +462,7 @@ mod tests {
                 "spec.hostVolumes[0].hostPath",
             ),
             (
-                json!({"etcdStorage": {"type": "hostPath", "hostPath": "/var/../etc"}}),
+                json!({"etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/capk/etcd/../../../etc"}}),
                 "spec.etcdStorage.hostPath",
             ),
             (
@@ -439,14 +499,87 @@ mod tests {
             "m",
             spec(json!({"resources": {"cpu": 0}, "dns": {"servers": ["::1"]}})),
         );
-        let msg = validate(&km, &placement(false), &MachineDefaults::default())
-            .unwrap_err()
-            .to_string();
+        let msg = validate(
+            &km,
+            &placement(false),
+            &MachineDefaults::default(),
+            &policy(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             msg.contains("spec.resources.cpu: must be 1 to 255 vCPUs")
                 && msg.contains("spec.dns.servers[0]"),
             "{msg}"
         );
+    }
+
+    /// What reaches past the tenant's VM is refused unless the operator allows it, naming the
+    /// field and what is allowed.
+    #[test]
+    fn host_paths_and_placement_past_the_tenant_need_the_operators_leave() {
+        let refused = |extra: Value, control_plane: bool, policy: &TenantPolicy| {
+            let km = kvm_machine("m", spec(extra.clone()));
+            validate(
+                &km,
+                &placement(control_plane),
+                &MachineDefaults::default(),
+                policy,
+            )
+            .err()
+            .map(|e| e.to_string())
+        };
+        let shipped = TenantPolicy::default();
+        // The tenant's attack: the MC node's root shared into the VM.
+        let root = json!({"hostVolumes": [{"mountTag": "hostroot", "hostPath": "/"}]});
+        let msg = refused(root.clone(), false, &shipped).expect("refused");
+        assert!(
+            msg.contains("spec.hostVolumes[0].hostPath")
+                && msg.contains("allowed: none")
+                && msg.contains("CAPK_ALLOWED_HOST_VOLUME_PATHS"),
+            "{msg}"
+        );
+        let msg = refused(root, false, &policy()).expect("refused");
+        assert!(msg.contains("allowed: /srv"), "{msg}");
+        let data = json!({"hostVolumes": [{"mountTag": "data", "hostPath": "/srv/data", "readOnly": true}]});
+        assert_eq!(refused(data, false, &policy()), None);
+        let sibling = json!({"hostVolumes": [{"mountTag": "data", "hostPath": "/srvx"}]});
+        assert!(refused(sibling, false, &policy()).is_some());
+
+        // etcd data only under the allowed directories (shipped: /var/lib/capk/etcd).
+        let etcd = |p: &str| json!({"etcdStorage": {"type": "hostPath", "hostPath": p}});
+        assert_eq!(refused(etcd("/var/lib/capk/etcd"), true, &shipped), None);
+        let msg = refused(etcd("/var/lib/kubelet"), true, &shipped).expect("refused");
+        assert!(
+            msg.contains("spec.etcdStorage.hostPath")
+                && msg.contains("allowed: /var/lib/capk/etcd"),
+            "{msg}"
+        );
+
+        // Every taint tolerated, a system PriorityClass: refused unless allowed.
+        let everywhere = json!({"tolerations": [{"operator": "Exists"}]});
+        let msg = refused(everywhere.clone(), false, &shipped).expect("refused");
+        assert!(
+            msg.contains("spec.tolerations[0].operator") && msg.contains("every taint"),
+            "{msg}"
+        );
+        let one_effect = json!({"tolerations": [{"operator": "Exists", "effect": "NoSchedule"}]});
+        assert!(refused(one_effect, false, &shipped).is_some());
+        let keyed = json!({"tolerations": [{"key": "kvm", "operator": "Exists"}]});
+        assert_eq!(refused(keyed, false, &shipped), None);
+        let critical = json!({"priorityClassName": "system-node-critical"});
+        let msg = refused(critical.clone(), false, &shipped).expect("refused");
+        assert!(
+            msg.contains("spec.priorityClassName") && msg.contains("system PriorityClass"),
+            "{msg}"
+        );
+        let lenient = TenantPolicy {
+            allow_tolerate_all_taints: true,
+            allow_system_priority_classes: true,
+            ..TenantPolicy::default()
+        };
+        assert_eq!(refused(everywhere, false, &lenient), None);
+        assert_eq!(refused(critical, false, &lenient), None);
     }
 
     #[test]
@@ -465,7 +598,7 @@ mod tests {
             ),
         );
         let defaults = MachineDefaults::default();
-        let v = validate(&km, &placement(true), &defaults).unwrap();
+        let v = validate(&km, &placement(true), &defaults, &policy()).unwrap();
         assert_eq!(
             v,
             ValidSpec {
@@ -500,6 +633,7 @@ mod tests {
                 false,
                 json!({"resources": {"dockerVolumeSize": "1", "kubeletVolumeSize": "1"},
                        "hostVolumes": [{"mountTag": "a", "hostPath": "/"},
+                                       {"mountTag": "ro", "hostPath": "/srv/ro", "readOnly": true},
                                        {"mountTag": "A_b-012345678901234567890123456", "hostPath": "/srv/x..y"}],
                        "accel": "kvm",
                        "nodeSelector": {"example.com/kvm": "", "kvm": "true"},
@@ -513,8 +647,15 @@ mod tests {
             let km = kvm_machine("m", spec(extra.clone()));
             let placement = placement(control_plane);
             let defaults = MachineDefaults::default();
-            let valid =
-                validate(&km, &placement, &defaults).unwrap_or_else(|e| panic!("{extra}: {e}"));
+            // An operator who allows everything: the launcher must take it all.
+            let policy = TenantPolicy {
+                host_volume_prefixes: vec!["/".into()],
+                etcd_host_path_prefixes: vec!["/".into()],
+                allow_tolerate_all_taints: true,
+                allow_system_priority_classes: true,
+            };
+            let valid = validate(&km, &placement, &defaults, &policy)
+                .unwrap_or_else(|e| panic!("{extra}: {e}"));
             let home = crate::kvmmachine::testing::management();
             let pod = pod::machine_pod(&km, &placement, &home, &valid, &defaults);
             let c = &pod.spec.unwrap().containers[0];

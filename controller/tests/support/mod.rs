@@ -132,7 +132,7 @@ pub async fn control_plane_machine_without_secret(
 ) -> Result<()> {
     let spec = json!({
         "resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
-        "etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/capk-etcd"},
+        "etcdStorage": {"type": "hostPath", "hostPath": "/var/lib/capk/etcd"},
     });
     control_plane_machine_with_spec(client, ns, name, spec).await
 }
