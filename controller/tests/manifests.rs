@@ -223,10 +223,34 @@ fn clusterctl_processes_the_components_with_no_variables_set() -> Result<()> {
             .map(|v| v["value"].clone())
     };
     // clusterctl drops an empty value (Go's omitempty): the variable is set, to "".
-    for name in ["CAPK_NAMESPACE", "CAPK_DEFAULT_NODE_IMAGE"] {
+    for name in [
+        "CAPK_NAMESPACE",
+        "CAPK_DEFAULT_NODE_IMAGE",
+        "CAPK_ALLOWED_HOST_VOLUME_PATHS",
+    ] {
         let value = env(name).with_context(|| format!("env {name}"))?;
         assert!(value.is_null() || value == "", "{name}={value}");
     }
+    // The operator security settings as shipped: no host volumes (above), etcd data under
+    // /var/lib/capk/etcd only, no key-less tolerations, no system PriorityClasses.
+    let args: Vec<String> = serde_json::from_value(manager["args"].clone())?;
+    for shipped in [
+        "--allowed-etcd-host-paths=/var/lib/capk/etcd",
+        "--allow-tolerate-all-taints=false",
+        "--allow-system-priority-classes=false",
+    ] {
+        assert!(
+            args.iter().any(|a| a == shipped),
+            "{shipped} not in {args:?}"
+        );
+    }
+    // The binary takes the Deployment's arguments as they are (clap would exit 2 on one it does
+    // not know); render-ignition runs without a cluster.
+    let mut argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    argv.extend(["render-ignition", "--hostname", "m"]);
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_capk-controller"));
+    run_with_input(bin, &argv, b"#cloud-config\n")
+        .context("capk-controller refuses the Deployment's arguments")?;
     Ok(())
 }
 
@@ -787,6 +811,7 @@ fn boot_ignition(format: BootstrapFormat, data: &str, role: Role) -> Result<Valu
         serial: serial.into(),
         path: "/dev/null".into(),
         format: DiskFormat::Raw,
+        base: None,
     };
     let mut disks = vec![
         attach(disk::ROOT_SERIAL),
