@@ -197,9 +197,30 @@ pub struct RunArgs {
     /// Size of the etcd disk when it is created.
     #[arg(long, env = "CAPK_ETCD_DISK_SIZE", default_value = "10Gi")]
     pub etcd_disk_size: ByteSize,
-    /// Host directory shared into the guest over virtio-9p, as TAG=PATH (repeatable).
+    /// Host directory shared into the guest over virtio-9p, as TAG=PATH (repeatable). QEMU
+    /// reads and writes it as its own user (9p security_model=none): the directory must be
+    /// readable and searchable by --qemu-uid/--qemu-gid, and writable by them for the guest to
+    /// write (e.g. owned by 107:107).
     #[arg(long = "host-volume", env = "CAPK_HOST_VOLUMES", value_delimiter = ',')]
     pub host_volumes: Vec<String>,
+    /// Host directory shared into the guest read-only, as TAG=PATH (repeatable): 9p
+    /// readonly=on and a read-only mount in the guest. Must be readable and searchable by
+    /// --qemu-uid/--qemu-gid.
+    #[arg(
+        long = "host-volume-readonly",
+        env = "CAPK_HOST_VOLUMES_READONLY",
+        value_delimiter = ','
+    )]
+    pub host_volumes_readonly: Vec<String>,
+    /// User QEMU runs as (never root; KubeVirt's qemu user by default). QEMU gets no
+    /// capabilities and no_new_privs; the launcher gives it its disks, Ignition file and a
+    /// runtime directory, and the tap as a descriptor. The node image, kernel and initrd must be
+    /// readable by it.
+    #[arg(long, env = "CAPK_QEMU_UID", default_value_t = crate::qemu::privilege::DEFAULT_QEMU_ID)]
+    pub qemu_uid: u32,
+    /// Group QEMU runs as (never root). The group of /dev/kvm, when it exists, is added.
+    #[arg(long, env = "CAPK_QEMU_GID", default_value_t = crate::qemu::privilege::DEFAULT_QEMU_ID)]
+    pub qemu_gid: u32,
     /// Directory for the root overlay and the data disks (a Pod volume, so they survive restarts).
     #[arg(long, env = "CAPK_STATE_DIR", default_value = "/var/lib/capk")]
     pub state_dir: PathBuf,
@@ -288,6 +309,9 @@ impl From<RunArgs> for RunConfig {
             etcd_disk: a.etcd_disk,
             etcd_disk_size: a.etcd_disk_size,
             host_volumes: a.host_volumes,
+            host_volumes_readonly: a.host_volumes_readonly,
+            qemu_uid: a.qemu_uid,
+            qemu_gid: a.qemu_gid,
             state_dir: a.state_dir,
             runtime_dir: a.socket.runtime_dir,
             ignition: a.ignition,
@@ -356,6 +380,18 @@ mod tests {
             (
                 &["--host-volume", "a.b=/srv"],
                 "invalid --host-volume: mount tag \"a.b\" must be 1-31 characters long (the virtio-9p tag limit), of letters, digits, '_' and '-' only",
+            ),
+            (
+                &["--host-volume-readonly", "cfg=etc"],
+                "invalid --host-volume-readonly: path \"etc\" must be absolute",
+            ),
+            (
+                &["--host-volume", "d=/a", "--host-volume-readonly", "d=/b"],
+                "invalid --host-volume-readonly: mount tag \"d\" is used twice",
+            ),
+            (
+                &["--qemu-uid", "0"],
+                "invalid --qemu-uid: must not be 0: QEMU runs as an unprivileged user (default 107)",
             ),
             (
                 &["--iscsi-initiator-name", "node 1"],

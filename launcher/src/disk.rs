@@ -622,6 +622,19 @@ mod tests {
         );
     }
 
+    /// A 128 MiB root disk on `image`, state under `dir`, no data disks.
+    fn root_only(dir: &Path, image: &Path, image_format: DiskFormat) -> DiskRequest {
+        DiskRequest {
+            state_dir: dir.join("state"),
+            image: image.to_path_buf(),
+            image_format,
+            root_size: ByteSize::mib(128),
+            docker_size: ByteSize(0),
+            kubelet_size: ByteSize(0),
+            etcd: None,
+        }
+    }
+
     /// Crafted node images made by the real qemu-img whose headers name something outside the
     /// image: a host file, a raw block device, an nbd export through a `json:` name, an external
     /// data file. Each is refused by observe → plan (before qemu-img or QEMU opens it), with a
@@ -660,15 +673,7 @@ mod tests {
             ("data-file.qcow2", format!("an external data file ({data})")),
         ];
         for (image, names) in cases {
-            let r = DiskRequest {
-                state_dir: dir.path().join("state"),
-                image: dir.path().join(image),
-                image_format: DiskFormat::Qcow2,
-                root_size: ByteSize::mib(128),
-                docker_size: ByteSize(0),
-                kubelet_size: ByteSize(0),
-                etcd: None,
-            };
+            let r = root_only(dir.path(), &dir.path().join(image), DiskFormat::Qcow2);
             let err = plan(&r, &observe(&r).unwrap()).unwrap_err();
             assert_eq!(
                 err.to_string(),
@@ -679,15 +684,11 @@ mod tests {
                 )
             );
         }
-        let r = DiskRequest {
-            state_dir: dir.path().join("state"),
-            image: dir.path().join("clean.qcow2"),
-            image_format: DiskFormat::Qcow2,
-            root_size: ByteSize::mib(128),
-            docker_size: ByteSize(0),
-            kubelet_size: ByteSize(0),
-            etcd: None,
-        };
+        let r = root_only(
+            dir.path(),
+            &dir.path().join("clean.qcow2"),
+            DiskFormat::Qcow2,
+        );
         assert!(plan(&r, &observe(&r).unwrap()).is_ok());
         assert!(!dir.path().join("state").exists(), "nothing was created");
     }
@@ -708,15 +709,7 @@ mod tests {
             "create", "-q", "-u", "-f", "qcow2", "-F", "raw", "-b", "/dev/vda", &i, "64M",
         ];
         qemu_img(&qemu_img_bin, &args).unwrap();
-        let r = DiskRequest {
-            state_dir: dir.path().join("state"),
-            image: image.clone(),
-            image_format: DiskFormat::Raw,
-            root_size: ByteSize::mib(128),
-            docker_size: ByteSize(0),
-            kubelet_size: ByteSize(0),
-            etcd: None,
-        };
+        let r = root_only(dir.path(), &image, DiskFormat::Raw);
         let s = observe(&r).unwrap();
         assert_eq!((s.image_backing_file, s.image_data_file), (None, None));
         let p = plan(&r, &observe(&r).unwrap()).unwrap();

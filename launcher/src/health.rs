@@ -335,6 +335,16 @@ pub fn record_console_line(state: &mut LauncherState, line: &[u8]) {
     }
 }
 
+/// Opens the console log for reading without following a symbolic link: the file is QEMU's (its
+/// unprivileged user may replace it), the reader is root.
+pub fn open_console_log(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+}
+
 /// Follows the console log QEMU appends to (`path`) from byte `from` (its length before this
 /// QEMU started: an earlier boot's lines say nothing of this one) and records what
 /// [`record_console_line`] recognizes. Polls once a second; never holds more than a line.
@@ -344,7 +354,7 @@ pub async fn watch_console(path: std::path::PathBuf, from: u64, state: SharedSta
     let mut framer = LineFramer::new(CONSOLE_LINE_MAX);
     let mut buf = vec![0u8; 64 * 1024];
     loop {
-        if let Ok(mut file) = std::fs::File::open(&path) {
+        if let Ok(mut file) = open_console_log(&path) {
             let len = file.metadata().map(|m| m.len()).unwrap_or(0);
             if len < offset {
                 // Truncated or replaced: start over at its beginning.

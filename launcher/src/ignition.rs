@@ -93,7 +93,7 @@ pub fn overlay(inputs: &BootInputs) -> MachineOverlay {
             .map(|v| HostVolume {
                 tag: v.tag.clone(),
                 mount_path: None,
-                read_only: false,
+                read_only: v.read_only,
             })
             .collect(),
         heartbeat: Some(Heartbeat {
@@ -165,10 +165,18 @@ mod tests {
             ntp_servers: vec!["10.0.0.123".into()],
             iscsi_initiator_name: Some("iqn.2016-04.com.coreos.iscsi:capk-1".into()),
             disks: vec![d("rootfs"), d("dockerfs"), d("kubeletfs"), d("etcdfs")],
-            host_volumes: vec![argv::HostVolume {
-                tag: "shared".into(),
-                path: "/srv".into(),
-            }],
+            host_volumes: vec![
+                argv::HostVolume {
+                    tag: "shared".into(),
+                    path: "/srv".into(),
+                    read_only: false,
+                },
+                argv::HostVolume {
+                    tag: "config".into(),
+                    path: "/srv/config".into(),
+                    read_only: true,
+                },
+            ],
         }
     }
 
@@ -194,6 +202,9 @@ mod tests {
             })
         );
         assert_eq!(o.host_volumes[0].tag, "shared");
+        assert!(!o.host_volumes[0].read_only);
+        // A read-only share is mounted read-only in the guest too (QEMU refuses writes anyway).
+        assert!(o.host_volumes[1].read_only);
         assert_eq!(
             o.heartbeat.as_ref().map(|h| h.port_name.as_str()),
             Some(argv::HEARTBEAT_PORT)

@@ -39,7 +39,7 @@ fn one_line(e: &dyn std::error::Error) -> String {
 /// Prints the console log, then (when `follow`) what is appended, until interrupted.
 fn follow_console(path: &std::path::Path, follow: bool) -> std::io::Result<()> {
     use std::io::{Read, Write};
-    let mut f = std::fs::File::open(path)?;
+    let mut f = capk_launcher::health::open_console_log(path)?;
     let mut out = std::io::stdout().lock();
     let mut buf = vec![0u8; 64 * 1024];
     loop {

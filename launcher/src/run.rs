@@ -20,9 +20,13 @@ use crate::net::observe::NetlinkError;
 use crate::net::plan::{GuestNaming, PlanError};
 use crate::net::{MacAddr, apply, dhcp, observe, plan, resolv, tap};
 use crate::qemu::argv::{self, DirectKernel, DiskFormat, HostVolume, VmSpec};
+use crate::qemu::privilege::{self, HandOverError, QemuUser};
 use crate::qemu::qmp::{QapiQmp, Qmp};
 use crate::size::ByteSize;
 use crate::supervise::{QemuExit, Reaper};
+
+/// The vhost-net device (KVM only), opened for QEMU.
+const VHOST_NET: &str = "/dev/vhost-net";
 
 /// File name of the console copy in the runtime directory.
 pub const CONSOLE_LOG: &str = "console.log";
@@ -69,6 +73,12 @@ pub struct RunConfig {
     pub etcd_disk_size: ByteSize,
     /// Host directories shared into the guest, as `TAG=PATH`.
     pub host_volumes: Vec<String>,
+    /// Host directories shared into the guest read-only, as `TAG=PATH`.
+    pub host_volumes_readonly: Vec<String>,
+    /// User QEMU runs as.
+    pub qemu_uid: u32,
+    /// Group QEMU runs as.
+    pub qemu_gid: u32,
     /// Directory for the root overlay and the data disks.
     pub state_dir: PathBuf,
     /// Directory holding the launcher's sockets (control, QMP, heartbeat) and console log.
@@ -152,6 +162,12 @@ pub enum RunError {
     /// The network namespace could not be told.
     #[error(transparent)]
     NetnsUnknown(#[from] NetnsUnknown),
+    /// Opening the tap for QEMU failed.
+    #[error("open the tap for QEMU")]
+    OpenTap(#[source] tap::TapError),
+    /// Handing QEMU's files to its user failed.
+    #[error("give QEMU's user its files")]
+    HandOver(#[from] HandOverError),
     /// KVM required but unusable.
     #[error("--accel kvm: {0}")]
     Kvm(#[from] KvmUnusable),
@@ -243,24 +259,38 @@ pub fn validate(a: &RunConfig) -> Result<Validated, RunError> {
             "must be an iqn. or eui. name without spaces, at most 223 bytes",
         ));
     }
-    let mut host_volumes = Vec::new();
-    for v in &a.host_volumes {
-        let Some((tag, path)) = v.split_once('=') else {
-            return Err(invalid("host-volume", &format!("{v:?} is not TAG=PATH")));
-        };
-        if let Err(e) = capk_api::mount_tag::check(tag) {
-            return Err(invalid("host-volume", &e.to_string()));
+    let mut host_volumes: Vec<HostVolume> = Vec::new();
+    for (flag, values, read_only) in [
+        ("host-volume", &a.host_volumes, false),
+        ("host-volume-readonly", &a.host_volumes_readonly, true),
+    ] {
+        for v in values {
+            let Some((tag, path)) = v.split_once('=') else {
+                return Err(invalid(flag, &format!("{v:?} is not TAG=PATH")));
+            };
+            if let Err(e) = capk_api::mount_tag::check(tag) {
+                return Err(invalid(flag, &e.to_string()));
+            }
+            if !path.starts_with('/') {
+                return Err(invalid(flag, &format!("path {path:?} must be absolute")));
+            }
+            if host_volumes.iter().any(|h| h.tag == tag) {
+                return Err(invalid(flag, &format!("mount tag {tag:?} is used twice")));
+            }
+            host_volumes.push(HostVolume {
+                tag: tag.into(),
+                path: path.into(),
+                read_only,
+            });
         }
-        if !path.starts_with('/') {
+    }
+    for (flag, id) in [("qemu-uid", a.qemu_uid), ("qemu-gid", a.qemu_gid)] {
+        if id == 0 {
             return Err(invalid(
-                "host-volume",
-                &format!("path {path:?} must be absolute"),
+                flag,
+                "must not be 0: QEMU runs as an unprivileged user (default 107)",
             ));
         }
-        host_volumes.push(HostVolume {
-            tag: tag.into(),
-            path: path.into(),
-        });
     }
     Ok(Validated {
         image_format,
@@ -293,7 +323,7 @@ fn require_file(what: &'static str, path: &Path) -> Result<(), RunError> {
 }
 
 /// Checks files and devices before anything is changed.
-fn preflight(a: &RunConfig) -> Result<(), RunError> {
+fn preflight(a: &RunConfig, v: &Validated) -> Result<(), RunError> {
     require_file("node image", &a.image)?;
     if let Some(i) = &a.ignition {
         require_file("Ignition config", i)?;
@@ -304,13 +334,11 @@ fn preflight(a: &RunConfig) -> Result<(), RunError> {
     if let Some(i) = &a.initrd {
         require_file("initrd", i)?;
     }
-    for v in &a.host_volumes {
-        if let Some((_, p)) = v.split_once('=')
-            && !Path::new(p).is_dir()
-        {
+    for h in &v.host_volumes {
+        if !h.path.is_dir() {
             return Err(RunError::MissingFile {
                 what: "host volume",
-                path: p.into(),
+                path: h.path.clone(),
                 reason: "not a directory".into(),
             });
         }
@@ -354,7 +382,7 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         "capk-launcher starting"
     );
     let v = validate(&a)?;
-    preflight(&a)?;
+    preflight(&a, &v)?;
     // Disks are planned before anything changes: a node image that names other files (qcow2
     // backing or data file) is refused here, before qemu-img or QEMU opens it.
     let disk_req = DiskRequest {
@@ -537,6 +565,10 @@ async fn start_vm(
     state: &SharedState,
 ) -> Result<Started, RunError> {
     disk::apply(&disk_plan, &a.qemu_img)?;
+    let user = QemuUser::plan(a.qemu_uid, a.qemu_gid, privilege::kvm_device_group());
+    for d in &disk_plan.attachments {
+        privilege::hand_over(&d.path, &user)?;
+    }
     state.lock().await.disks = disk_plan.attachments.clone();
 
     let ignition = match &a.ignition {
@@ -564,6 +596,7 @@ async fn start_vm(
             };
             let dest = a.runtime_dir.join("ignition.json");
             let report = ignition::prepare(src, &dest, &ignition::overlay(&inputs))?;
+            privilege::hand_over(&dest, &user)?;
             for r in &report.replaced {
                 tracing::info!(
                     ignition.kind = r.kind,
@@ -580,20 +613,51 @@ async fn start_vm(
     let server = dhcp::DhcpServer::bind(&net_plan.bridge, net_plan.lease.clone())?;
     let dhcp_task = tokio::spawn(server.serve());
 
+    let (qmp_socket, heartbeat_socket) = (
+        a.runtime_dir.join("qmp.sock"),
+        a.runtime_dir.join("heartbeat.sock"),
+    );
+    let console_log = a.runtime_dir.join(CONSOLE_LOG);
+    privilege::share_runtime_dir(
+        &a.runtime_dir,
+        &user,
+        &[&qmp_socket, &heartbeat_socket],
+        &[&console_log],
+    )?;
+    // QEMU cannot open /dev/net/tun or /dev/vhost-net: the launcher opens them and QEMU
+    // inherits the descriptors (closed here once QEMU runs). Without vhost-net the NIC still
+    // works, in QEMU's own thread.
+    let tap_file = tap::open_tap(&net_plan.tap).map_err(RunError::OpenTap)?;
+    let vhost_file = (accel == argv::Accel::Kvm)
+        .then(|| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(VHOST_NET)
+                .inspect_err(|e| tracing::warn!(error = %e, "{VHOST_NET} unavailable: no vhost"))
+                .ok()
+        })
+        .flatten();
+    let inherited: Vec<i32> = [Some(&tap_file), vhost_file.as_ref()]
+        .into_iter()
+        .flatten()
+        .map(std::os::fd::AsRawFd::as_raw_fd)
+        .collect();
     let spec = VmSpec {
         name: hostname.into(),
         accel,
         tcg_tb_size_mib: a.tcg_translation_cache_mib,
         vcpus: a.vcpus,
         memory_mib: v.memory_mib,
-        tap: net_plan.tap.clone(),
+        tap_fd: inherited[0],
+        vhost_fd: inherited.get(1).copied(),
         mac: net_plan.vm_mac,
         mtu: net_plan.mtu,
         disks: disk_plan.attachments,
         ignition,
-        qmp_socket: a.runtime_dir.join("qmp.sock"),
-        heartbeat_socket: a.runtime_dir.join("heartbeat.sock"),
-        console_log: a.runtime_dir.join(CONSOLE_LOG),
+        qmp_socket,
+        heartbeat_socket,
+        console_log,
         host_volumes: v.host_volumes.clone(),
         direct_kernel: a.kernel.clone().map(|kernel| DirectKernel {
             kernel,
@@ -604,16 +668,23 @@ async fn start_vm(
     let args = argv::qemu_args(&spec);
     tracing::debug!(qemu.argv = ?args.0, "qemu command line");
     let reaper = Reaper::new().map_err(|e| RunError::Runtime("watch SIGCHLD".into(), e))?;
-    let child = Command::new(&a.qemu)
-        .args(&args.0)
+    let mut cmd = Command::new(&a.qemu);
+    cmd.args(&args.0)
         .stdin(Stdio::null())
         .stdout(Stdio::inherit())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| {
-            dhcp_task.abort();
-            RunError::SpawnQemu(a.qemu.clone(), e)
-        })?;
+        .stderr(Stdio::inherit());
+    privilege::run_unprivileged(&mut cmd, &user, &inherited);
+    tracing::info!(
+        qemu.uid = user.uid,
+        qemu.gid = user.gid,
+        qemu.groups = ?user.groups,
+        "starting qemu unprivileged"
+    );
+    let child = cmd.spawn().map_err(|e| {
+        dhcp_task.abort();
+        RunError::SpawnQemu(a.qemu.clone(), e)
+    })?;
+    drop((tap_file, vhost_file));
     let pid = child.id();
     // The reaper owns waiting from here on; dropping Child neither waits nor kills.
     drop(child);

@@ -291,6 +291,9 @@ impl Launcher {
         let runtime_dir = work.join("run");
         let shared = work.join("shared");
         std::fs::create_dir_all(&shared).unwrap();
+        let ro = work.join("ro");
+        std::fs::create_dir_all(&ro).unwrap();
+        std::fs::write(ro.join("config.txt"), "read-only host file\n").unwrap();
         let ignition = work.join("ignition.json");
         std::fs::write(&ignition, t.bootstrap.machine_ignition()).unwrap();
         // As PID 1 of a fresh PID namespace, like in a container, when asked.
@@ -326,6 +329,7 @@ impl Launcher {
             .args(["--resolv-conf", &resolv.display().to_string()])
             .args(["--ignition", &ignition.display().to_string()])
             .args(["--host-volume", &format!("shared={}", shared.display())])
+            .args(["--host-volume-readonly", &format!("ro={}", ro.display())])
             .args(["--iscsi-initiator-name", ISCSI_NAME])
             .args([
                 "--hostname",
@@ -467,6 +471,16 @@ impl Launcher {
         }
     }
 
+    /// The launcher's last one-line error (`capk-launcher: <what>: <why>`), empty if none.
+    fn exit_cause(&self) -> String {
+        self.seen
+            .iter()
+            .rev()
+            .find(|x| x.contains("capk-launcher: "))
+            .cloned()
+            .unwrap_or_default()
+    }
+
     /// The launcher's pid as seen from the test (unshare's child in PID-1 mode).
     fn launcher_pid(&self) -> u32 {
         if !self.pid1 {
@@ -582,8 +596,8 @@ fn boot_and_check_as(
     assert!(root.ends_with(&format!("bytes={}", 512u64 << 20)), "{root}");
     let nine_p = l.wait_for("CAPK-TESTGUEST virtio-9p-devices=", Duration::from_secs(5));
     assert!(
-        nine_p.ends_with("=1"),
-        "the host volume is one virtio-9p device: {nine_p}"
+        nine_p.ends_with("=2"),
+        "the host volumes (one read-write, one read-only) are two virtio-9p devices: {nine_p}"
     );
     // What QEMU passed is the machine's config with the boot facts merged in by capk-bootstrap,
     // under upstream Ignition's fw_cfg name and Flatcar's.
@@ -783,10 +797,49 @@ fn assert_ignition_ran(l: &mut Launcher) {
 
 fn work_dir() -> tempfile::TempDir {
     // Short path: unix socket paths are limited to 108 bytes.
-    tempfile::Builder::new()
+    let d = tempfile::Builder::new()
         .prefix("capk-l")
         .tempdir_in("/tmp")
-        .unwrap()
+        .unwrap();
+    // Like a Pod's volumes, reachable by QEMU's unprivileged user (tempdirs are 0700).
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    d
+}
+
+/// QEMU's user (the launcher's default, KubeVirt's qemu user).
+const QEMU_ID: u32 = 107;
+
+/// Reads QEMU's `/proc/<pid>/status` while the guest runs: it runs as the unprivileged user
+/// (with the /dev/kvm group as its only supplementary group, when the device exists), with no
+/// capability in any set, `no_new_privs` and its seccomp filter.
+fn assert_qemu_unprivileged(l: &Launcher) {
+    let pid = qemu_pid(l);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| -> String {
+        status
+            .lines()
+            .find_map(|x| x.strip_prefix(&format!("{name}:")))
+            .unwrap_or_else(|| panic!("no {name} in {status}"))
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let id = format!("{QEMU_ID} {QEMU_ID} {QEMU_ID} {QEMU_ID}");
+    assert_eq!(field("Uid"), id, "{status}");
+    assert_eq!(field("Gid"), id, "{status}");
+    let kvm_group = std::fs::metadata("/dev/kvm")
+        .map(|m| std::os::unix::fs::MetadataExt::gid(&m).to_string())
+        .ok()
+        // Neither root's group nor QEMU's own primary group is added.
+        .filter(|g| g != "0" && *g != QEMU_ID.to_string());
+    assert_eq!(field("Groups"), kvm_group.unwrap_or_default(), "{status}");
+    for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(field(caps), "0000000000000000", "{caps}: {status}");
+    }
+    assert_eq!(field("NoNewPrivs"), "1", "{status}");
+    assert_eq!(field("Seccomp"), "2", "QEMU's -sandbox filter: {status}");
+    println!("QEMU pid {pid}: uid/gid {QEMU_ID}, no capabilities, no_new_privs, seccomp");
 }
 
 #[test]
@@ -862,6 +915,20 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
     assert!(ready.contains("bootstrap succeeded"), "{ready}");
     let live = l.wait_probe("liveness", true, Duration::from_secs(10));
     assert!(live.contains("running"), "{live}");
+    // The guest booted, got the Pod IP and beats through a QEMU without privileges, whose files
+    // the launcher gave to its user.
+    assert_qemu_unprivileged(&l);
+    for f in [
+        "state/root.qcow2",
+        "state/docker.img",
+        "etcd/etcd.img",
+        "run/ignition.json",
+        "run/console.log",
+    ] {
+        let m = std::fs::metadata(work.path().join(f)).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!((m.uid(), m.gid()), (QEMU_ID, QEMU_ID), "{f}");
+    }
     let (ok, status) = l.cli(&["status"]);
     assert!(ok, "{status}");
     let st: serde_json::Value = serde_json::from_str(&status).unwrap();
@@ -960,13 +1027,7 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
     sh(&format!("kill -9 {}", qemu_pid(&l)));
     let exit = l.wait_exit(Duration::from_secs(20));
     assert!(!exit.success(), "QEMU killed → launcher must exit non-zero");
-    let cause = l
-        .seen
-        .iter()
-        .rev()
-        .find(|x| x.contains("capk-launcher: "))
-        .cloned()
-        .unwrap_or_default();
+    let cause = l.exit_cause();
     assert!(
         cause.contains("qemu ended without a stop request (killed by signal 9)"),
         "{cause}"
@@ -1150,13 +1211,7 @@ fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
         !exit.success(),
         "guest poweroff → launcher must exit non-zero"
     );
-    let cause = l
-        .seen
-        .iter()
-        .rev()
-        .find(|x| x.contains("capk-launcher: "))
-        .cloned()
-        .unwrap_or_default();
+    let cause = l.exit_cause();
     assert!(
         cause.contains("guest powered off without a stop request"),
         "{cause}"
@@ -1169,13 +1224,7 @@ fn bridge_cni_pod_vm_owns_pod_ip_and_reaches_peer() {
     l.wait_for("CAPK-TESTGUEST panicking", Duration::from_secs(120));
     let exit = l.wait_exit(Duration::from_secs(30));
     assert!(!exit.success(), "guest panic → launcher must exit non-zero");
-    let cause = l
-        .seen
-        .iter()
-        .rev()
-        .find(|x| x.contains("capk-launcher: "))
-        .cloned()
-        .unwrap_or_default();
+    let cause = l.exit_cause();
     assert!(
         cause.contains("qemu ended without a stop request (exit status 1)"),
         "{cause}"
@@ -1280,13 +1329,7 @@ fn node_images_that_name_host_files_are_refused_before_qemu_starts() {
         let mut l = Launcher::spawn(&t, work.path(), &boot, "tcg", false);
         let exit = l.wait_exit(Duration::from_secs(30));
         assert!(!exit.success(), "{image}: the launcher must refuse it");
-        let cause = l
-            .seen
-            .iter()
-            .rev()
-            .find(|x| x.contains("capk-launcher: "))
-            .cloned()
-            .unwrap_or_default();
+        let cause = l.exit_cause();
         assert!(
             cause.ends_with(&format!(
                 "capk-launcher: disk setup: node image {}: the qcow2 header names {names}; a node \
@@ -1304,6 +1347,31 @@ fn node_images_that_name_host_files_are_refused_before_qemu_starts() {
         }
         assert_eq!(eth0(), before, "{image}: the Pod's eth0 must be untouched");
     }
+}
+
+/// Runs `capk-launcher run` with `args` to its end, in network namespace `netns` (or the test's
+/// own) with state and runtime directories under `work`: whether it succeeded, its stderr and
+/// the last line of it.
+fn run_to_end(netns: Option<&str>, work: &Path, args: &[&str]) -> (bool, String, String) {
+    let launcher = env!("CARGO_BIN_EXE_capk-launcher");
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, launcher]);
+            c
+        }
+        None => Command::new(launcher),
+    };
+    let out = cmd
+        .arg("run")
+        .args(args)
+        .args(["--state-dir", &work.join("state").display().to_string()])
+        .args(["--runtime-dir", &work.join("run").display().to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let last = err.trim().lines().last().unwrap_or_default().to_string();
+    (out.status.success(), err, last)
 }
 
 /// Run by hand on a node (or in a `hostNetwork` Pod), the launcher would bind the node's own
@@ -1325,26 +1393,28 @@ fn refuses_the_host_network_namespace() {
     };
     let before = links();
     let work = work_dir();
-    let g = guest_dir();
-    let out = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
-        .args(["run", "--accel", "tcg", "--interface", "capk-absent0"])
-        .args(["--image", &g.join("base.qcow2").display().to_string()])
-        .args(["--kernel", &g.join("vmlinuz").display().to_string()])
-        .args(["--initrd", &g.join("initrd.img").display().to_string()])
-        .args(["--memory", "256Mi", "--disk-size", "512Mi"])
-        .args([
-            "--state-dir",
-            &work.path().join("state").display().to_string(),
-        ])
-        .args([
-            "--runtime-dir",
-            &work.path().join("run").display().to_string(),
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    let last = err.trim().lines().last().unwrap_or_default();
-    assert!(!out.status.success(), "{err}");
+    let g = |f: &str| guest_dir().join(f).display().to_string();
+    let (ok, err, last) = run_to_end(
+        None,
+        work.path(),
+        &[
+            "--accel",
+            "tcg",
+            "--interface",
+            "capk-absent0",
+            "--image",
+            &g("base.qcow2"),
+            "--kernel",
+            &g("vmlinuz"),
+            "--initrd",
+            &g("initrd.img"),
+            "--memory",
+            "256Mi",
+            "--disk-size",
+            "512Mi",
+        ],
+    );
+    assert!(!ok, "{err}");
     assert_eq!(
         last,
         "capk-launcher: this is the host's network namespace (hostNetwork, or run by hand on a \
@@ -1387,33 +1457,13 @@ fn accel_kvm_fails_clearly_where_kvm_hangs() {
         bootstrap: Bootstrap::CLOUD_CONFIG_WORKER,
     };
     let work = work_dir();
-    let out = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &t.node,
-            env!("CARGO_BIN_EXE_capk-launcher"),
-            "run",
-            "--accel",
-            "kvm",
-        ])
-        .args([
-            "--image",
-            &guest_dir().join("base.qcow2").display().to_string(),
-        ])
-        .args([
-            "--runtime-dir",
-            &work.path().join("run").display().to_string(),
-        ])
-        .args([
-            "--state-dir",
-            &work.path().join("state").display().to_string(),
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    let last = err.trim().lines().last().unwrap_or_default().to_string();
-    assert!(!out.status.success(), "{err}");
+    let image = guest_dir().join("base.qcow2").display().to_string();
+    let (ok, err, last) = run_to_end(
+        Some(&t.node),
+        work.path(),
+        &["--accel", "kvm", "--image", &image],
+    );
+    assert!(!ok, "{err}");
     let kvm_usable = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
         .arg("probe-accel")
         .status()
@@ -1730,7 +1780,7 @@ fn prepare_bare_dir(work: &Path, bare: &Path) {
     let _ = std::fs::remove_dir_all(bare);
     std::fs::create_dir_all(bare.join("run")).unwrap();
     sh(&format!(
-        "cp -a --sparse=always {w}/state {w}/etcd {w}/shared {b}/ && cp {w}/run/ignition.json {b}/run/",
+        "cp -a --sparse=always {w}/state {w}/etcd {w}/shared {w}/ro {b}/ && cp {w}/run/ignition.json {b}/run/",
         w = work.display(),
         b = bare.display()
     ));

@@ -1,7 +1,7 @@
 //! Tap creation through `/dev/net/tun` (the kernel refuses tap creation over rtnetlink).
 #![allow(unsafe_code)]
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
@@ -39,9 +39,9 @@ pub fn tun_available() -> bool {
     Path::new(TUN_DEVICE).exists()
 }
 
-/// Creates a persistent tap named `name` (QEMU attaches to it by name later), or makes an
-/// existing one persistent again. Returns when the device exists.
-pub fn create_persistent_tap(name: &str) -> Result<(), TapError> {
+/// Opens `/dev/net/tun` attached to the tap `name` (created when absent): a descriptor that
+/// reads and writes the tap's frames.
+fn attach(name: &str) -> Result<File, TapError> {
     if name.len() >= IFNAMSIZ {
         return Err(TapError::Name(name.into()));
     }
@@ -64,12 +64,26 @@ pub fn create_persistent_tap(name: &str) -> Result<(), TapError> {
     // IFNAMSIZ) that TUNSETIFF reads and writes only within its own size.
     Errno::result(unsafe { libc::ioctl(fd, TUNSETIFF, &raw mut req) })
         .map_err(|e| TapError::SetIff(name.into(), e))?;
-    // SAFETY: `fd` is the tun descriptor attached to the tap above; TUNSETPERSIST takes an
-    // integer argument by value and touches no user memory.
+    Ok(file)
+}
+
+/// Creates a persistent tap named `name`, or makes an existing one persistent again. Returns
+/// when the device exists.
+pub fn create_persistent_tap(name: &str) -> Result<(), TapError> {
+    let file = attach(name)?;
+    // SAFETY: the descriptor is the tun file attached to the tap above, alive for this call;
+    // TUNSETPERSIST takes an integer argument by value and touches no user memory.
     let persist: libc::c_ulong = 1;
-    Errno::result(unsafe { libc::ioctl(fd, TUNSETPERSIST, persist) })
+    Errno::result(unsafe { libc::ioctl(file.as_raw_fd(), TUNSETPERSIST, persist) })
         .map_err(|e| TapError::Persist(name.into(), e))?;
     Ok(())
+}
+
+/// Opens the existing tap `name` for QEMU: the launcher holds the rights to open
+/// `/dev/net/tun`, QEMU gets the descriptor (`-netdev tap,fd=N`). Close-on-exec like every
+/// descriptor the launcher opens; the QEMU child keeps exactly the ones it is handed.
+pub fn open_tap(name: &str) -> Result<File, TapError> {
+    attach(name)
 }
 
 #[cfg(test)]

@@ -110,6 +110,8 @@ pub struct HostVolume {
     pub tag: String,
     /// Host path.
     pub path: PathBuf,
+    /// Exported read-only (9p `readonly=on`): the guest cannot change the host's files.
+    pub read_only: bool,
 }
 
 /// Direct kernel boot (debugging and test guests).
@@ -136,8 +138,11 @@ pub struct VmSpec {
     pub vcpus: u32,
     /// Memory in MiB.
     pub memory_mib: u64,
-    /// Tap the NIC is attached to.
-    pub tap: String,
+    /// Descriptor of the tap the NIC is attached to, opened by the launcher and inherited by
+    /// QEMU (which runs without the rights to open it).
+    pub tap_fd: i32,
+    /// Descriptor of `/dev/vhost-net`, opened by the launcher, for vhost under KVM.
+    pub vhost_fd: Option<i32>,
     /// NIC MAC: the Pod's original MAC.
     pub mac: MacAddr,
     /// MTU announced to virtio-net.
@@ -224,18 +229,24 @@ pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
     );
     push(&mut a, "-mon", "chardev=qmp,mode=control".into());
 
-    let vhost = if spec.accel == Accel::Kvm {
-        ",vhost=on"
-    } else {
-        ""
+    // QEMU's seccomp filter: no exec or fork, no set*id or capability changes, no obsolete
+    // system calls, no scheduler/affinity changes. QEMU starts without privileges (see
+    // `qemu::privilege`); this keeps a compromised QEMU from doing more with the rest.
+    push(
+        &mut a,
+        "-sandbox",
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+    );
+
+    // The tap (and vhost-net) as descriptors: QEMU cannot open /dev/net/tun itself.
+    let vhost = match (spec.accel, spec.vhost_fd) {
+        (Accel::Kvm, Some(fd)) => format!(",vhost=on,vhostfd={fd}"),
+        _ => String::new(),
     };
     push(
         &mut a,
         "-netdev",
-        format!(
-            "tap,id=net0,ifname={},script=no,downscript=no{vhost}",
-            spec.tap
-        ),
+        format!("tap,id=net0,fd={}{vhost}", spec.tap_fd),
     );
     push(
         &mut a,
@@ -300,12 +311,16 @@ pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
         format!("virtserialport,bus=vser0.0,chardev=heartbeat,name={HEARTBEAT_PORT}"),
     );
 
+    // security_model=none: QEMU reads and writes the host files as its own (unprivileged)
+    // user, which is what bounds a share; `mapped-*` would need that user to own the whole tree
+    // and keeps the guest's owners in xattrs the host does not enforce.
     for v in &spec.host_volumes {
+        let ro = if v.read_only { ",readonly=on" } else { "" };
         push(
             &mut a,
             "-fsdev",
             format!(
-                "local,id=fs-{0},path={1},security_model=none",
+                "local,id=fs-{0},path={1},security_model=none{ro}",
                 v.tag,
                 p(&v.path)
             ),
@@ -345,7 +360,8 @@ mod tests {
             tcg_tb_size_mib: TCG_TB_SIZE_MIB,
             vcpus: 4,
             memory_mib: 8192,
-            tap: "capktap0".into(),
+            tap_fd: 3,
+            vhost_fd: Some(4),
             mac: "9a:1c:3e:aa:bb:cc".parse().unwrap(),
             mtu: 1440,
             disks: vec![
@@ -375,10 +391,18 @@ mod tests {
             qmp_socket: "/run/capk/qmp.sock".into(),
             heartbeat_socket: "/run/capk/heartbeat.sock".into(),
             console_log: "/run/capk/console.log".into(),
-            host_volumes: vec![HostVolume {
-                tag: "data".into(),
-                path: "/data".into(),
-            }],
+            host_volumes: vec![
+                HostVolume {
+                    tag: "data".into(),
+                    path: "/data".into(),
+                    read_only: false,
+                },
+                HostVolume {
+                    tag: "config".into(),
+                    path: "/srv/config".into(),
+                    read_only: true,
+                },
+            ],
             direct_kernel: None,
         }
     }
@@ -386,6 +410,34 @@ mod tests {
     #[test]
     fn kvm_control_plane_with_ignition_and_data_disks() {
         insta::assert_yaml_snapshot!(qemu_args(&spec(Accel::Kvm)).0);
+    }
+
+    /// QEMU gets the tap as a descriptor (never by name: it could not open it), runs under its
+    /// seccomp sandbox, and exports a read-only host volume read-only.
+    #[test]
+    fn qemu_gets_descriptors_a_sandbox_and_read_only_shares() {
+        let a = qemu_args(&spec(Accel::Kvm)).0;
+        let after = |flag: &str| -> Vec<&str> {
+            a.windows(2)
+                .filter(|w| w[0] == flag)
+                .map(|w| w[1].as_str())
+                .collect()
+        };
+        assert_eq!(after("-netdev"), ["tap,id=net0,fd=3,vhost=on,vhostfd=4"]);
+        assert_eq!(
+            after("-sandbox"),
+            ["on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
+        );
+        assert_eq!(
+            after("-fsdev"),
+            [
+                "local,id=fs-data,path=/data,security_model=none",
+                "local,id=fs-config,path=/srv/config,security_model=none,readonly=on",
+            ]
+        );
+        let mut s = spec(Accel::Tcg);
+        s.vhost_fd = None;
+        assert!(qemu_args(&s).0.contains(&"tap,id=net0,fd=3".to_owned()));
     }
 
     #[test]

@@ -1,4 +1,5 @@
 //! QEMU: the argv planner and the QMP client.
 
 pub mod argv;
+pub mod privilege;
 pub mod qmp;
