@@ -105,6 +105,8 @@ pub struct Context {
     pub hosting: std::sync::Arc<crate::hosting::Links>,
     /// What the health check knows of the control-plane apiservers, between reconciles.
     pub apiserver_health: std::sync::Arc<crate::apiserver_health::HealthMonitor>,
+    /// Consecutive failures of each object, for the wait before its next reconcile.
+    pub backoff: std::sync::Arc<crate::backoff::ReconcileBackoff>,
 }
 
 impl Context {
@@ -130,6 +132,7 @@ impl Context {
             workloads,
             hosting,
             apiserver_health: Default::default(),
+            backoff: Default::default(),
         }
     }
 }

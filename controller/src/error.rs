@@ -74,6 +74,13 @@ pub enum Error {
     /// The cluster where the objects live cannot be used now (the condition says why).
     #[error("hosting cluster unavailable: {0}")]
     HostingUnavailable(String),
+    /// The reconcile took longer than its deadline (the back-off module's): a cluster it
+    /// talks to answers too slowly.
+    #[error(
+        "the reconcile did not finish within {0:?} (a cluster it talks to answers too slowly); \
+         retrying with back-off"
+    )]
+    Deadline(std::time::Duration),
     /// A KVMCluster with a hosting cluster waits for its KVMMachines to be deleted: each needs
     /// it to find the hosting cluster its machine Pod is in.
     #[error("{0} KVMMachines of the cluster still exist; they are deleted first")]
@@ -95,6 +102,7 @@ impl Error {
             Error::Foreign { .. } => "ForeignObject",
             Error::HostingUnavailable(_) => "HostingClusterUnavailable",
             Error::MachinesRemain(_) => "WaitingForMachines",
+            Error::Deadline(_) => "DeadlineExceeded",
         }
     }
 

@@ -495,7 +495,8 @@ impl Links {
         info!(hosting = %key, "watching the hosting cluster");
         let ns = key.namespace.as_str();
         let owned = watcher::Config::default()
-            .labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"));
+            .labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"))
+            .timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS);
         let (pods, pod_events) = crate::cached(
             Api::<Pod>::namespaced(client.clone(), ns),
             owned.clone(),

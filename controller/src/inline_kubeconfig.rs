@@ -10,11 +10,28 @@
 //!
 //! Nothing here quotes the kubeconfig's content in an error: it holds credentials, and errors end
 //! up in conditions and Events.
+//!
+//! Its author may also be a tenant pointing the controller at a server of their own: a
+//! `proxy-url` (traffic sent through a host of their choosing) and `insecure-skip-tls-verify`
+//! (credentials sent to whoever answers) are refused, and the client gives up on a server that
+//! accepts connections and never answers ([`CONNECT_TIMEOUT`], [`READ_TIMEOUT`]; watches through
+//! it end before the read timeout, [`WATCH_TIMEOUT_SECONDS`]), so one tenant's cluster cannot hold
+//! the controller's work for everyone.
 
 use kube::{
     Client, Config,
     config::{KubeConfigOptions, Kubeconfig},
 };
+
+/// How long connecting to a remote apiserver may take.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long a remote apiserver may stay silent on a connection (a request, or a watch between
+/// events) before the request fails.
+pub const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a watch through a client of this module is held open by the server (the watch's
+/// `timeoutSeconds`): below [`READ_TIMEOUT`], so a quiet watch ends and is renewed instead of
+/// timing out.
+pub const WATCH_TIMEOUT_SECONDS: u32 = 25;
 
 /// The largest kubeconfig accepted (a Secret holds at most 1 MiB; a kubeconfig with a few
 /// certificates is a few KiB).
@@ -95,9 +112,14 @@ impl InlineKubeconfig {
         let shown = |e: &dyn std::fmt::Display| {
             KubeconfigError::Config(crate::redact::untrusted_message(&e.to_string()))
         };
-        let config = Config::from_custom_kubeconfig(self.0, &KubeConfigOptions::default())
+        let mut config = Config::from_custom_kubeconfig(self.0, &KubeConfigOptions::default())
             .await
             .map_err(|e| shown(&e))?;
+        config.connect_timeout = Some(CONNECT_TIMEOUT);
+        config.read_timeout = Some(READ_TIMEOUT);
+        config.write_timeout = Some(READ_TIMEOUT);
+        // A proxy from the controller's own environment is no business of a tenant's cluster.
+        config.proxy_url = None;
         Client::try_from(config).map_err(|e| shown(&e))
     }
 }
@@ -111,6 +133,18 @@ fn check(kc: &Kubeconfig) -> Result<(), KubeconfigError> {
             return refused(
                 format!("clusters[{i}].cluster.certificate-authority"),
                 "reads a file on the controller's machine",
+            );
+        }
+        if c.proxy_url.as_deref().is_some_and(|p| !p.is_empty()) {
+            return refused(
+                format!("clusters[{i}].cluster.proxy-url"),
+                "sends the controller's traffic through a host the kubeconfig chooses",
+            );
+        }
+        if c.insecure_skip_tls_verify == Some(true) {
+            return refused(
+                format!("clusters[{i}].cluster.insecure-skip-tls-verify"),
+                "sends the credentials to whichever server answers",
             );
         }
     }
@@ -210,6 +244,17 @@ mod tests {
             (
                 kubeconfig("    certificate-authority: /etc/ca.pem\n", "    token: t\n"),
                 "clusters[0].cluster.certificate-authority",
+            ),
+            (
+                kubeconfig(
+                    "    certificate-authority-data: Y2E=\n    proxy-url: socks5://10.0.0.1:1080\n",
+                    "    token: t\n",
+                ),
+                "clusters[0].cluster.proxy-url",
+            ),
+            (
+                kubeconfig("    insecure-skip-tls-verify: true\n", "    token: t\n"),
+                "clusters[0].cluster.insecure-skip-tls-verify",
             ),
         ];
         for (text, field) in cases {

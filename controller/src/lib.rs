@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod apiserver_health;
+pub mod backoff;
 pub mod conditions;
 pub mod context;
 pub mod error;

@@ -59,6 +59,10 @@ where
     // A deleting object whose reconcile succeeded has had its finalizer removed: it is gone.
     let gone = obj.meta().deletion_timestamp.is_some() && result.is_ok();
     ctx.metrics.object(kind, obj.meta(), gone);
+    if result.is_ok() {
+        let key = crate::backoff::key(kind, obj.meta().namespace.as_deref(), &obj.name_any());
+        ctx.backoff.succeeded(&key);
+    }
     if let Err(e) = &result {
         ctx.metrics.failed(kind, e.category());
         if e.is_conflict() {
@@ -70,10 +74,39 @@ where
             info!(error = %e, "reconcile waits");
         } else {
             warn!(error = %e, "reconcile failed");
-            publish(ctx, obj, EventType::Warning, e.category(), e.to_string()).await;
+            // Servers' answers are quoted in the error, and a tenant's cluster may be the
+            // server: the Event shows them like other untrusted text.
+            let note = crate::redact::untrusted_message(&e.to_string());
+            publish(ctx, obj, EventType::Warning, e.category(), note).await;
         }
     }
     result
+}
+
+/// Runs `reconcile` within [`crate::backoff::RECONCILE_DEADLINE`]; one that takes longer is
+/// abandoned as [`Error::Deadline`] (and retried with back-off).
+pub async fn within_deadline<T>(
+    reconcile: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let deadline = crate::backoff::RECONCILE_DEADLINE;
+    tokio::time::timeout(deadline, reconcile)
+        .await
+        .unwrap_or(Err(Error::Deadline(deadline)))
+}
+
+/// The wait before the next reconcile of `obj` after `error`: what the step asked for, else
+/// the object's back-off ([`crate::backoff`]).
+pub fn requeue_after<K: Resource>(
+    ctx: &Context,
+    kind: &str,
+    obj: &K,
+    error: &Error,
+) -> kube::runtime::controller::Action {
+    let after = error.retry_after().unwrap_or_else(|| {
+        let key = crate::backoff::key(kind, obj.meta().namespace.as_deref(), &obj.name_any());
+        ctx.backoff.failed(&key)
+    });
+    kube::runtime::controller::Action::requeue(after)
 }
 
 /// A JSON merge patch of `obj` by the controller's field manager; returns the patched object.

@@ -217,16 +217,18 @@ impl Links {
         let state = Arc::new(LinkState::default());
         let stream = reflector::reflector(
             writer,
-            watcher(Api::<Node>::all(wc.clone()), watcher::Config::default()).modify(
-                |n: &mut Node| {
-                    // Only identity, providerID and conditions matter here; images and
-                    // managed fields are most of a Node's size.
-                    n.managed_fields_mut().clear();
-                    if let Some(s) = n.status.as_mut() {
-                        s.images = None;
-                    }
-                },
-            ),
+            watcher(
+                Api::<Node>::all(wc.clone()),
+                watcher::Config::default().timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS),
+            )
+            .modify(|n: &mut Node| {
+                // Only identity, providerID and conditions matter here; images and
+                // managed fields are most of a Node's size.
+                n.managed_fields_mut().clear();
+                if let Some(s) = n.status.as_mut() {
+                    s.images = None;
+                }
+            }),
         )
         .default_backoff();
         let (trigger, machines_of_node) = (self.trigger.clone(), self.machines_of_node.clone());

@@ -108,3 +108,148 @@ async fn readiness_gate_and_provider_id_follow_the_workload_node() -> Result<()>
     assert_eq!(gate(&pod).context("gate")?.1, "NodeNotReady");
     Ok(())
 }
+
+/// A workload apiserver that accepts connections and never answers (a tenant's, say): its
+/// machine's gate says the cluster is unreachable once the client's read timeout passes, and a
+/// machine of another cluster gets its Pod within seconds meanwhile.
+#[tokio::test]
+async fn a_silent_workload_apiserver_is_reported_and_holds_up_no_other_cluster() -> Result<()> {
+    let ns = "workload-silent";
+    let mc = TestEnv::shared().client().await?;
+    create_namespace(&mc, ns).await?;
+    let _stop = start_controller(mc.clone(), ns);
+
+    // The silent server: every connection is accepted and held, nothing is ever written.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            open.push(conn);
+        }
+    });
+
+    control_plane_machine(&mc, ns, "demo-cp-0", "#cloud-config\nruncmd:\n- echo ok\n").await?;
+    // A real CA and credentials (the test apiserver's), so that only the silence fails.
+    let mut kubeconfig = kube::config::Kubeconfig::read_from(TestEnv::shared().kubeconfig())?;
+    for c in &mut kubeconfig.clusters {
+        if let Some(cluster) = c.cluster.as_mut() {
+            cluster.server = Some(format!("https://{addr}"));
+        }
+    }
+    let kubeconfig = serde_yaml_ng::to_string(&kubeconfig)?;
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "demo-kubeconfig", "labels": {"cluster.x-k8s.io/cluster-name": "demo"}},
+        "type": "cluster.x-k8s.io/secret",
+        "stringData": {"value": kubeconfig},
+    }))?;
+    Api::<Secret>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &secret)
+        .await?;
+    let linked = std::time::Instant::now();
+    let pods: Api<Pod> = Api::namespaced(mc.clone(), ns);
+    eventually(
+        30,
+        "the gate connecting to the silent workload cluster",
+        || async {
+            let pod = pods.get("demo-cp-0").await?;
+            Ok((gate(&pod).map(|g| g.1) == Some("WaitingForWorkloadCluster".into())).then_some(()))
+        },
+    )
+    .await?;
+
+    // Another cluster's machine, meanwhile: its Pod within seconds.
+    let started = std::time::Instant::now();
+    other_cluster_machine(&mc, ns, "other", "other-cp-0").await?;
+    eventually(10, "the other cluster's machine Pod", || async {
+        Ok(pods.get_opt("other-cp-0").await?)
+    })
+    .await?;
+    let took = started.elapsed();
+
+    // The silent cluster is reported, bounded by the client's timeouts.
+    eventually(
+        90,
+        "the gate saying the workload cluster is unreachable",
+        || async {
+            let pod = pods.get("demo-cp-0").await?;
+            Ok(
+                (gate(&pod).map(|g| g.1) == Some("WorkloadClusterUnreachable".into()))
+                    .then_some(()),
+            )
+        },
+    )
+    .await?;
+    let reported = linked.elapsed();
+    held.abort();
+    assert!(took < std::time::Duration::from_secs(10), "{took:?}");
+    // The client's connect timeout (5 s, the TLS handshake included) and one reconcile: well
+    // under kube-rs's default of 30 s.
+    assert!(
+        reported < std::time::Duration::from_secs(20),
+        "unreachable reported {reported:?} after the kubeconfig"
+    );
+    Ok(())
+}
+
+/// A provisioned Cluster `cluster` with a control-plane Machine `name`, its bootstrap Secret and
+/// KVMMachine.
+async fn other_cluster_machine(
+    mc: &kube::Client,
+    ns: &str,
+    cluster: &str,
+    name: &str,
+) -> Result<()> {
+    use capk_api::{
+        capi::{Cluster, Machine},
+        v1alpha1::KVMMachine,
+    };
+    use kube::ResourceExt;
+    let clusters: Api<Cluster> = Api::namespaced(mc.clone(), ns);
+    let c: Cluster = serde_json::from_value(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+        "metadata": {"name": cluster},
+        "spec": {"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
+                                       "kind": "KVMCluster", "name": cluster}},
+    }))?;
+    clusters.create(&PostParams::default(), &c).await?;
+    let status = json!({"status": {"initialization": {"infrastructureProvisioned": true}}});
+    clusters
+        .patch_status(cluster, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": format!("{name}-bootstrap"),
+                     "labels": {"cluster.x-k8s.io/cluster-name": cluster}},
+        "type": "cluster.x-k8s.io/secret",
+        "stringData": {"value": "#cloud-config\n", "format": "cloud-config"},
+    }))?;
+    Api::<Secret>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &secret)
+        .await?;
+    let machine: Machine = serde_json::from_value(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+        "metadata": {"name": name, "labels": {
+            "cluster.x-k8s.io/cluster-name": cluster, "cluster.x-k8s.io/control-plane": ""}},
+        "spec": {
+            "clusterName": cluster,
+            "bootstrap": {"dataSecretName": format!("{name}-bootstrap")},
+            "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
+                                  "kind": "KVMMachine", "name": name},
+        },
+    }))?;
+    let machine = Api::<Machine>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &machine)
+        .await?;
+    let km: KVMMachine = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
+        "metadata": {"name": name,
+            "labels": {"cluster.x-k8s.io/cluster-name": cluster},
+            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+                "name": name, "uid": machine.uid().context("uid")?, "controller": true}]},
+        "spec": {"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"}},
+    }))?;
+    Api::<KVMMachine>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &km)
+        .await?;
+    Ok(())
+}

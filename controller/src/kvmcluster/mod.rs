@@ -72,7 +72,7 @@ pub fn kvmcluster_of_pod(pod: &Pod, clusters: &Store<Cluster>) -> Option<ObjectR
 #[instrument(skip_all, fields(kvmcluster = %kc.name_any(), namespace = kc.namespace().unwrap_or_default()))]
 pub async fn reconcile(kc: Arc<KVMCluster>, ctx: Arc<Context>) -> Result<Action> {
     let _timer = ctx.metrics.start("KVMCluster");
-    let result = reconcile_inner(kc.clone(), &ctx).await;
+    let result = report::within_deadline(reconcile_inner(kc.clone(), &ctx)).await;
     report::outcome(&ctx, "KVMCluster", &*kc, result).await
 }
 
@@ -568,7 +568,8 @@ async fn write_status(api: &Api<KVMCluster>, kc: &KVMCluster, state: &ClusterSta
     .await
 }
 
-/// Requeue after a failure; the next watch event may come sooner.
-pub fn error_policy(_kc: Arc<KVMCluster>, _error: &Error, _ctx: Arc<Context>) -> Action {
-    Action::requeue(Duration::from_secs(10))
+/// Requeue after a failure, after the cluster's back-off (which grows while it keeps failing);
+/// the next watch event may come sooner.
+pub fn error_policy(kc: Arc<KVMCluster>, error: &Error, ctx: Arc<Context>) -> Action {
+    report::requeue_after(&ctx, "KVMCluster", &*kc, error)
 }

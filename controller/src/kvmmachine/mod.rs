@@ -72,7 +72,7 @@ pub fn owner_machine_name(km: &KVMMachine) -> Option<String> {
 #[instrument(skip_all, fields(kvmmachine = %km.name_any(), namespace = km.namespace().unwrap_or_default()))]
 pub async fn reconcile(km: Arc<KVMMachine>, ctx: Arc<Context>) -> Result<Action> {
     let _timer = ctx.metrics.start("KVMMachine");
-    let result = reconcile_inner(km.clone(), &ctx).await;
+    let result = report::within_deadline(reconcile_inner(km.clone(), &ctx)).await;
     report::outcome(&ctx, "KVMMachine", &*km, result).await
 }
 
@@ -1069,16 +1069,10 @@ async fn record_etcd_dir(api: &Api<KVMMachine>, km: &KVMMachine, etcd: &EtcdHost
     Ok(())
 }
 
-/// Requeue after a failure; a Pod still terminating is checked again soon, a step that says
-/// when to look again then.
-pub fn error_policy(_km: Arc<KVMMachine>, error: &Error, _ctx: Arc<Context>) -> Action {
-    if let Some(after) = error.retry_after() {
-        return Action::requeue(after);
-    }
-    match error {
-        Error::Finalizer(_) if !error.is_waiting() => Action::requeue(Duration::from_secs(2)),
-        _ => Action::requeue(Duration::from_secs(10)),
-    }
+/// Requeue after a failure: when the step says (a Pod still terminating, an etcd cleanup), else
+/// after the machine's back-off, which grows while it keeps failing.
+pub fn error_policy(km: Arc<KVMMachine>, error: &Error, ctx: Arc<Context>) -> Action {
+    report::requeue_after(&ctx, "KVMMachine", &*km, error)
 }
 
 #[cfg(test)]
