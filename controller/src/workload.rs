@@ -133,6 +133,23 @@ impl Links {
         }
     }
 
+    /// Drops the links (client and Node watch) of the workload clusters `in_use(namespace,
+    /// cluster)` says no machine needs any more.
+    pub fn retain(&self, in_use: impl Fn(&str, &str) -> bool) {
+        let mut links = self.links.lock().expect("links lock");
+        links.retain(|(ns, cluster), _| {
+            let keep = in_use(ns, cluster);
+            if !keep {
+                info!(
+                    namespace = %ns,
+                    cluster = %cluster,
+                    "stopped watching the Nodes of a workload cluster no machine here needs"
+                );
+            }
+            keep
+        });
+    }
+
     /// How many workload clusters are linked (for tests and metrics).
     pub fn len(&self) -> usize {
         self.links.lock().expect("links lock").len()

@@ -253,3 +253,80 @@ async fn other_cluster_machine(
         .await?;
     Ok(())
 }
+
+/// After `clusterctl move` (the source's Machine and KVMMachine deleted without their
+/// finalizers, no reconcile following) the source controller stops watching the workload
+/// cluster's Nodes: no connection with the moved credential is left.
+#[tokio::test]
+async fn a_machine_moved_away_leaves_no_connection_to_its_workload_cluster() -> Result<()> {
+    use capk_api::{capi::Machine, v1alpha1::KVMMachine};
+    let ns = "workload-moved";
+    let mc = TestEnv::shared().client().await?;
+    create_namespace(&mc, ns).await?;
+    let _stop = start_controller(mc.clone(), ns);
+    let dir = tempfile::Builder::new()
+        .prefix("capk-workload-")
+        .tempdir()?
+        .keep();
+    let wc_env = TestEnv::start(EnvOptions {
+        dir,
+        stop_with_current_process: true,
+    })
+    .await?;
+    // The workload apiserver behind a relay that counts the controller's connections.
+    let mut kubeconfig = kube::config::Kubeconfig::read_from(wc_env.kubeconfig())?;
+    let server = kubeconfig.clusters[0]
+        .cluster
+        .as_ref()
+        .and_then(|c| c.server.clone())
+        .context("server")?;
+    let to: std::net::SocketAddr = server
+        .trim_start_matches("https://")
+        .parse()
+        .context("server address")?;
+    let relay = support::Relay::start(to).await?;
+    for c in &mut kubeconfig.clusters {
+        if let Some(cluster) = c.cluster.as_mut() {
+            cluster.server = Some(format!("https://{}", relay.addr));
+        }
+    }
+    control_plane_machine(&mc, ns, "demo-cp-0", "#cloud-config\nruncmd:\n- echo ok\n").await?;
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "demo-kubeconfig", "labels": {"cluster.x-k8s.io/cluster-name": "demo"}},
+        "type": "cluster.x-k8s.io/secret",
+        "stringData": {"value": serde_yaml_ng::to_string(&kubeconfig)?},
+    }))?;
+    Api::<Secret>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &secret)
+        .await?;
+    let pods: Api<Pod> = Api::namespaced(mc.clone(), ns);
+    eventually(30, "the gate waiting for the Node", || async {
+        let pod = pods.get("demo-cp-0").await?;
+        Ok((gate(&pod).map(|g| g.1) == Some("WaitingForNode".into())).then_some(()))
+    })
+    .await?;
+    assert!(
+        relay.connections() > 0,
+        "the Node watch goes through the relay"
+    );
+
+    // What clusterctl move does to the source's objects.
+    let strip = json!({"metadata": {"finalizers": null}});
+    let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
+    let machines: Api<Machine> = Api::namespaced(mc.clone(), ns);
+    kms.patch("demo-cp-0", &PatchParams::default(), &Patch::Merge(&strip))
+        .await?;
+    machines
+        .patch("demo-cp-0", &PatchParams::default(), &Patch::Merge(&strip))
+        .await?;
+    kms.delete("demo-cp-0", &Default::default()).await?;
+    machines.delete("demo-cp-0", &Default::default()).await?;
+    Api::<Secret>::namespaced(mc.clone(), ns)
+        .delete("demo-kubeconfig", &Default::default())
+        .await?;
+    eventually(60, "no connection left to the workload cluster", || async {
+        Ok((relay.connections() == 0).then_some(()))
+    })
+    .await?;
+    Ok(())
+}

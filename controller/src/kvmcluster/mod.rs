@@ -210,10 +210,11 @@ async fn apply(
 pub const HOSTING_LINK_PRUNE_PERIOD: Duration = Duration::from_secs(10);
 
 /// Drops, every [`HOSTING_LINK_PRUNE_PERIOD`] until `stopped`, the links (client and watches) of
-/// hosting clusters that no KVMCluster names any more. A KVMCluster can go without a reconcile
-/// that would drop its link: `clusterctl move` pauses it, removes its finalizer and deletes it,
-/// and the controller of the source cluster would otherwise keep watching the hosting namespace
-/// with the moved credential for as long as it runs.
+/// hosting clusters that no KVMCluster names any more, and of workload clusters no KVMMachine
+/// belongs to any more. A KVMCluster or KVMMachine can go without a reconcile that would drop
+/// its link: `clusterctl move` pauses it, removes its finalizer and deletes it, and the
+/// controller of the source cluster would otherwise keep watching the hosting namespace and the
+/// workload cluster's Nodes with the moved credentials for as long as it runs.
 pub async fn prune_hosting_links(
     ctx: Arc<Context>,
     stopped: impl std::future::Future<Output = ()>,
@@ -223,6 +224,18 @@ pub async fn prune_hosting_links(
         loop {
             tokio::time::sleep(HOSTING_LINK_PRUNE_PERIOD).await;
             retain_hosting_links(&ctx, None);
+            let (kvm_machines, machines) =
+                (ctx.caches.kvm_machines.state(), ctx.caches.machines.state());
+            ctx.workloads.retain(|ns, cluster| {
+                let labelled = kvm_machines.iter().any(|km| {
+                    km.namespace().as_deref() == Some(ns)
+                        && km.labels().get(CLUSTER_NAME_LABEL).map(String::as_str) == Some(cluster)
+                });
+                labelled
+                    || machines.iter().any(|m| {
+                        m.namespace().as_deref() == Some(ns) && m.spec.cluster_name == cluster
+                    })
+            });
         }
     };
     tokio::select! {
