@@ -163,20 +163,11 @@ pub fn plan(r: &DiskRequest, s: &DiskState) -> Result<DiskPlan, DiskError> {
         .image_size
         .ok_or_else(|| DiskError::Image(r.image.clone(), "not found".into()))?;
     // What a tenant's image names is never opened: QEMU would serve it to the guest.
-    if let Some(name) = &s.image_backing_file {
-        return Err(NotSelfContained::BackingFile {
-            path: r.image.clone(),
-            name: name.clone(),
-        }
-        .into());
-    }
-    if let Some(name) = &s.image_data_file {
-        return Err(NotSelfContained::DataFile {
-            path: r.image.clone(),
-            name: name.clone(),
-        }
-        .into());
-    }
+    qcow2::self_contained(
+        &r.image,
+        s.image_backing_file.as_deref(),
+        s.image_data_file.as_deref(),
+    )?;
     if r.root_size < image_size {
         return Err(DiskError::RootTooSmall {
             requested: r.root_size,
@@ -327,6 +318,23 @@ pub fn observe(r: &DiskRequest) -> Result<DiskState, DiskError> {
         kubelet_size: file_size(&r.state_dir.join("kubelet.img")),
         etcd_size: r.etcd.as_ref().and_then(|(p, _)| file_size(p)),
     })
+}
+
+/// Opens a base image read-only for QEMU (which gets the descriptor) and checks again, on the
+/// open file, that a qcow2 names no other file: what QEMU reads is what was checked, even if the
+/// path was replaced after planning.
+pub fn open_base(b: &BaseImage) -> Result<std::fs::File, DiskError> {
+    let f = std::fs::File::open(&b.path).map_err(|source| DiskError::Io {
+        action: "open",
+        path: b.path.clone(),
+        source,
+    })?;
+    if b.format == DiskFormat::Qcow2 {
+        let h =
+            qcow2::read_from(&f).map_err(|e| DiskError::Image(b.path.clone(), e.to_string()))?;
+        qcow2::self_contained(&b.path, h.backing_file.as_deref(), h.data_file.as_deref())?;
+    }
+    Ok(f)
 }
 
 /// Carries out the plan's actions.
@@ -691,6 +699,52 @@ mod tests {
         );
         assert!(plan(&r, &observe(&r).unwrap()).is_ok());
         assert!(!dir.path().join("state").exists(), "nothing was created");
+    }
+
+    /// The image QEMU gets is checked again on the descriptor it gets: a clean image replaced
+    /// after planning by one naming a host file is refused when opened for QEMU.
+    #[test]
+    fn an_image_replaced_after_planning_is_refused_when_opened_for_qemu() {
+        let Some(qemu_img_bin) =
+            crate::testsupport::require_tool("qemu-img", "apt-get install qemu-utils")
+        else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let d = |name: &str| dir.path().join(name).display().to_string();
+        std::fs::write(d("shadow"), "secret\n").unwrap();
+        qemu_img(
+            &qemu_img_bin,
+            &["create", "-q", "-f", "qcow2", &d("node.qcow2"), "64M"],
+        )
+        .unwrap();
+        let r = root_only(
+            dir.path(),
+            &dir.path().join("node.qcow2"),
+            DiskFormat::Qcow2,
+        );
+        let p = plan(&r, &observe(&r).unwrap()).unwrap();
+        let base = p.attachments[0].base.clone().unwrap();
+        assert!(open_base(&base).is_ok());
+        let evil = [
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            "-b",
+            &d("shadow"),
+            &d("evil.qcow2"),
+            "64M",
+        ];
+        qemu_img(&qemu_img_bin, &evil).unwrap();
+        std::fs::rename(d("evil.qcow2"), d("node.qcow2")).unwrap();
+        let e = open_base(&base).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("names a backing file ({})", d("shadow"))),
+            "{e}"
+        );
     }
 
     /// A raw image's bytes are the guest's, never a header: a "raw" file that holds a qcow2

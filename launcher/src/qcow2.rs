@@ -12,7 +12,6 @@
 //! 0x44415441 names the external data file. No maintained crate reads just this: the crates
 //! that read qcow2 are disk readers, unmaintained or forensic tools.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// The first bytes of every qcow2 file (version 2 and 3).
@@ -138,12 +137,23 @@ pub fn parse(first_cluster: &[u8]) -> Result<Header, HeaderError> {
 
 /// Reads the header of the qcow2 file at `path`: the first cluster at most (QEMU's largest).
 pub fn read(path: &Path) -> Result<Header, HeaderError> {
-    let f = std::fs::File::open(path).map_err(HeaderError::Read)?;
-    let mut first = Vec::new();
-    f.take(MAX_CLUSTER_BYTES)
-        .read_to_end(&mut first)
-        .map_err(HeaderError::Read)?;
-    parse(&first)
+    read_from(&std::fs::File::open(path).map_err(HeaderError::Read)?)
+}
+
+/// Reads the header of an open qcow2 file (from its start, whatever its offset).
+pub fn read_from(f: &std::fs::File) -> Result<Header, HeaderError> {
+    use std::os::unix::fs::FileExt;
+    let mut first = vec![0u8; MAX_CLUSTER_BYTES as usize];
+    let mut len = 0;
+    while len < first.len() {
+        match f.read_at(&mut first[len..], len as u64) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(HeaderError::Read(e)),
+        }
+    }
+    parse(&first[..len])
 }
 
 /// A node image that names another file to open.
@@ -171,6 +181,27 @@ pub enum NotSelfContained {
         /// The name in its header (empty when the feature bit is set without a name).
         name: String,
     },
+}
+
+/// Refuses an image whose header names a backing file or an external data file.
+pub fn self_contained(
+    path: &Path,
+    backing_file: Option<&str>,
+    data_file: Option<&str>,
+) -> Result<(), NotSelfContained> {
+    if let Some(name) = backing_file {
+        return Err(NotSelfContained::BackingFile {
+            path: path.to_path_buf(),
+            name: name.into(),
+        });
+    }
+    if let Some(name) = data_file {
+        return Err(NotSelfContained::DataFile {
+            path: path.to_path_buf(),
+            name: name.into(),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

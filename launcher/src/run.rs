@@ -638,10 +638,23 @@ async fn start_vm(
                 .ok()
         })
         .flatten();
-    let inherited: Vec<i32> = [Some(&tap_file), vhost_file.as_ref()]
+    // The node image too: QEMU's user need not be able to open it, and QEMU reads the very
+    // file whose header was checked (again, on the open file).
+    let image_file = disk_plan
+        .attachments
+        .iter()
+        .find_map(|d| d.base.as_ref())
+        .map(disk::open_base)
+        .transpose()?;
+    let fd = |f: Option<&std::fs::File>| f.map(std::os::fd::AsRawFd::as_raw_fd);
+    let (tap_fd, vhost_fd, image_fd) = (
+        std::os::fd::AsRawFd::as_raw_fd(&tap_file),
+        fd(vhost_file.as_ref()),
+        fd(image_file.as_ref()),
+    );
+    let inherited: Vec<i32> = [Some(tap_fd), vhost_fd, image_fd]
         .into_iter()
         .flatten()
-        .map(std::os::fd::AsRawFd::as_raw_fd)
         .collect();
     let spec = VmSpec {
         name: hostname.into(),
@@ -649,8 +662,9 @@ async fn start_vm(
         tcg_tb_size_mib: a.tcg_translation_cache_mib,
         vcpus: a.vcpus,
         memory_mib: v.memory_mib,
-        tap_fd: inherited[0],
-        vhost_fd: inherited.get(1).copied(),
+        tap_fd,
+        vhost_fd,
+        image_fd,
         mac: net_plan.vm_mac,
         mtu: net_plan.mtu,
         disks: disk_plan.attachments,
@@ -684,7 +698,7 @@ async fn start_vm(
         dhcp_task.abort();
         RunError::SpawnQemu(a.qemu.clone(), e)
     })?;
-    drop((tap_file, vhost_file));
+    drop((tap_file, vhost_file, image_file));
     let pid = child.id();
     // The reaper owns waiting from here on; dropping Child neither waits nor kills.
     drop(child);

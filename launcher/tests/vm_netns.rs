@@ -275,9 +275,15 @@ impl Launcher {
         Self::spawn(t, work, &boot, accel, pid1)
     }
 
-    /// Boots the bootable disk as the node image: firmware → MBR → SYSLINUX → kernel.
+    /// Boots the bootable disk as the node image: firmware → MBR → SYSLINUX → kernel. The image
+    /// is a copy only root can read (mode 0600): QEMU, unprivileged, reads it through the
+    /// descriptor the launcher hands it.
     fn start_from_disk(t: &Topology, work: &Path) -> Launcher {
-        let image = guest_dir().join("boot.qcow2").display().to_string();
+        use std::os::unix::fs::PermissionsExt;
+        let image = work.join("boot.qcow2");
+        std::fs::copy(guest_dir().join("boot.qcow2"), &image).unwrap();
+        std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let image = image.display().to_string();
         Self::spawn(t, work, &["--image".to_string(), image], "auto", false)
     }
 
@@ -1745,8 +1751,8 @@ fn qemu_child_waits_for_the_exec() {
 /// The launcher's own QEMU command line, runnable without the launcher: every path under the
 /// launcher's work directory moves to `bare` (its disks, Ignition, sockets and console log are
 /// copied there before each run), and the tap netdev (the launcher's bridge, DHCP server and
-/// Pod namespace) becomes a user-mode one whose built-in DHCP server answers the guest.
-/// Returns the argv and a description of every argument that changed.
+/// Pod namespace) becomes a user-mode one whose built-in DHCP server answers the guest; the
+/// node image handed over as a descriptor is opened by its path. Returns the argv and a description of every argument that changed.
 fn bare_argv_from(
     launcher_argv: &[String],
     work: &Path,
@@ -1756,8 +1762,23 @@ fn bare_argv_from(
     let mut out = Vec::new();
     let mut changed = Vec::new();
     let mut prev = "";
+    // The launcher hands QEMU the node image as a descriptor (`-add-fd`, `/dev/fdset/N`): the
+    // bare QEMU opens the image by its path instead.
+    let image = guest_dir().join("base.qcow2").display().to_string();
+    let mut fdset = None;
     for a in launcher_argv {
+        if a == "-add-fd" || prev == "-add-fd" {
+            if prev == "-add-fd" {
+                fdset = a.split(',').find_map(|kv| kv.strip_prefix("set="));
+                changed.push(format!("-add-fd {a} -> (none)"));
+            }
+            prev = a;
+            continue;
+        }
         let mut b = a.replace(&work, &bare);
+        if let Some(set) = fdset {
+            b = b.replace(&format!("/dev/fdset/{set}"), &image);
+        }
         if prev == "-netdev" && a.starts_with("tap,") {
             let id = a
                 .split(',')

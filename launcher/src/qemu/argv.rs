@@ -90,12 +90,19 @@ pub struct BaseImage {
 /// `backing: null` (it reads `null` as a node name). Read-only, and a qcow2 base gets no backing
 /// of its own whatever its header says (the planner refuses such images before; this holds even
 /// if the file changes after the check).
-fn base_blockdev(node: &str, b: &BaseImage) -> String {
+/// With `fd`, QEMU opens the descriptor the launcher opened (`/dev/fdset/<fd>`, added with
+/// `-add-fd`): the file whose header the launcher checked, which QEMU's user need not be able to
+/// open.
+fn base_blockdev(node: &str, b: &BaseImage, fd: Option<i32>) -> String {
+    let filename = match fd {
+        Some(fd) => PathBuf::from(format!("/dev/fdset/{fd}")),
+        None => b.path.clone(),
+    };
     let mut v = serde_json::json!({
         "driver": b.format.as_str(),
         "node-name": node,
         "read-only": true,
-        "file": { "driver": "file", "filename": b.path },
+        "file": { "driver": "file", "filename": filename },
     });
     if b.format == DiskFormat::Qcow2 {
         v["backing"] = serde_json::Value::Null;
@@ -143,6 +150,8 @@ pub struct VmSpec {
     pub tap_fd: i32,
     /// Descriptor of `/dev/vhost-net`, opened by the launcher, for vhost under KVM.
     pub vhost_fd: Option<i32>,
+    /// Descriptor of the node image (the root disk's base), opened read-only by the launcher.
+    pub image_fd: Option<i32>,
     /// NIC MAC: the Pod's original MAC.
     pub mac: MacAddr,
     /// MTU announced to virtio-net.
@@ -262,7 +271,10 @@ pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
         let backing = match &d.base {
             Some(b) => {
                 let base = format!("base-{}", d.serial);
-                push(&mut a, "-blockdev", base_blockdev(&base, b));
+                if let Some(fd) = spec.image_fd {
+                    push(&mut a, "-add-fd", format!("fd={fd},set={fd}"));
+                }
+                push(&mut a, "-blockdev", base_blockdev(&base, b, spec.image_fd));
                 format!(",backing={base}")
             }
             None => String::new(),
@@ -362,6 +374,7 @@ mod tests {
             memory_mib: 8192,
             tap_fd: 3,
             vhost_fd: Some(4),
+            image_fd: Some(5),
             mac: "9a:1c:3e:aa:bb:cc".parse().unwrap(),
             mtu: 1440,
             disks: vec![
