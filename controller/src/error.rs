@@ -95,7 +95,12 @@ impl Error {
             Error::Apply { .. } => "ApplyFailed",
             Error::Delete { .. } => "DeleteFailed",
             Error::UpdateStatus(_) => "StatusUpdateFailed",
-            Error::Finalizer(_) => "FinalizerFailed",
+            // A step that failed inside the finalizer's apply or cleanup is that step's failure.
+            Error::Finalizer(f) => match f.as_ref() {
+                kube::runtime::finalizer::Error::ApplyFailed(e)
+                | kube::runtime::finalizer::Error::CleanupFailed(e) => e.category(),
+                _ => "FinalizerFailed",
+            },
             Error::PodStillTerminating(_) => "WaitingForPodDeletion",
             Error::EtcdCleanupPending { .. } => "WaitingForEtcdCleanup",
             Error::MissingNamespace => "InvalidObject",

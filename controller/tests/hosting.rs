@@ -856,3 +856,61 @@ async fn hosting_references_are_checked_and_unusable_kubeconfigs_reported() -> R
     );
     Ok(())
 }
+
+/// A Secret in the hosting namespace that happens to have the Ignition Secret's name but is not
+/// this machine's (another tenant's, anyone's) is never overwritten, nor deleted with the
+/// machine: the machine reports it and waits.
+#[tokio::test]
+async fn an_unrelated_secret_with_the_ignition_secrets_name_is_left_alone() -> Result<()> {
+    let (ns, hosted_ns) = ("hosting-foreign-secret", "foreign-secret");
+    let hosting = hosting_as_admin(hosted_ns).await?;
+    let hosted_secrets: Api<Secret> = Api::namespaced(hosting.admin.clone(), hosted_ns);
+    let unrelated: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "demo-cp-0-ignition"},
+        "stringData": {"value": "someone else's"},
+    }))?;
+    hosted_secrets
+        .create(&PostParams::default(), &unrelated)
+        .await?;
+    let (mc, _stop, _kc) = controller_and_hosted_cluster(ns, &hosting, hosted_ns).await?;
+    control_plane_machine(&mc, ns, "demo-cp-0", BOOTSTRAP).await?;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(mc.clone(), ns);
+    let ev = eventually(60, "a ForeignObject Warning", || async {
+        let list = events.list(&ListParams::default()).await?;
+        Ok(list.items.into_iter().find(|e| {
+            e.reason.as_deref() == Some("ForeignObject")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("demo-cp-0")
+        }))
+    })
+    .await?;
+    assert!(
+        ev.note.unwrap_or_default().contains("demo-cp-0-ignition"),
+        "the Event names the Secret"
+    );
+    let value = |s: &Secret| {
+        s.data
+            .as_ref()
+            .and_then(|d| d.get("value"))
+            .map(|v| v.0.clone())
+    };
+    let kept = hosted_secrets.get("demo-cp-0-ignition").await?;
+    assert_eq!(value(&kept), Some(b"someone else's".to_vec()));
+    assert!(
+        Api::<Pod>::namespaced(hosting.admin.clone(), hosted_ns)
+            .get_opt("demo-cp-0")
+            .await?
+            .is_none(),
+        "a machine Pod started on someone else's Secret"
+    );
+
+    // Deleting the machine leaves it too.
+    let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
+    kms.delete("demo-cp-0", &DeleteParams::default()).await?;
+    eventually(60, "the KVMMachine gone", || async {
+        Ok(kms.get_opt("demo-cp-0").await?.is_none().then_some(()))
+    })
+    .await?;
+    let kept = hosted_secrets.get("demo-cp-0-ignition").await?;
+    assert_eq!(value(&kept), Some(b"someone else's".to_vec()));
+    Ok(())
+}

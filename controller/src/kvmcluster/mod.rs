@@ -366,9 +366,13 @@ async fn sync_endpoints(
         .pods()
         .into_iter()
         .filter(|p| {
-            p.labels()
-                .get(OWNER_NAMESPACE_LABEL)
-                .is_none_or(|o| o == ns)
+            let owner_ns = p.labels().get(OWNER_NAMESPACE_LABEL);
+            // Pods made before the label existed are only ever in the management cluster.
+            if target.home.management {
+                owner_ns.is_none_or(|o| o == ns)
+            } else {
+                owner_ns.is_some_and(|o| o == ns)
+            }
         })
         .collect();
     let members = endpoints::control_plane_members(

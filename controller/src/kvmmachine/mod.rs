@@ -423,13 +423,24 @@ async fn apply(
         // ever made twice, nobody else's object taken over.
         let owner = Owner::machine(km);
         let secrets: Api<Secret> = there.api();
-        if let Some(meta) = there.secret(&names::ignition_secret_name(km)) {
+        let secret_name = names::ignition_secret_name(km);
+        let existing = match there.secret(&secret_name) {
+            Some(meta) => Some(meta.metadata.clone()),
+            // A hosting cluster's cache holds only Secrets labelled as ours: before an apply
+            // (which would overwrite whatever has the name), ask whether another one exists.
+            None if ignition.is_some() && !there.home.management => secrets
+                .get_metadata_opt(&secret_name)
+                .await
+                .map_err(read_err("Secret", &secret_name))?
+                .map(|m| m.metadata),
+            None => None,
+        };
+        if let Some(meta) = existing {
             // A new rendering's apply (below) sets labels and owner references itself; only a
             // foreign Secret must stop it.
-            let foreign =
-                crate::ownership::claim(&meta.metadata, &owner, &there.home) == Claim::Foreign;
+            let foreign = crate::ownership::claim(&meta, &owner, &there.home) == Claim::Foreign;
             if ignition.is_none() || foreign {
-                adopt(&secrets, "Secret", &meta.metadata, &owner, there).await?;
+                adopt(&secrets, "Secret", &meta, &owner, there).await?;
             }
         }
         if let Some(secret) = ignition {
