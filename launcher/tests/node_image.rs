@@ -35,6 +35,8 @@ const INIT_KIND: &str = "kind: InitConfiguration\n";
 const TCG_TIMEOUTS: &str = "timeouts:\n  controlPlaneComponentHealthCheck: 10m0s\n  \
     kubeletHealthCheck: 10m0s\n  kubernetesAPICall: 3m0s\n  etcdAPICall: 6m0s\n  \
     tlsBootstrap: 10m0s\n  discovery: 10m0s\n";
+/// QEMU's user (the launcher's default, KubeVirt's qemu user).
+const QEMU_ID: u32 = 107;
 /// What the guest's report unit writes into the host volume's file and reads back.
 const HOST_VOLUME_TEXT: &str = "written on the host for the guest";
 
@@ -169,6 +171,12 @@ disk() { lsblk -dno SERIAL,FSTYPE "$(findmnt -no SOURCE "$1")" | tr -s ' ' ,; }
 r "containerd-disk=$(disk /var/lib/containerd)"
 r "etcd-disk=$(disk /var/lib/etcd)"
 r "host-volume=$(findmnt -no FSTYPE /data/shared),$(cat /data/shared/hello 2>&1)"
+echo "$HOSTNAME" >/data/shared/from-guest
+# The read-only share: mounted ro, readable; remounted rw it is still refused by QEMU (9p
+# readonly=on), not only by the guest's mount.
+r "host-volume-ro=$(findmnt -no FSTYPE /data/ro),$(findmnt -no OPTIONS /data/ro | tr , '\n' | grep -cx ro),$(cat /data/ro/hello 2>&1)"
+mount -o remount,rw /data/ro 2>/dev/null
+r "host-volume-ro-write=$( (echo x >/data/ro/from-guest) 2>/dev/null && echo written || echo refused)"
 for i in $(ctr -n k8s.io images ls -q | grep -v '^sha256:' | sort); do r "image $i"; done
 r "pulls=$(journalctl -b -u containerd.service -o cat | grep -c 'PullImage')"
 kc() { kubectl --kubeconfig /etc/kubernetes/admin.conf --request-timeout 60s "$@"; }
@@ -296,6 +304,12 @@ impl Launcher {
         let shared = work.join("shared");
         std::fs::create_dir_all(&shared).unwrap();
         std::fs::write(shared.join("hello"), HOST_VOLUME_TEXT).unwrap();
+        // QEMU runs as 107:107 and 9p uses its rights: the read-write share is its own, the
+        // read-only one only readable.
+        std::os::unix::fs::chown(&shared, Some(QEMU_ID), Some(QEMU_ID)).unwrap();
+        let ro = work.join("ro");
+        std::fs::create_dir_all(&ro).unwrap();
+        std::fs::write(ro.join("hello"), HOST_VOLUME_TEXT).unwrap();
         let ignition = work.join("ignition.json");
         std::fs::write(&ignition, machine_ignition()).unwrap();
         let runtime_dir = work.join("run");
@@ -323,6 +337,7 @@ impl Launcher {
             .args(["--resolv-conf", &resolv.display().to_string()])
             .args(["--ignition", &ignition.display().to_string()])
             .args(["--host-volume", &format!("shared={}", shared.display())])
+            .args(["--host-volume-readonly", &format!("ro={}", ro.display())])
             .args(["--hostname", HOSTNAME, "--grace-period-seconds", "60"])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -525,6 +540,9 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
         .prefix("capk-ni")
         .tempdir_in("/tmp")
         .unwrap();
+    // Like a Pod's volumes, reachable by QEMU's unprivileged user (tempdirs are 0700).
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(work.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut l = Launcher::start(&t, work.path());
 
     // Firmware → SYSLINUX → kernel → Ignition in the initramfs → the real root's systemd.
@@ -599,6 +617,17 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
     );
     assert_eq!(l.fact("etcd-disk="), "etcdfs,ext4");
     assert_eq!(l.fact("host-volume="), format!("9p,{HOST_VOLUME_TEXT}"));
+    // The guest wrote to the read-write share as QEMU's user; the read-only one was read and
+    // mounted read-only, and a write was refused even after a read-write remount.
+    let written = std::fs::metadata(work.path().join("shared/from-guest")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!((written.uid(), written.gid()), (QEMU_ID, QEMU_ID));
+    assert_eq!(
+        l.fact("host-volume-ro="),
+        format!("9p,1,{HOST_VOLUME_TEXT}")
+    );
+    assert_eq!(l.fact("host-volume-ro-write="), "refused");
+    assert!(!work.path().join("ro/from-guest").exists());
 
     // The launcher sees the bootstrap through the heartbeat and the apiserver through the Pod IP.
     let deadline = Instant::now() + Duration::from_secs(120);
