@@ -92,6 +92,16 @@ where
     (store, stream)
 }
 
+/// Every Secret's metadata is watched (bootstrap data, kubeconfigs, hosting kubeconfigs are
+/// found by name), but of its annotations only the one the controller reads is kept: anyone
+/// may annotate a Secret with up to 256 KiB, and thousands of them would otherwise be the
+/// controller's memory.
+pub(crate) fn strip_secret(s: &mut PartialObjectMeta<Secret>) {
+    if let Some(annotations) = s.metadata.annotations.as_mut() {
+        annotations.retain(|k, _| k == capk_api::constants::RENDERED_FROM_ANNOTATION);
+    }
+}
+
 /// Of a machine Pod only its status, node, hostPath etcd volume (where its etcd data stays
 /// behind) and whether its containers have a startup probe are read; the spec is most of its
 /// size.
@@ -226,7 +236,7 @@ pub async fn run_with_metrics(
     let (secrets, secret_events) = cached(
         api::<PartialObjectMeta<Secret>>(&client, ns),
         Default::default(),
-        |_| {},
+        strip_secret,
     );
     let (claims, claim_events) = cached(
         api::<PartialObjectMeta<PersistentVolumeClaim>>(&client, ns),
@@ -517,4 +527,27 @@ fn hosting_users(
         })
         .map(|kc| ObjectRef::from(&*kc))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cached_secret_keeps_only_the_annotation_the_controller_reads() {
+        let mut s: PartialObjectMeta<Secret> = serde_json::from_value(serde_json::json!({
+            "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+            "metadata": {"name": "m-ignition", "labels": {"a": "b"}, "annotations": {
+                "example.com/blob": "x".repeat(64 << 10),
+                capk_api::constants::RENDERED_FROM_ANNOTATION: "m-bootstrap@7"}},
+        }))
+        .unwrap();
+        strip_secret(&mut s);
+        let annotations = s.metadata.annotations.unwrap();
+        assert_eq!(
+            annotations.keys().collect::<Vec<_>>(),
+            [capk_api::constants::RENDERED_FROM_ANNOTATION]
+        );
+        assert_eq!(s.metadata.labels.unwrap()["a"], "b");
+    }
 }

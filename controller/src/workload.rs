@@ -238,14 +238,7 @@ impl Links {
                 Api::<Node>::all(wc.clone()),
                 watcher::Config::default().timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS),
             )
-            .modify(|n: &mut Node| {
-                // Only identity, providerID and conditions matter here; images and
-                // managed fields are most of a Node's size.
-                n.managed_fields_mut().clear();
-                if let Some(s) = n.status.as_mut() {
-                    s.images = None;
-                }
-            }),
+            .modify(strip_node),
         )
         .default_backoff();
         let (trigger, machines_of_node) = (self.trigger.clone(), self.machines_of_node.clone());
@@ -304,6 +297,35 @@ impl Links {
             task: task.abort_handle(),
         }
     }
+}
+
+/// Of a workload Node only what the gate reads is kept: its identity, providerID and `Ready`
+/// condition. Images, labels, annotations and managed fields are most of a Node's size, and the
+/// workload cluster's users write them.
+fn strip_node(n: &mut Node) {
+    use k8s_openapi::api::core::v1::{NodeSpec, NodeStatus};
+    let meta = &mut n.metadata;
+    meta.managed_fields = None;
+    meta.labels = None;
+    meta.annotations = None;
+    meta.owner_references = None;
+    meta.finalizers = None;
+    n.spec = Some(NodeSpec {
+        provider_id: n.spec.take().and_then(|s| s.provider_id),
+        ..Default::default()
+    });
+    let ready = n
+        .status
+        .take()
+        .and_then(|s| s.conditions)
+        .into_iter()
+        .flatten()
+        .filter(|c| c.type_ == "Ready")
+        .collect::<Vec<_>>();
+    n.status = Some(NodeStatus {
+        conditions: (!ready.is_empty()).then_some(ready),
+        ..Default::default()
+    });
 }
 
 fn node_ready(n: &Node) -> bool {
@@ -441,4 +463,33 @@ pub async fn set_gate(pods: &Api<Pod>, pod: &Pod, gate: &Gate) -> Result<(), kub
     )
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cached_node_keeps_only_what_the_gate_reads() {
+        let mut n: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n1", "uid": "u", "resourceVersion": "7",
+                         "labels": {"a": "b"}, "annotations": {"big": "x".repeat(4096)}},
+            "spec": {"providerID": "kvm://ns/n1", "podCIDR": "10.0.0.0/24"},
+            "status": {"conditions": [
+                {"type": "MemoryPressure", "status": "False"},
+                {"type": "Ready", "status": "True", "message": "kubelet is posting ready status"}],
+                "images": [{"names": ["x"], "sizeBytes": 1}]},
+        }))
+        .unwrap();
+        strip_node(&mut n);
+        assert_eq!(
+            serde_json::to_value(&n).unwrap(),
+            json!({"apiVersion": "v1", "kind": "Node",
+                   "metadata": {"name": "n1", "uid": "u", "resourceVersion": "7"},
+                   "spec": {"providerID": "kvm://ns/n1"},
+                   "status": {"conditions": [{"type": "Ready", "status": "True",
+                       "message": "kubelet is posting ready status"}]}})
+        );
+        assert!(node_ready(&n) && has_provider_id(&n));
+    }
 }
