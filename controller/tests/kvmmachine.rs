@@ -390,6 +390,22 @@ async fn a_restarted_controller_makes_no_duplicate_pods() -> Result<()> {
     Ok(())
 }
 
+/// Waits for the Warning Event `SpecInvalid` about KVMMachine `name` whose note has `field`.
+async fn spec_invalid_event(client: &Client, ns: &str, name: &str, field: &str) -> Result<()> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    eventually(30, "a SpecInvalid Warning Event", || async {
+        let list = events.list(&ListParams::default()).await?;
+        Ok(list.items.into_iter().find(|e| {
+            e.reason.as_deref() == Some("SpecInvalid")
+                && e.type_.as_deref() == Some("Warning")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                && e.note.as_deref().is_some_and(|n| n.contains(field))
+        }))
+    })
+    .await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_spec_that_cannot_run_is_reported_and_nothing_is_applied() -> Result<()> {
     let ns = "kvmmachine-bad-spec";
@@ -403,19 +419,7 @@ async fn a_spec_that_cannot_run_is_reported_and_nothing_is_applied() -> Result<(
     let (status, message) = ready_with_reason(&kms, "demo-cp-5", "SpecInvalid").await?;
     assert_eq!(status, "False");
     assert!(message.contains("spec.etcdStorage.size"), "{message}");
-    let events: Api<Event> = Api::namespaced(client.clone(), ns);
-    eventually(30, "a Warning Event", || async {
-        let list = events.list(&ListParams::default()).await?;
-        Ok(list.items.into_iter().find(|e| {
-            e.reason.as_deref() == Some("SpecInvalid")
-                && e.type_.as_deref() == Some("Warning")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("demo-cp-5")
-                && e.note
-                    .as_deref()
-                    .is_some_and(|n| n.contains("spec.etcdStorage.size"))
-        }))
-    })
-    .await?;
+    spec_invalid_event(&client, ns, "demo-cp-5", "spec.etcdStorage.size").await?;
     // Validated before anything is applied: no Ignition Secret, no etcd PVC, no Pod.
     assert!(
         Api::<Pod>::namespaced(client.clone(), ns)
@@ -479,16 +483,7 @@ async fn host_paths_and_placement_past_the_tenant_are_refused() -> Result<()> {
     ] {
         assert!(message.contains(expected), "{expected:?} not in {message}");
     }
-    let events: Api<Event> = Api::namespaced(client.clone(), ns);
-    eventually(30, "a Warning Event", || async {
-        let list = events.list(&ListParams::default()).await?;
-        Ok(list.items.into_iter().find(|e| {
-            e.reason.as_deref() == Some("SpecInvalid")
-                && e.type_.as_deref() == Some("Warning")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("demo-cp-7")
-        }))
-    })
-    .await?;
+    spec_invalid_event(&client, ns, "demo-cp-7", "spec.hostVolumes[0].hostPath").await?;
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     assert!(
         Api::<Pod>::namespaced(client.clone(), ns)

@@ -41,6 +41,19 @@ async fn set_node_ready(nodes: &Api<Node>, name: &str, ready: bool) -> Result<()
     Ok(())
 }
 
+/// The workload cluster: a second etcd + kube-apiserver, gone when this test binary exits.
+async fn workload_env() -> Result<TestEnv> {
+    let dir = tempfile::Builder::new()
+        .prefix("capk-workload-")
+        .tempdir()?
+        .keep();
+    TestEnv::start(EnvOptions {
+        dir,
+        stop_with_current_process: true,
+    })
+    .await
+}
+
 #[tokio::test]
 async fn readiness_gate_and_provider_id_follow_the_workload_node() -> Result<()> {
     let ns = "workload-link";
@@ -48,16 +61,7 @@ async fn readiness_gate_and_provider_id_follow_the_workload_node() -> Result<()>
     create_namespace(&mc, ns).await?;
     let _stop = start_controller(mc.clone(), ns);
 
-    // The workload cluster: a second etcd + kube-apiserver, gone when this test binary exits.
-    let dir = tempfile::Builder::new()
-        .prefix("capk-workload-")
-        .tempdir()?
-        .keep();
-    let wc_env = TestEnv::start(EnvOptions {
-        dir,
-        stop_with_current_process: true,
-    })
-    .await?;
+    let wc_env = workload_env().await?;
     let wc = wc_env.client().await?;
     let nodes: Api<Node> = Api::all(wc.clone());
     let node: Node = serde_json::from_value(json!({"metadata": {"name": "demo-cp-0"}}))?;
@@ -160,7 +164,9 @@ async fn a_silent_workload_apiserver_is_reported_and_holds_up_no_other_cluster()
 
     // Another cluster's machine, meanwhile: its Pod within seconds.
     let started = std::time::Instant::now();
-    other_cluster_machine(&mc, ns, "other", "other-cp-0").await?;
+    support::bootstrap_secret(&mc, ns, "other-cp-0", "#cloud-config\n").await?;
+    let spec = json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"}});
+    support::control_plane_machine_of(&mc, ns, "other", "other-cp-0", spec).await?;
     eventually(10, "the other cluster's machine Pod", || async {
         Ok(pods.get_opt("other-cp-0").await?)
     })
@@ -192,68 +198,6 @@ async fn a_silent_workload_apiserver_is_reported_and_holds_up_no_other_cluster()
     Ok(())
 }
 
-/// A provisioned Cluster `cluster` with a control-plane Machine `name`, its bootstrap Secret and
-/// KVMMachine.
-async fn other_cluster_machine(
-    mc: &kube::Client,
-    ns: &str,
-    cluster: &str,
-    name: &str,
-) -> Result<()> {
-    use capk_api::{
-        capi::{Cluster, Machine},
-        v1alpha1::KVMMachine,
-    };
-    use kube::ResourceExt;
-    let clusters: Api<Cluster> = Api::namespaced(mc.clone(), ns);
-    let c: Cluster = serde_json::from_value(json!({
-        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-        "metadata": {"name": cluster},
-        "spec": {"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
-                                       "kind": "KVMCluster", "name": cluster}},
-    }))?;
-    clusters.create(&PostParams::default(), &c).await?;
-    let status = json!({"status": {"initialization": {"infrastructureProvisioned": true}}});
-    clusters
-        .patch_status(cluster, &PatchParams::default(), &Patch::Merge(&status))
-        .await?;
-    let secret: Secret = serde_json::from_value(json!({
-        "metadata": {"name": format!("{name}-bootstrap"),
-                     "labels": {"cluster.x-k8s.io/cluster-name": cluster}},
-        "type": "cluster.x-k8s.io/secret",
-        "stringData": {"value": "#cloud-config\n", "format": "cloud-config"},
-    }))?;
-    Api::<Secret>::namespaced(mc.clone(), ns)
-        .create(&PostParams::default(), &secret)
-        .await?;
-    let machine: Machine = serde_json::from_value(json!({
-        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
-        "metadata": {"name": name, "labels": {
-            "cluster.x-k8s.io/cluster-name": cluster, "cluster.x-k8s.io/control-plane": ""}},
-        "spec": {
-            "clusterName": cluster,
-            "bootstrap": {"dataSecretName": format!("{name}-bootstrap")},
-            "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
-                                  "kind": "KVMMachine", "name": name},
-        },
-    }))?;
-    let machine = Api::<Machine>::namespaced(mc.clone(), ns)
-        .create(&PostParams::default(), &machine)
-        .await?;
-    let km: KVMMachine = serde_json::from_value(json!({
-        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
-        "metadata": {"name": name,
-            "labels": {"cluster.x-k8s.io/cluster-name": cluster},
-            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
-                "name": name, "uid": machine.uid().context("uid")?, "controller": true}]},
-        "spec": {"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"}},
-    }))?;
-    Api::<KVMMachine>::namespaced(mc.clone(), ns)
-        .create(&PostParams::default(), &km)
-        .await?;
-    Ok(())
-}
-
 /// After `clusterctl move` (the source's Machine and KVMMachine deleted without their
 /// finalizers, no reconcile following) the source controller stops watching the workload
 /// cluster's Nodes: no connection with the moved credential is left.
@@ -264,15 +208,7 @@ async fn a_machine_moved_away_leaves_no_connection_to_its_workload_cluster() -> 
     let mc = TestEnv::shared().client().await?;
     create_namespace(&mc, ns).await?;
     let _stop = start_controller(mc.clone(), ns);
-    let dir = tempfile::Builder::new()
-        .prefix("capk-workload-")
-        .tempdir()?
-        .keep();
-    let wc_env = TestEnv::start(EnvOptions {
-        dir,
-        stop_with_current_process: true,
-    })
-    .await?;
+    let wc_env = workload_env().await?;
     // The workload apiserver behind a relay that counts the controller's connections.
     let mut kubeconfig = kube::config::Kubeconfig::read_from(wc_env.kubeconfig())?;
     let server = kubeconfig.clusters[0]

@@ -76,20 +76,25 @@ where
 
 /// A Cluster `demo` whose infrastructure is provisioned (as CAPI records it).
 pub async fn provisioned_cluster(client: &Client, ns: &str) -> Result<()> {
+    provisioned_cluster_named(client, ns, "demo").await
+}
+
+/// [`provisioned_cluster`] of another name.
+pub async fn provisioned_cluster_named(client: &Client, ns: &str, cluster: &str) -> Result<()> {
     let clusters: Api<Cluster> = Api::namespaced(client.clone(), ns);
-    if clusters.get_opt("demo").await?.is_some() {
+    if clusters.get_opt(cluster).await?.is_some() {
         return Ok(());
     }
     let c: Cluster = serde_json::from_value(json!({
         "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-        "metadata": {"name": "demo"},
+        "metadata": {"name": cluster},
         "spec": {"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
-                                       "kind": "KVMCluster", "name": "demo"}},
+                                       "kind": "KVMCluster", "name": cluster}},
     }))?;
     clusters.create(&PostParams::default(), &c).await?;
     let status = json!({"status": {"initialization": {"infrastructureProvisioned": true}}});
     clusters
-        .patch_status("demo", &PatchParams::default(), &Patch::Merge(&status))
+        .patch_status(cluster, &PatchParams::default(), &Patch::Merge(&status))
         .await?;
     Ok(())
 }
@@ -145,13 +150,24 @@ pub async fn control_plane_machine_with_spec(
     name: &str,
     spec: serde_json::Value,
 ) -> Result<()> {
-    provisioned_cluster(client, ns).await?;
+    control_plane_machine_of(client, ns, "demo", name, spec).await
+}
+
+/// [`control_plane_machine_with_spec`] in (provisioned) cluster `cluster`.
+pub async fn control_plane_machine_of(
+    client: &Client,
+    ns: &str,
+    cluster: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> Result<()> {
+    provisioned_cluster_named(client, ns, cluster).await?;
     let machine: Machine = serde_json::from_value(json!({
         "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
         "metadata": {"name": name, "labels": {
-            "cluster.x-k8s.io/cluster-name": "demo", "cluster.x-k8s.io/control-plane": ""}},
+            "cluster.x-k8s.io/cluster-name": cluster, "cluster.x-k8s.io/control-plane": ""}},
         "spec": {
-            "clusterName": "demo",
+            "clusterName": cluster,
             "bootstrap": {"dataSecretName": format!("{name}-bootstrap")},
             "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
                                   "kind": "KVMMachine", "name": name},
@@ -163,7 +179,7 @@ pub async fn control_plane_machine_with_spec(
     let km: KVMMachine = serde_json::from_value(json!({
         "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
         "metadata": {"name": name,
-            "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
+            "labels": {"cluster.x-k8s.io/cluster-name": cluster},
             "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
                 "name": name, "uid": machine.uid().context("uid")?, "controller": true}]},
         "spec": spec,
