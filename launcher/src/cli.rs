@@ -226,6 +226,12 @@ pub struct RunArgs {
     pub state_dir: PathBuf,
     #[command(flatten)]
     pub socket: SocketArgs,
+    /// Directory on a memory-backed volume (the machine Pod's `medium: Memory` emptyDir) the
+    /// merged Ignition config is written to for QEMU. It holds bootstrap secrets (a first control
+    /// plane's CA keys), so it must not be on the node's disk; the file is removed once QMP
+    /// answers (QEMU has read it by then).
+    #[arg(long, env = "CAPK_SECRET_DIR", default_value = "/run/capk-secret")]
+    pub secret_dir: PathBuf,
     /// Ignition config file (mounted from the machine's Secret).
     #[arg(long, env = "CAPK_IGNITION_FILE")]
     pub ignition: Option<PathBuf>,
@@ -314,6 +320,7 @@ impl From<RunArgs> for RunConfig {
             qemu_gid: a.qemu_gid,
             state_dir: a.state_dir,
             runtime_dir: a.socket.runtime_dir,
+            secret_dir: a.secret_dir,
             ignition: a.ignition,
             accel: a.accel.into(),
             tcg_translation_cache_mib: a.tcg_translation_cache_mib,

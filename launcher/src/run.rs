@@ -28,6 +28,9 @@ use crate::supervise::{QemuExit, Reaper};
 /// The vhost-net device (KVM only), opened for QEMU.
 const VHOST_NET: &str = "/dev/vhost-net";
 
+/// File name of the merged Ignition config in the secret directory.
+pub const IGNITION_FILE: &str = "ignition.json";
+
 /// File name of the console copy in the runtime directory.
 pub const CONSOLE_LOG: &str = "console.log";
 
@@ -83,6 +86,8 @@ pub struct RunConfig {
     pub state_dir: PathBuf,
     /// Directory holding the launcher's sockets (control, QMP, heartbeat) and console log.
     pub runtime_dir: PathBuf,
+    /// Memory-backed directory the merged Ignition config is written to (removed once read).
+    pub secret_dir: PathBuf,
     /// Ignition config file.
     pub ignition: Option<PathBuf>,
     /// Accelerator.
@@ -312,6 +317,15 @@ fn valid_hostname(h: &str) -> bool {
         })
 }
 
+/// Whether `dir` is on tmpfs: what an emptyDir with
+/// `medium: Memory` is.
+fn memory_backed(dir: &Path) -> bool {
+    use nix::sys::statfs::{TMPFS_MAGIC, statfs};
+    statfs(dir)
+        .map(|s| s.filesystem_type() == TMPFS_MAGIC)
+        .unwrap_or(false)
+}
+
 fn require_file(what: &'static str, path: &Path) -> Result<(), RunError> {
     std::fs::File::open(path)
         .map(|_| ())
@@ -474,6 +488,10 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     let console_from = std::fs::metadata(&console_log)
         .map(|m| m.len())
         .unwrap_or(0);
+    let merged_ignition = a
+        .ignition
+        .as_ref()
+        .map(|_| a.secret_dir.join(IGNITION_FILE));
     let started = start_vm(
         &a,
         &v,
@@ -487,6 +505,7 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     let (pid, dhcp_task, mut reaper) = match started {
         Ok(x) => x,
         Err(e) => {
+            remove_merged_ignition(merged_ignition.as_deref());
             applied.undo(&nl).await;
             let _ = std::fs::remove_file(&binding_file);
             return Err(e);
@@ -524,8 +543,13 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     let qmp_path = a.runtime_dir.join("qmp.sock");
     let qmp_task = {
         let (slot, state) = (qmp_slot.clone(), state.clone());
+        let merged_ignition = merged_ignition.clone();
         tokio::spawn(async move {
-            match QapiQmp::connect(&qmp_path, Duration::from_secs(30)).await {
+            let connected = QapiQmp::connect(&qmp_path, Duration::from_secs(30)).await;
+            // QMP runs commands only once QEMU's start-up, which reads every `-fw_cfg file=`
+            // into memory, is over: the merged config is no longer needed on any filesystem.
+            remove_merged_ignition(merged_ignition.as_deref());
+            match connected {
                 Ok(q) => {
                     if let Ok(s) = q.query_status().await {
                         tracing::info!(qmp.status = %s.status, "QMP connected");
@@ -548,9 +572,26 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     {
         t.abort();
     }
+    remove_merged_ignition(merged_ignition.as_deref());
     applied.undo(&nl).await;
     let _ = std::fs::remove_file(&binding_file);
     result
+}
+
+/// Removes the merged Ignition config (bootstrap secrets) once QEMU holds it in memory; a
+/// restarted launcher merges it again from the mounted Secret.
+fn remove_merged_ignition(path: Option<&Path>) {
+    let Some(path) = path else { return };
+    match std::fs::remove_file(path) {
+        Ok(()) => tracing::info!(
+            path = %path.display(),
+            "merged Ignition config removed: QEMU has read it"
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "remove the merged Ignition config")
+        }
+    }
 }
 
 type Started = (u32, tokio::task::JoinHandle<()>, Reaper);
@@ -594,7 +635,16 @@ async fn start_vm(
                 disks: disk_plan.attachments.clone(),
                 host_volumes: v.host_volumes.clone(),
             };
-            let dest = a.runtime_dir.join("ignition.json");
+            privilege::share_secret_dir(&a.secret_dir, &user)?;
+            if !memory_backed(&a.secret_dir) {
+                tracing::warn!(
+                    secret_dir = %a.secret_dir.display(),
+                    "--secret-dir is not a memory filesystem (tmpfs): the merged Ignition config, \
+                     with its bootstrap secrets, is on disk until QEMU has read it; mount an \
+                     emptyDir with medium: Memory there"
+                );
+            }
+            let dest = a.secret_dir.join(IGNITION_FILE);
             let report = ignition::prepare(src, &dest, &ignition::overlay(&inputs))?;
             privilege::hand_over(&dest, &user)?;
             for r in &report.replaced {

@@ -241,6 +241,10 @@ struct Launcher {
     seen: Vec<String>,
     seen_at: Vec<Instant>,
     runtime_dir: PathBuf,
+    /// The launcher's `--secret-dir` (a memory volume in a machine Pod).
+    secret_dir: PathBuf,
+    /// The machine's Ignition as the controller stores it (the launcher's `--ignition`).
+    bootstrap: Bootstrap,
     started: Instant,
 }
 
@@ -295,6 +299,7 @@ impl Launcher {
         )
         .unwrap();
         let runtime_dir = work.join("run");
+        let secret_dir = work.join("secret");
         let shared = work.join("shared");
         std::fs::create_dir_all(&shared).unwrap();
         let ro = work.join("ro");
@@ -332,6 +337,7 @@ impl Launcher {
             ])
             .args(["--state-dir", &work.join("state").display().to_string()])
             .args(["--runtime-dir", &runtime_dir.display().to_string()])
+            .args(["--secret-dir", &secret_dir.display().to_string()])
             .args(["--resolv-conf", &resolv.display().to_string()])
             .args(["--ignition", &ignition.display().to_string()])
             .args(["--host-volume", &format!("shared={}", shared.display())])
@@ -375,6 +381,8 @@ impl Launcher {
             seen: Vec::new(),
             seen_at: Vec::new(),
             runtime_dir,
+            secret_dir,
+            bootstrap: t.bootstrap,
             started,
         }
     }
@@ -502,6 +510,42 @@ impl Launcher {
         }
     }
 
+    /// The config QEMU must serve: the machine's Ignition merged with the facts of the flags
+    /// `spawn` passes, by the launcher's own planner (the launcher's copy is gone once QEMU has
+    /// read it).
+    fn merged_ignition(&self) -> Vec<u8> {
+        use capk_launcher::ignition::{BootInputs, overlay, prepare};
+        use capk_launcher::qemu::argv::{DiskAttachment, DiskFormat, HostVolume};
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("machine.json");
+        std::fs::write(&src, self.bootstrap.machine_ignition()).unwrap();
+        let disk = |serial: &str| DiskAttachment {
+            serial: serial.into(),
+            path: "/unused".into(),
+            format: DiskFormat::Raw,
+            base: None,
+        };
+        let volume = |tag: &str, read_only| HostVolume {
+            tag: tag.into(),
+            path: "/unused".into(),
+            read_only,
+        };
+        let inputs = BootInputs {
+            hostname: HOSTNAME.into(),
+            dns_servers: vec!["10.96.0.10".parse().unwrap()],
+            dns_search: vec!["pods.svc.cluster.local".into(), "cluster.local".into()],
+            ntp_servers: vec!["10.0.0.123".into()],
+            iscsi_initiator_name: Some(ISCSI_NAME.into()),
+            disks: ["rootfs", "dockerfs", "kubeletfs", "etcdfs"]
+                .map(disk)
+                .to_vec(),
+            host_volumes: vec![volume("shared", false), volume("ro", true)],
+        };
+        let dest = d.path().join("merged.json");
+        prepare(&src, &dest, &overlay(&inputs)).unwrap();
+        std::fs::read(dest).unwrap()
+    }
+
     fn signal(&self, sig: &str) {
         sh(&format!("kill -{sig} {}", self.launcher_pid()));
     }
@@ -607,8 +651,7 @@ fn boot_and_check_as(
     );
     // What QEMU passed is the machine's config with the boot facts merged in by capk-bootstrap,
     // under upstream Ignition's fw_cfg name and Flatcar's.
-    let merged = l.runtime_dir.join("ignition.json");
-    let want = sh_out(&format!("sha256sum {} | cut -d' ' -f1", merged.display()));
+    let want = sha256_hex(&l.merged_ignition());
     for name in ["opt/com.coreos/config", "opt/org.flatcar-linux/config"] {
         let ign = l.wait_for(
             &format!("CAPK-TESTGUEST fw-cfg-ignition name={name} "),
@@ -726,9 +769,7 @@ fn assert_guest_file(l: &mut Launcher, path: &str, content: &str, mode: &str, ow
 /// boot facts: hostname, DNS, NTP, iSCSI name, heartbeat script, ...) is in the guest as upstream
 /// Ignition wrote it: the content (data URL decoded, gzip undone, appends added) and the mode.
 fn assert_guest_files_match_config(l: &mut Launcher) {
-    let merged = l.runtime_dir.join("ignition.json");
-    let config: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&merged).unwrap()).unwrap();
+    let config: serde_json::Value = serde_json::from_slice(&l.merged_ignition()).unwrap();
     let decode = |c: &serde_json::Value| -> Vec<u8> {
         let source = c["source"].as_str().unwrap_or("data:,");
         let bytes = data_url::DataUrl::process(source)
@@ -928,7 +969,6 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
         "state/root.qcow2",
         "state/docker.img",
         "etcd/etcd.img",
-        "run/ignition.json",
         "run/console.log",
     ] {
         let m = std::fs::metadata(work.path().join(f)).unwrap();
@@ -1040,6 +1080,54 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
     );
     let (ok, out) = l.cli(&["probe", "liveness"]);
     assert!(!ok, "liveness must fail once the launcher is gone: {out}");
+}
+
+/// The merged Ignition of a first control plane (kubeadm init: the bootstrap data that carries
+/// CA keys) goes only to `--secret-dir` (a memory volume in a machine Pod), never to the runtime
+/// directory on the container's writable layer, and is removed as soon as QMP answers; the
+/// guest still receives it whole (QEMU read it at start-up) and its Ignition runs.
+#[test]
+fn merged_ignition_is_removed_once_qemu_has_read_it_and_the_guest_still_gets_it() {
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    let mut t = calico();
+    t.bootstrap = Bootstrap::IGNITION_CONTROL_PLANE;
+    let work = work_dir();
+    // Checks that both fw_cfg names served the merged config, byte for byte.
+    let (mut l, _) = boot_and_check(&t, work.path(), "first", "");
+    let removed = l
+        .seen
+        .iter()
+        .position(|x| x.contains("merged Ignition config removed"))
+        .unwrap_or_else(|| {
+            panic!(
+                "the launcher never removed the merged config:\n{}",
+                l.seen.join("\n")
+            )
+        });
+    let served = l
+        .seen
+        .iter()
+        .position(|x| x.contains("CAPK-TESTGUEST fw-cfg-ignition"))
+        .unwrap();
+    assert!(
+        removed < served,
+        "the file was removed before the guest read fw_cfg: QEMU serves its own copy"
+    );
+    assert_ignition_ran(&mut l);
+    let left: Vec<_> = std::fs::read_dir(&l.secret_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(left.is_empty(), "--secret-dir still holds {left:?}");
+    assert!(
+        !l.runtime_dir.join("ignition.json").exists(),
+        "the runtime directory (the container's writable layer) holds the merged config"
+    );
+    l.signal("TERM");
+    assert!(l.wait_exit(Duration::from_secs(60)).success());
 }
 
 #[test]

@@ -8,7 +8,9 @@
 //! raw disks are written through the host's cache) came on top. The model used to count the
 //! first 128 MiB of the cache inside the fixed 256 MiB, which left nothing for the page cache
 //! and the launcher: the translation cache now counts in full, beside the fixed part. Under KVM
-//! there is no translation cache.
+//! there is no translation cache. The memory emptyDir holding the merged Ignition until QEMU has
+//! read it (at most 960 KiB, limited to 2 MiB) is charged to the Pod's memory too, within the
+//! fixed part.
 
 use capk_api::v1alpha1::Accel;
 

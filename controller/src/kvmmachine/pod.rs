@@ -27,7 +27,10 @@ use super::{
     names::{self, etcd_claim_name, hostname, ignition_secret_name, pod_name},
     node_image, overhead,
     placement::MachinePlacement,
-    pod_layout::{ETCD_DIR, IGNITION_DIR, IMAGE_DIR, STATE_DIR, host_path, mount},
+    pod_layout::{
+        ETCD_DIR, IGNITION_DIR, IMAGE_DIR, SECRET_DIR, SECRET_VOLUME_SIZE, STATE_DIR, host_path,
+        mount,
+    },
     validate::ValidSpec,
 };
 use crate::{
@@ -64,6 +67,17 @@ pub fn machine_pod(
             }),
             ..Default::default()
         },
+        // The merged Ignition (bootstrap secrets, CA keys on a first control plane) lives here
+        // until QEMU has read it: memory, not the node's disk. Its at most 2 MiB are charged to
+        // the Pod's memory, within the fixed overhead (see overhead.rs).
+        Volume {
+            name: "secret".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".into()),
+                size_limit: Some(Quantity(SECRET_VOLUME_SIZE.into())),
+            }),
+            ..Default::default()
+        },
         Volume {
             name: "state".into(),
             empty_dir: Some(EmptyDirVolumeSource {
@@ -76,6 +90,7 @@ pub fn machine_pod(
     ];
     let mut mounts = vec![
         mount("ignition", IGNITION_DIR, true),
+        mount("secret", SECRET_DIR, false),
         mount("state", STATE_DIR, false),
         mount("image", IMAGE_DIR, true),
     ];
@@ -92,6 +107,7 @@ pub fn machine_pod(
         format!("--kubelet-disk-size={kubelet}"),
         format!("--image={}", node_image.path),
         format!("--ignition={IGNITION_DIR}/{IGNITION_KEY}"),
+        format!("--secret-dir={SECRET_DIR}"),
         format!("--state-dir={STATE_DIR}"),
         format!("--hostname={}", hostname(km)),
         format!(
@@ -563,5 +579,44 @@ mod tests {
             ign.secret.as_ref().unwrap().secret_name.as_deref(),
             secret.metadata.name.as_deref()
         );
+    }
+
+    /// The launcher writes the merged Ignition (CA keys on a first control plane) to
+    /// `--secret-dir`: a memory emptyDir with a small size limit, never the node's disk.
+    #[test]
+    fn the_merged_ignition_goes_to_a_memory_volume() {
+        let km = kvm_machine(
+            "m",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
+        );
+        let placement = MachinePlacement {
+            cluster: "c".into(),
+            control_plane: true,
+            failure_domain: None,
+        };
+        let spec = build(&km, &placement, &MachineDefaults::default())
+            .spec
+            .unwrap();
+        let c = &spec.containers[0];
+        let args = c.args.as_ref().unwrap();
+        let dir = args
+            .iter()
+            .find_map(|a| a.strip_prefix("--secret-dir="))
+            .expect("--secret-dir");
+        let mount = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.mount_path == dir)
+            .expect("a volume at --secret-dir");
+        let volume = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount.name)
+            .unwrap();
+        let empty_dir = volume.empty_dir.as_ref().expect("an emptyDir");
+        assert_eq!(empty_dir.medium.as_deref(), Some("Memory"));
+        assert_eq!(empty_dir.size_limit, Some(Quantity("2Mi".into())));
     }
 }

@@ -5,6 +5,12 @@ use k8s_openapi::api::core::v1::{HostPathVolumeSource, Volume, VolumeMount};
 
 /// Where the Ignition Secret is mounted in the machine Pod.
 pub const IGNITION_DIR: &str = "/etc/capk/ignition";
+/// Where the launcher writes the merged Ignition config for QEMU (`--secret-dir`): a memory
+/// volume, so bootstrap secrets never reach the node's disk.
+pub const SECRET_DIR: &str = "/run/capk-secret";
+/// Size limit of the memory volume at [`SECRET_DIR`]: the merged config is at most
+/// `capk_bootstrap::MAX_OUTPUT_BYTES` (960 KiB) and is removed once QEMU has read it.
+pub const SECRET_VOLUME_SIZE: &str = "2Mi";
 /// Where the VM disks live in the Pod (an emptyDir: survives container restarts).
 pub const STATE_DIR: &str = "/var/lib/capk/state";
 /// Where the node image is mounted read-only.

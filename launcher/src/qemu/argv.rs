@@ -400,7 +400,7 @@ mod tests {
                     base: None,
                 },
             ],
-            ignition: Some("/run/capk/ignition.json".into()),
+            ignition: Some("/run/capk-secret/ignition.json".into()),
             qmp_socket: "/run/capk/qmp.sock".into(),
             heartbeat_socket: "/run/capk/heartbeat.sock".into(),
             console_log: "/run/capk/console.log".into(),
@@ -485,8 +485,8 @@ mod tests {
         assert_eq!(
             fw_cfg,
             [
-                "name=opt/com.coreos/config,file=/run/capk/ignition.json",
-                "name=opt/org.flatcar-linux/config,file=/run/capk/ignition.json",
+                "name=opt/com.coreos/config,file=/run/capk-secret/ignition.json",
+                "name=opt/org.flatcar-linux/config,file=/run/capk-secret/ignition.json",
             ]
         );
     }

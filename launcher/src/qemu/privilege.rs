@@ -242,6 +242,22 @@ pub fn share_runtime_dir(
     Ok(())
 }
 
+/// Prepares the directory the merged Ignition config is written to: created if missing, owned by
+/// root and QEMU's group, mode 0750, so QEMU's user may open the file it is given there (and
+/// nothing else: it cannot create, rename or remove entries).
+pub fn share_secret_dir(dir: &Path, user: &QemuUser) -> Result<(), HandOverError> {
+    let io_err = |action| {
+        move |source| HandOverError::Io {
+            action,
+            path: dir.to_path_buf(),
+            source,
+        }
+    };
+    std::fs::create_dir_all(dir).map_err(io_err("create"))?;
+    std::os::unix::fs::chown(dir, Some(0), Some(user.gid)).map_err(io_err("chown"))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750)).map_err(io_err("chmod"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
