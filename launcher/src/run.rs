@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, Notify};
 
 use crate::accel::{self, AccelChoice, KvmUnusable};
 use crate::apiserver;
@@ -541,8 +541,10 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         state.clone(),
     ));
     let qmp_path = a.runtime_dir.join("qmp.sock");
+    // Told when QMP answers: a stop requested before then powers the guest down at that moment.
+    let qmp_ready = Arc::new(Notify::new());
     let qmp_task = {
-        let (slot, state) = (qmp_slot.clone(), state.clone());
+        let (slot, state, ready) = (qmp_slot.clone(), state.clone(), qmp_ready.clone());
         let merged_ignition = merged_ignition.clone();
         tokio::spawn(async move {
             let connected = QapiQmp::connect(&qmp_path, Duration::from_secs(30)).await;
@@ -555,6 +557,7 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
                         tracing::info!(qmp.status = %s.status, "QMP connected");
                     }
                     *slot.lock().await = Some(q);
+                    ready.notify_one();
                     let mut st = state.lock().await;
                     if st.phase == Phase::Starting {
                         st.phase = Phase::Running;
@@ -565,7 +568,15 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         })
     };
 
-    let result = supervise(&mut signals, &a, pid, &mut reaper, &state, &qmp_slot).await;
+    let result = supervise(
+        &mut signals,
+        &a,
+        pid,
+        &mut reaper,
+        &state,
+        (&qmp_slot, &qmp_ready),
+    )
+    .await;
     for t in [dhcp_task, hb_task, qmp_task, control_task, console_task]
         .into_iter()
         .chain(readyz_task)
@@ -777,28 +788,54 @@ impl StopSignals {
     }
 }
 
+/// How often the ACPI power button is pressed again while the guest has not powered off: a press
+/// that comes while the guest boots (a stop requested before or just after QMP answered) is lost
+/// when the guest's kernel or its button handler is not up yet, and a guest that already shuts
+/// down ignores another.
+const POWERDOWN_REPEAT: Duration = Duration::from_secs(5);
+
+/// Supervises QEMU until it ends. A stop (SIGTERM, SIGINT) presses the ACPI power button over QMP
+/// — at once, or as soon as QMP answers when it comes earlier (`qmp.1` is told then) — and again
+/// every [`POWERDOWN_REPEAT`]; QEMU is killed `--grace-period-seconds` after the stop request.
 async fn supervise(
     signals: &mut StopSignals,
     a: &RunConfig,
     pid: u32,
     reaper: &mut Reaper,
     state: &SharedState,
-    qmp: &SharedQmp,
+    (qmp, qmp_ready): (&SharedQmp, &Notify),
 ) -> Result<(), RunError> {
     let StopSignals { term, int } = signals;
     let grace = Duration::from_secs(a.grace_period_seconds);
     let mut deadline: Option<tokio::time::Instant> = None;
+    // When to press the power button (again); None: no stop requested, or QMP not there yet.
+    let mut next_press: Option<tokio::time::Instant> = None;
+    let mut pressed = false;
     let mut killed = false;
     let exit = loop {
-        tokio::select! {
+        let why = tokio::select! {
             exit = reaper.wait_for(pid) => break exit,
-            _ = term.recv() => request_stop(state, qmp, &mut deadline, grace, "SIGTERM").await,
-            _ = int.recv() => request_stop(state, qmp, &mut deadline, grace, "SIGINT").await,
-            _ = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() && !killed => {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+            () = qmp_ready.notified(), if deadline.is_some() && !pressed => "QMP answers",
+            () = async { tokio::time::sleep_until(next_press.expect("guarded")).await }, if next_press.is_some() && !killed => "repeat",
+            () = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() && !killed => {
                 tracing::warn!(grace_seconds = grace.as_secs(), "guest did not power off in time, killing qemu");
                 let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
                 killed = true;
+                continue;
             }
+        };
+        if deadline.is_none() {
+            request_stop(state, &mut deadline, grace, why).await;
+        } else if why.starts_with("SIG") {
+            continue;
+        }
+        if press_power_button(qmp, !pressed).await {
+            pressed = true;
+            next_press = Some(tokio::time::Instant::now() + POWERDOWN_REPEAT);
+        } else if !pressed {
+            tracing::info!("QMP does not answer yet: ACPI powerdown as soon as it does");
         }
     };
     let stop_requested = deadline.is_some();
@@ -817,16 +854,13 @@ async fn supervise(
     }
 }
 
+/// Records a stop request: the kill deadline runs from now, whenever QMP answers.
 async fn request_stop(
     state: &SharedState,
-    qmp: &SharedQmp,
     deadline: &mut Option<tokio::time::Instant>,
     grace: Duration,
     why: &str,
 ) {
-    if deadline.is_some() {
-        return;
-    }
     *deadline = Some(tokio::time::Instant::now() + grace);
     state.lock().await.phase = Phase::ShuttingDown;
     tracing::info!(
@@ -834,9 +868,25 @@ async fn request_stop(
         grace_seconds = grace.as_secs(),
         "stopping: ACPI powerdown"
     );
-    if let Some(q) = qmp.lock().await.as_ref()
-        && let Err(e) = q.system_powerdown().await
-    {
-        tracing::warn!(error = %e, "system_powerdown failed");
+}
+
+/// Presses the ACPI power button over QMP; false when QMP does not answer yet. The first press
+/// is logged, repeats only at debug level.
+async fn press_power_button(qmp: &SharedQmp, first: bool) -> bool {
+    let slot = qmp.lock().await;
+    let Some(q) = slot.as_ref() else {
+        return false;
+    };
+    match q.system_powerdown().await {
+        Ok(_) if first => tracing::info!(
+            qmp.command = "system_powerdown",
+            "ACPI power button pressed"
+        ),
+        Ok(_) => tracing::debug!(
+            qmp.command = "system_powerdown",
+            "ACPI power button pressed again"
+        ),
+        Err(e) => tracing::warn!(error = %e, "system_powerdown failed"),
     }
+    true
 }

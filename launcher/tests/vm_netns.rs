@@ -1130,6 +1130,67 @@ fn merged_ignition_is_removed_once_qemu_has_read_it_and_the_guest_still_gets_it(
     assert!(l.wait_exit(Duration::from_secs(60)).success());
 }
 
+/// Pids of processes whose command line mentions `needle` (QEMU's names the work directory).
+fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(needle))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// A machine Pod deleted while its guest boots: SIGTERM comes right after the launcher started
+/// (before QEMU runs, QMP answers or the guest can take a power button press). The stop is kept,
+/// the ACPI power button is pressed once QMP answers (and again until the guest takes it), the
+/// guest powers itself off and the launcher exits 0 well before its own kill (30 s here; the
+/// machine Pod's is 300 s, `GUEST_SHUTDOWN_SECONDS` in controller/src/kvmmachine/pod.rs), and
+/// no QEMU is left.
+#[test]
+fn sigterm_while_the_guest_boots_powers_it_down_once_qmp_answers() {
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    let t = calico();
+    let work = work_dir();
+    let mut l = Launcher::start(&t, work.path(), "first", "");
+    // The signal handlers are installed before this line: a SIGTERM earlier would just kill it.
+    l.wait_for("capk-launcher starting", Duration::from_secs(30));
+    let stop = Instant::now();
+    l.signal("TERM");
+    let exit = l.wait_exit(Duration::from_secs(120));
+    let took = stop.elapsed();
+    println!(
+        "MEASURE SIGTERM during boot to launcher exit {:.2}s",
+        took.as_secs_f64()
+    );
+    let at = |needle: &str| {
+        l.seen
+            .iter()
+            .position(|x| x.contains(needle))
+            .unwrap_or_else(|| panic!("no {needle:?}; saw:\n{}", l.seen.join("\n")))
+    };
+    assert!(
+        at("stopping: ACPI powerdown") < at("QMP connected"),
+        "the stop must come before QMP answers"
+    );
+    at("ACPI power button pressed");
+    at("CAPK-TESTGUEST acpi-power-button");
+    assert!(
+        exit.success(),
+        "the guest must power itself off before the launcher's kill: {exit:?}\n{}",
+        l.seen.join("\n")
+    );
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    let left = processes_mentioning(&work.path().display().to_string());
+    assert!(left.is_empty(), "processes left: {left:?}");
+}
+
 #[test]
 fn bootable_disk_guest_boots_through_firmware_and_bootloader() {
     let _g = serial();
