@@ -510,45 +510,50 @@ impl Launcher {
         }
     }
 
-    /// The config QEMU must serve: the machine's Ignition merged with the facts of the flags
-    /// `spawn` passes, by the launcher's own planner (the launcher's copy is gone once QEMU has
-    /// read it).
+    /// The config QEMU must serve (see [`merged_ignition`]).
     fn merged_ignition(&self) -> Vec<u8> {
-        use capk_launcher::ignition::{BootInputs, overlay, prepare};
-        use capk_launcher::qemu::argv::{DiskAttachment, DiskFormat, HostVolume};
-        let d = tempfile::tempdir().unwrap();
-        let src = d.path().join("machine.json");
-        std::fs::write(&src, self.bootstrap.machine_ignition()).unwrap();
-        let disk = |serial: &str| DiskAttachment {
-            serial: serial.into(),
-            path: "/unused".into(),
-            format: DiskFormat::Raw,
-            base: None,
-        };
-        let volume = |tag: &str, read_only| HostVolume {
-            tag: tag.into(),
-            path: "/unused".into(),
-            read_only,
-        };
-        let inputs = BootInputs {
-            hostname: HOSTNAME.into(),
-            dns_servers: vec!["10.96.0.10".parse().unwrap()],
-            dns_search: vec!["pods.svc.cluster.local".into(), "cluster.local".into()],
-            ntp_servers: vec!["10.0.0.123".into()],
-            iscsi_initiator_name: Some(ISCSI_NAME.into()),
-            disks: ["rootfs", "dockerfs", "kubeletfs", "etcdfs"]
-                .map(disk)
-                .to_vec(),
-            host_volumes: vec![volume("shared", false), volume("ro", true)],
-        };
-        let dest = d.path().join("merged.json");
-        prepare(&src, &dest, &overlay(&inputs)).unwrap();
-        std::fs::read(dest).unwrap()
+        merged_ignition(self.bootstrap)
     }
 
     fn signal(&self, sig: &str) {
         sh(&format!("kill -{sig} {}", self.launcher_pid()));
     }
+}
+
+/// The config QEMU must serve: the machine's Ignition merged with the facts of the flags
+/// `spawn` passes, by the launcher's own planner (the launcher's copy is gone once QEMU has
+/// read it).
+fn merged_ignition(bootstrap: Bootstrap) -> Vec<u8> {
+    use capk_launcher::ignition::{BootInputs, overlay, prepare};
+    use capk_launcher::qemu::argv::{DiskAttachment, DiskFormat, HostVolume};
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path().join("machine.json");
+    std::fs::write(&src, bootstrap.machine_ignition()).unwrap();
+    let disk = |serial: &str| DiskAttachment {
+        serial: serial.into(),
+        path: "/unused".into(),
+        format: DiskFormat::Raw,
+        base: None,
+    };
+    let volume = |tag: &str, read_only| HostVolume {
+        tag: tag.into(),
+        path: "/unused".into(),
+        read_only,
+    };
+    let inputs = BootInputs {
+        hostname: HOSTNAME.into(),
+        dns_servers: vec!["10.96.0.10".parse().unwrap()],
+        dns_search: vec!["pods.svc.cluster.local".into(), "cluster.local".into()],
+        ntp_servers: vec!["10.0.0.123".into()],
+        iscsi_initiator_name: Some(ISCSI_NAME.into()),
+        disks: ["rootfs", "dockerfs", "kubeletfs", "etcdfs"]
+            .map(disk)
+            .to_vec(),
+        host_volumes: vec![volume("shared", false), volume("ro", true)],
+    };
+    let dest = d.path().join("merged.json");
+    prepare(&src, &dest, &overlay(&inputs)).unwrap();
+    std::fs::read(dest).unwrap()
 }
 
 /// Pids whose parent is `ppid` (QEMU under the launcher).
@@ -965,12 +970,7 @@ fn calico_pod_vm_owns_pod_ip_survives_restart_with_etcd_disk_and_stops_on_sigter
     // The guest booted, got the Pod IP and beats through a QEMU without privileges, whose files
     // the launcher gave to its user.
     assert_qemu_unprivileged(&l);
-    for f in [
-        "state/root.qcow2",
-        "state/docker.img",
-        "etcd/etcd.img",
-        "run/console.log",
-    ] {
+    for f in ["state/root.qcow2", "state/docker.img", "etcd/etcd.img"] {
         let m = std::fs::metadata(work.path().join(f)).unwrap();
         use std::os::unix::fs::MetadataExt;
         assert_eq!((m.uid(), m.gid()), (QEMU_ID, QEMU_ID), "{f}");
@@ -1898,7 +1898,7 @@ fn qemu_child_waits_for_the_exec() {
 }
 
 /// The launcher's own QEMU command line, runnable without the launcher: every path under the
-/// launcher's work directory moves to `bare` (its disks, Ignition, sockets and console log are
+/// launcher's work directory moves to `bare` (its disks and the merged Ignition are
 /// copied there before each run), and the tap netdev (the launcher's bridge, DHCP server and
 /// Pod namespace) becomes a user-mode one whose built-in DHCP server answers the guest; the
 /// node image handed over as a descriptor is opened by its path. Returns the argv and a description of every argument that changed.
@@ -1944,13 +1944,20 @@ fn bare_argv_from(
     (out, changed)
 }
 
-/// Copies what the launcher's QEMU used (disks as the launcher left them, the merged Ignition,
-/// the host volume) from `work` to a fresh `bare`, so both boots start from the same files.
-fn prepare_bare_dir(work: &Path, bare: &Path) {
+/// Copies what the launcher's QEMU used (disks as the launcher left them, the host volume)
+/// from `work` to a fresh `bare`, so both boots start from the same files, and writes the merged
+/// Ignition there (the launcher's copy is gone once its QEMU has read it).
+fn prepare_bare_dir(work: &Path, bare: &Path, bootstrap: Bootstrap) {
     let _ = std::fs::remove_dir_all(bare);
     std::fs::create_dir_all(bare.join("run")).unwrap();
+    std::fs::create_dir_all(bare.join("secret")).unwrap();
+    std::fs::write(
+        bare.join("secret").join("ignition.json"),
+        merged_ignition(bootstrap),
+    )
+    .unwrap();
     sh(&format!(
-        "cp -a --sparse=always {w}/state {w}/etcd {w}/shared {w}/ro {b}/ && cp {w}/run/ignition.json {b}/run/",
+        "cp -a --sparse=always {w}/state {w}/etcd {w}/shared {w}/ro {b}/",
         w = work.display(),
         b = bare.display()
     ));
@@ -2043,7 +2050,7 @@ fn bench_launcher_vs_bare_qemu() {
         // Odd rounds boot the bare copy first, so neither side always runs first in a round.
         if i % 2 == 1 {
             let (program, args) = fair_argv.as_ref().expect("round 0 read the argv");
-            prepare_bare_dir(work.path(), bare_work.path());
+            prepare_bare_dir(work.path(), bare_work.path(), t.bootstrap);
             fair.push(bare_boot(program, args, true));
         }
         let load = load1();
@@ -2111,7 +2118,7 @@ fn bench_launcher_vs_bare_qemu() {
 
         if i % 2 == 0 {
             let (program, args) = fair_argv.as_ref().unwrap();
-            prepare_bare_dir(work.path(), bare_work.path());
+            prepare_bare_dir(work.path(), bare_work.path(), t.bootstrap);
             fair.push(bare_boot(program, args, true));
         }
         minimal.push(bare_boot("qemu-system-x86_64", &minimal_args, false));
@@ -2285,7 +2292,9 @@ fn kubeadm_join_token_stays_in_the_journal_not_the_pod_log() {
             "CAPK-TESTGUEST ignition-config stage=fetch platform=qemu parsed sha512=",
             Duration::from_secs(180),
         );
-        let want = sha512_hex(&l.runtime_dir.join("ignition.json"));
+        let merged = work.path().join("merged.json");
+        std::fs::write(&merged, l.merged_ignition()).unwrap();
+        let want = sha512_hex(&merged);
         assert!(
             parsed.ends_with(&format!("sha512={want}")),
             "{fixture}: upstream Ignition parsed another config: {parsed} (want {want})"
