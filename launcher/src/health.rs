@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::BufReader;
 use tokio::sync::Mutex;
 
-use crate::line::{Frame, LineFramer, LineReader};
+use crate::line::{Frame, LineReader};
 use crate::qemu::argv::{Accel, DiskAttachment};
 use crate::qemu::qmp::VmStatus;
 
@@ -296,9 +296,6 @@ pub async fn follow_heartbeat(path: std::path::PathBuf, state: SharedState) {
     }
 }
 
-/// Longest console line [`watch_console`] looks at; longer ones are skipped.
-const CONSOLE_LINE_MAX: usize = 4096;
-
 /// What a console line says about a boot that stopped in a shell instead of reaching its units:
 /// systemd's emergency or rescue mode (its sulogin shell prints "You are in emergency mode"), or
 /// dracut's emergency shell in the initramfs (Ignition failing there: "Entering emergency
@@ -332,53 +329,6 @@ pub fn record_console_line(state: &mut LauncherState, line: &[u8]) {
     if state.guest_boot_failure.as_ref() != Some(&failure) {
         tracing::warn!(failure = %failure, "the guest's boot stopped in a shell: its units will not run");
         state.guest_boot_failure = Some(failure);
-    }
-}
-
-/// Opens the console log for reading without following a symbolic link: the file is QEMU's (its
-/// unprivileged user may replace it), the reader is root.
-pub fn open_console_log(path: &std::path::Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(path)
-}
-
-/// Follows the console log QEMU appends to (`path`) from byte `from` (its length before this
-/// QEMU started: an earlier boot's lines say nothing of this one) and records what
-/// [`record_console_line`] recognizes. Polls once a second; never holds more than a line.
-pub async fn watch_console(path: std::path::PathBuf, from: u64, state: SharedState) {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut offset = from;
-    let mut framer = LineFramer::new(CONSOLE_LINE_MAX);
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        if let Ok(mut file) = open_console_log(&path) {
-            let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-            if len < offset {
-                // Truncated or replaced: start over at its beginning.
-                offset = 0;
-                framer = LineFramer::new(CONSOLE_LINE_MAX);
-            }
-            if file.seek(SeekFrom::Start(offset)).is_ok() {
-                while let Ok(n) = file.read(&mut buf) {
-                    if n == 0 {
-                        break;
-                    }
-                    offset += n as u64;
-                    let mut input = &buf[..n];
-                    while !input.is_empty() {
-                        let (taken, frame) = framer.feed(input);
-                        input = &input[taken..];
-                        if let Some(Frame::Line(line)) = frame {
-                            record_console_line(&mut *state.lock().await, &line);
-                        }
-                    }
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
@@ -537,41 +487,6 @@ mod tests {
         ));
         assert_eq!(s.guest_boot_failure, None);
         assert!(readiness(&s, now).ok);
-    }
-
-    /// The console log QEMU appends to: lines of an earlier boot (before `from`) are not read,
-    /// a failure line split across two writes is still seen, and a flood without newlines is
-    /// read through.
-    #[tokio::test]
-    async fn the_console_watch_reads_only_this_boot_and_finds_emergency_mode() {
-        use std::io::Write;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("console.log");
-        let mut f = std::fs::File::create(&path).unwrap();
-        f.write_all(b"old boot: You are in emergency mode.\n")
-            .unwrap();
-        let from = f.metadata().unwrap().len();
-        let state: SharedState = Arc::new(Mutex::new(running()));
-        let watch = tokio::spawn(watch_console(path.clone(), from, state.clone()));
-        f.write_all(&vec![b'*'; 100 * 1024]).unwrap();
-        f.write_all(b"\n[  OK  ] Reached target basic.target\n")
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        assert_eq!(state.lock().await.guest_boot_failure, None);
-        f.write_all(b"You are in emergen").unwrap();
-        f.flush().unwrap();
-        tokio::time::sleep(Duration::from_millis(1200)).await;
-        f.write_all(b"cy mode. After logging in\n").unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(failure) = state.lock().await.guest_boot_failure.clone() {
-                assert!(failure.starts_with("emergency mode"), "{failure}");
-                break;
-            }
-            assert!(Instant::now() < deadline, "the emergency line was not seen");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        watch.abort();
     }
 
     /// A guest that floods the heartbeat port with a 16 MiB line: the launcher reads through it

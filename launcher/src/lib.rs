@@ -5,6 +5,7 @@
 pub mod accel;
 pub mod apiserver;
 pub mod cli;
+pub mod console;
 pub mod control;
 pub mod disk;
 pub mod health;

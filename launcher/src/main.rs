@@ -36,14 +36,25 @@ fn one_line(e: &dyn std::error::Error) -> String {
     s.replace('\n', " ")
 }
 
-/// Prints the console log, then (when `follow`) what is appended, until interrupted.
+/// Prints the console copy (its rotated predecessor first), then (when `follow`) what is
+/// written, across rotations, until interrupted.
 fn follow_console(path: &std::path::Path, follow: bool) -> std::io::Result<()> {
+    use capk_launcher::console::{self, ConsoleFollower};
     use std::io::{Read, Write};
-    let mut f = capk_launcher::health::open_console_log(path)?;
     let mut out = std::io::stdout().lock();
     let mut buf = vec![0u8; 64 * 1024];
+    let mut follower = ConsoleFollower::open(path)?;
+    if let Ok(mut older) = console::open_for_reading(&console::rotated(path)) {
+        loop {
+            let n = older.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            out.write_all(&buf[..n])?;
+        }
+    }
     loop {
-        let n = f.read(&mut buf)?;
+        let n = follower.read(&mut buf)?;
         if n > 0 {
             out.write_all(&buf[..n])?;
             continue;

@@ -11,6 +11,7 @@ use tokio::sync::{Mutex, Notify};
 
 use crate::accel::{self, AccelChoice, KvmUnusable};
 use crate::apiserver;
+use crate::console;
 use crate::control::{self, SharedQmp};
 use crate::disk::{self, DiskError, DiskRequest};
 use crate::health::{self, LauncherState, Phase, SharedState};
@@ -84,7 +85,7 @@ pub struct RunConfig {
     pub qemu_gid: u32,
     /// Directory for the root overlay and the data disks.
     pub state_dir: PathBuf,
-    /// Directory holding the launcher's sockets (control, QMP, heartbeat) and console log.
+    /// Directory holding the launcher's sockets (control, QMP, heartbeat) and console copy.
     pub runtime_dir: PathBuf,
     /// Memory-backed directory the merged Ignition config is written to (removed once read).
     pub secret_dir: PathBuf,
@@ -483,11 +484,6 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         s.mac = Some(net_plan.vm_mac.to_string());
     }
 
-    // QEMU appends to the console log: what it holds now is an earlier boot's.
-    let console_log = a.runtime_dir.join(CONSOLE_LOG);
-    let console_from = std::fs::metadata(&console_log)
-        .map(|m| m.len())
-        .unwrap_or(0);
     let merged_ignition = a
         .ignition
         .as_ref()
@@ -502,7 +498,7 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         &state,
     )
     .await;
-    let (pid, dhcp_task, mut reaper) = match started {
+    let (pid, dhcp_task, mut reaper, qemu_stdout) = match started {
         Ok(x) => x,
         Err(e) => {
             remove_merged_ignition(merged_ignition.as_deref());
@@ -531,11 +527,7 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     } else {
         None
     };
-    let console_task = tokio::spawn(health::watch_console(
-        console_log,
-        console_from,
-        state.clone(),
-    ));
+    let console_ended = copy_console(&a.runtime_dir, qemu_stdout, state.clone())?;
     let hb_task = tokio::spawn(health::follow_heartbeat(
         a.runtime_dir.join("heartbeat.sock"),
         state.clone(),
@@ -577,7 +569,9 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         (&qmp_slot, &qmp_ready),
     )
     .await;
-    for t in [dhcp_task, hb_task, qmp_task, control_task, console_task]
+    // The console's last lines (the guest powering off) reach stdout before the launcher exits.
+    let _ = tokio::time::timeout(Duration::from_secs(5), console_ended).await;
+    for t in [dhcp_task, hb_task, qmp_task, control_task]
         .into_iter()
         .chain(readyz_task)
     {
@@ -605,7 +599,43 @@ fn remove_merged_ignition(path: Option<&Path>) {
     }
 }
 
-type Started = (u32, tokio::task::JoinHandle<()>, Reaper);
+/// Copies QEMU's serial output (the read end of its stdout) to stdout, the capped console copy
+/// and the boot-failure detector, on a thread of its own (blocking reads of a pipe); the receiver
+/// is told when QEMU's output has ended and all of it has been copied.
+fn copy_console(
+    runtime_dir: &Path,
+    qemu_stdout: std::process::ChildStdout,
+    state: SharedState,
+) -> Result<tokio::sync::oneshot::Receiver<()>, RunError> {
+    let path = runtime_dir.join(CONSOLE_LOG);
+    let copy = console::ConsoleLog::open(&path, console::CONSOLE_LOG_MAX_BYTES)
+        .inspect_err(|e| {
+            tracing::warn!(
+                path = %path.display(),
+                error = %e,
+                "no console copy for capk-launcher console (kubectl logs still has the console)"
+            )
+        })
+        .ok();
+    let (done, ended) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("console".into())
+        .spawn(move || {
+            console::tee(qemu_stdout, std::io::stdout(), copy, |line| {
+                health::record_console_line(&mut state.blocking_lock(), line)
+            });
+            let _ = done.send(());
+        })
+        .map_err(|e| RunError::Runtime("start the console thread".into(), e))?;
+    Ok(ended)
+}
+
+type Started = (
+    u32,
+    tokio::task::JoinHandle<()>,
+    Reaper,
+    std::process::ChildStdout,
+);
 
 async fn start_vm(
     a: &RunConfig,
@@ -678,13 +708,7 @@ async fn start_vm(
         a.runtime_dir.join("qmp.sock"),
         a.runtime_dir.join("heartbeat.sock"),
     );
-    let console_log = a.runtime_dir.join(CONSOLE_LOG);
-    privilege::share_runtime_dir(
-        &a.runtime_dir,
-        &user,
-        &[&qmp_socket, &heartbeat_socket],
-        &[&console_log],
-    )?;
+    privilege::share_runtime_dir(&a.runtime_dir, &user, &[&qmp_socket, &heartbeat_socket])?;
     // QEMU cannot open /dev/net/tun or /dev/vhost-net: the launcher opens them and QEMU
     // inherits the descriptors (closed here once QEMU runs). Without vhost-net the NIC still
     // works, in QEMU's own thread.
@@ -732,7 +756,6 @@ async fn start_vm(
         ignition,
         qmp_socket,
         heartbeat_socket,
-        console_log,
         host_volumes: v.host_volumes.clone(),
         direct_kernel: a.kernel.clone().map(|kernel| DirectKernel {
             kernel,
@@ -746,7 +769,7 @@ async fn start_vm(
     let mut cmd = Command::new(&a.qemu);
     cmd.args(&args.0)
         .stdin(Stdio::null())
-        .stdout(Stdio::inherit())
+        .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     privilege::run_unprivileged(&mut cmd, &user, &inherited);
     tracing::info!(
@@ -755,12 +778,13 @@ async fn start_vm(
         qemu.groups = ?user.groups,
         "starting qemu unprivileged"
     );
-    let child = cmd.spawn().map_err(|e| {
+    let mut child = cmd.spawn().map_err(|e| {
         dhcp_task.abort();
         RunError::SpawnQemu(a.qemu.clone(), e)
     })?;
     drop((tap_file, vhost_file, image_file));
     let pid = child.id();
+    let stdout = child.stdout.take().expect("piped");
     // The reaper owns waiting from here on; dropping Child neither waits nor kills.
     drop(child);
     {
@@ -768,7 +792,7 @@ async fn start_vm(
         s.qemu_pid = Some(pid);
         s.phase = Phase::Starting;
     }
-    Ok((pid, dhcp_task, reaper))
+    Ok((pid, dhcp_task, reaper, stdout))
 }
 
 /// SIGTERM and SIGINT listeners, installed first thing so that a stop request during setup is

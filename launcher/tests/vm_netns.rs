@@ -1229,6 +1229,87 @@ fn bootable_disk_guest_boots_through_firmware_and_bootloader() {
     assert!(l.wait_exit(Duration::from_secs(30)).success());
 }
 
+/// The console copy that `capk-launcher console` reads is the launcher's, capped at
+/// `CONSOLE_LOG_MAX_BYTES` per file with one rotated predecessor: an earlier run left it just
+/// under the cap, so this boot's first bytes rotate it. The command still shows the boot from the
+/// firmware on (after the earlier run's lines, from `console.log.1`), beginning with the Pod log's
+/// first line, and its follow mode goes on across the rotation to the guest's power-off.
+#[test]
+fn console_copy_is_capped_and_shows_the_boot_from_the_firmware_on() {
+    use capk_launcher::console::CONSOLE_LOG_MAX_BYTES;
+    use std::os::unix::fs::MetadataExt;
+    let _g = serial();
+    if !prerequisites() {
+        return;
+    }
+    let t = calico();
+    let work = work_dir();
+    let run = work.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let earlier = "earlier boot\n".repeat((CONSOLE_LOG_MAX_BYTES as usize - 100) / 13);
+    std::fs::write(run.join("console.log"), &earlier).unwrap();
+
+    let mut l = Launcher::start_from_disk(&t, work.path());
+    l.wait_for("SYSLINUX", Duration::from_secs(60));
+    let mut follower = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
+        .args(["console", "--runtime-dir", &run.display().to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let followed = {
+        let mut out = follower.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            let mut text = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut out, &mut text);
+            String::from_utf8_lossy(&text).into_owned()
+        })
+    };
+    l.wait_for("CAPK-TESTGUEST lease ", Duration::from_secs(120));
+
+    let (cur, old) = (
+        std::fs::metadata(run.join("console.log")).unwrap(),
+        std::fs::metadata(run.join("console.log.1")).unwrap(),
+    );
+    assert_eq!(old.len(), CONSOLE_LOG_MAX_BYTES, "rotated at the cap");
+    assert!(cur.len() < CONSOLE_LOG_MAX_BYTES);
+    assert_eq!(
+        (cur.uid(), cur.mode() & 0o777),
+        (0, 0o640),
+        "the launcher's file, not QEMU's user's"
+    );
+    let (ok, console) = l.cli(&["console", "--no-follow"]);
+    assert!(ok, "{console}");
+    let boot = &console[console
+        .rfind("earlier boot\n")
+        .expect("the earlier run's lines")
+        + 13..];
+    let first = l.seen.iter().find(|x| !x.starts_with("LAUNCHER ")).unwrap();
+    assert_eq!(
+        boot.lines().next().map(str::trim),
+        Some(first.trim()),
+        "the copy begins where the Pod's log does"
+    );
+    assert!(boot.contains("SYSLINUX") && boot.contains("CAPK-TESTGUEST lease "));
+
+    l.signal("TERM");
+    assert!(l.wait_exit(Duration::from_secs(30)).success());
+    l.wait_for("CAPK-TESTGUEST acpi-power-button", Duration::from_secs(1));
+    std::thread::sleep(Duration::from_millis(600));
+    let _ = follower.kill();
+    let _ = follower.wait();
+    let followed = followed.join().unwrap();
+    assert!(
+        followed.contains("SYSLINUX") && followed.contains("CAPK-TESTGUEST acpi-power-button"),
+        "capk-launcher console must follow the boot to the power-off; its last lines:\n{}",
+        followed
+            .lines()
+            .rev()
+            .take(40)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
 /// Every Secret the real CABPK v1.14.2 wrote (bootstrap/tests/fixtures/cabpk, both formats,
 /// init and joins) boots through the guest's upstream Ignition: every file of the config is in
 /// the guest with its content and mode, the kubeadm stand-in records the command CABPK asked

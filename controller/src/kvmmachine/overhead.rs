@@ -43,3 +43,20 @@ pub fn memory_bytes(vcpus: u64, vm_bytes: u64, tcg_cache_mib: u64) -> u64 {
         FIXED_MIB + PER_VCPU_MIB * vcpus + PER_GIB_MIB * vm_bytes.div_ceil(1 << 30) + tcg_cache_mib;
     mib << 20
 }
+
+/// Ephemeral storage a machine Pod writes outside its sized volumes, MiB: the launcher's console
+/// copy (at most two files of 4 MiB, launcher/src/console.rs), the container's log as the kubelet
+/// keeps it (counted as the Pod's ephemeral storage; by default up to 5 files of 10 MiB,
+/// `containerLogMaxFiles` × `containerLogMaxSize`), the tools emptyDir of a copied node image
+/// (busybox, about 2 MiB), the runtime directory's sockets and the launcher's state file; the
+/// rest is headroom for a kubelet that keeps a little more log.
+pub const WRITABLE_MIB: u64 = 128;
+
+/// The machine Pod's ephemeral-storage limit in bytes. The kubelet counts disk-backed emptyDirs
+/// (the VM disks' volume; etcd's when it has no storage of its own) against the Pod's limit
+/// together with the writable layer and the logs, so the limit is their size limits
+/// (`volume_bytes`) plus [`WRITABLE_MIB`]: a limit of the writable part alone would evict the
+/// Pod as soon as the guest filled its root disk's overlay.
+pub fn ephemeral_storage_limit_bytes(volume_bytes: u64) -> u64 {
+    volume_bytes + (WRITABLE_MIB << 20)
+}

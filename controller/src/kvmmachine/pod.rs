@@ -154,6 +154,8 @@ pub fn machine_pod(
         }
     }
 
+    // Disk-backed emptyDirs, counted in the Pod's ephemeral storage.
+    let mut empty_dir_bytes = disk + docker + kubelet;
     if placement.control_plane {
         let storage = spec.etcd_storage.as_ref();
         let etcd_bytes = valid.etcd_disk;
@@ -178,11 +180,14 @@ pub fn machine_pod(
                 host_path("etcd", &dir, "DirectoryOrCreate")
             }
             // No storage configured: etcd lives next to the VM disks (lost with the Pod).
-            None => Volume {
-                name: "etcd".into(),
-                empty_dir: Some(EmptyDirVolumeSource::default()),
-                ..Default::default()
-            },
+            None => {
+                empty_dir_bytes += etcd_bytes;
+                Volume {
+                    name: "etcd".into(),
+                    empty_dir: Some(EmptyDirVolumeSource::default()),
+                    ..Default::default()
+                }
+            }
         };
         volumes.push(volume);
         mounts.push(mount("etcd", ETCD_DIR, false));
@@ -214,15 +219,23 @@ pub fn machine_pod(
     let ratio = defaults.cpu_allocation_ratio.max(1) as u64;
     let cpu_millis = (vcpus * 1000 + overhead::CPU_MILLIS).div_ceil(ratio);
     let memory_quantity = Quantity((memory + overhead_bytes).to_string());
+    // Ephemeral storage: the limit covers the VM disks' volumes and what the container writes
+    // besides (console copy, logs); the request only the latter, because the disks are sparse
+    // files that grow as the guest writes, and requesting their full size (tens of GiB per
+    // machine with the templates' defaults) would keep machines off nodes they fit on for long.
+    // QoS is decided by CPU and memory only.
+    let ephemeral = |bytes: u64| ("ephemeral-storage".to_owned(), Quantity(bytes.to_string()));
+    let ephemeral_request = ephemeral(overhead::WRITABLE_MIB << 20);
+    let ephemeral_limit = ephemeral(overhead::ephemeral_storage_limit_bytes(empty_dir_bytes));
     let requests = BTreeMap::from([
         ("cpu".to_owned(), Quantity(format!("{cpu_millis}m"))),
         ("memory".to_owned(), memory_quantity.clone()),
+        ephemeral_request,
     ]);
-    let limits = if ratio == 1 {
-        requests.clone()
-    } else {
-        BTreeMap::from([("memory".to_owned(), memory_quantity)])
-    };
+    let mut limits = BTreeMap::from([("memory".to_owned(), memory_quantity), ephemeral_limit]);
+    if ratio == 1 {
+        limits.insert("cpu".to_owned(), requests["cpu"].clone());
+    }
 
     let probe = |kind: &str, initial: i32, period: i32, failures: i32| Probe {
         exec: Some(ExecAction {
@@ -388,6 +401,15 @@ mod tests {
         }
     }
 
+    /// A placement in cluster `c`, no failure domain.
+    fn in_cluster_c(control_plane: bool) -> MachinePlacement {
+        MachinePlacement {
+            cluster: "c".into(),
+            control_plane,
+            failure_domain: None,
+        }
+    }
+
     /// The Pod of a spec that must pass validation.
     fn build(km: &KVMMachine, placement: &MachinePlacement, defaults: &MachineDefaults) -> Pod {
         let valid =
@@ -476,7 +498,10 @@ mod tests {
         let pod = build(&km, &placement, &MachineDefaults::default());
         let c = &pod.spec.unwrap().containers[0];
         let r = c.resources.as_ref().unwrap();
-        assert_eq!(r.requests, r.limits, "Guaranteed QoS");
+        let (requests, limits) = (r.requests.as_ref().unwrap(), r.limits.as_ref().unwrap());
+        for k in ["cpu", "memory"] {
+            assert_eq!(requests[k], limits[k], "Guaranteed QoS: {k}");
+        }
         let mem: u64 = r.limits.as_ref().unwrap()["memory"].0.parse().unwrap();
         // 8 GiB + 256 MiB fixed + 4 x 16 MiB + 8 x 16 MiB + the 128 MiB translation cache
         // (accel auto may emulate)
@@ -581,6 +606,50 @@ mod tests {
         );
     }
 
+    /// The kubelet counts the disk-backed emptyDirs (VM disks; etcd's without storage of its
+    /// own), the writable layer (the console copy) and the logs against the Pod's
+    /// ephemeral-storage limit: the limit is the volumes' sizes plus 128 MiB, the request the
+    /// 128 MiB the container writes besides its sparse disks.
+    #[test]
+    fn ephemeral_storage_covers_the_disks_and_the_writable_layer() {
+        let storage = |km: &KVMMachine, control_plane| {
+            let c = build(
+                km,
+                &in_cluster_c(control_plane),
+                &MachineDefaults::default(),
+            )
+            .spec
+            .unwrap()
+            .containers
+            .remove(0);
+            let r = c.resources.unwrap();
+            let get = |m: Option<BTreeMap<String, Quantity>>| -> u64 {
+                m.unwrap()["ephemeral-storage"].0.parse().unwrap()
+            };
+            (get(r.requests), get(r.limits))
+        };
+        let worker = kvm_machine(
+            "w",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi",
+                                 "dockerVolumeSize": "40Gi", "kubeletVolumeSize": "2Gi"}}),
+        );
+        assert_eq!(
+            storage(&worker, false),
+            (128 << 20, (62u64 << 30) + (128 << 20))
+        );
+        // etcd without storage of its own lives in an emptyDir beside the disks.
+        let cp = kvm_machine(
+            "cp",
+            json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi",
+                                 "dockerVolumeSize": "5Gi", "kubeletVolumeSize": "1Gi"}}),
+        );
+        let etcd = MachineDefaults::default().etcd_volume_bytes;
+        assert_eq!(
+            storage(&cp, true),
+            (128 << 20, (26u64 << 30) + etcd + (128 << 20))
+        );
+    }
+
     /// The launcher writes the merged Ignition (CA keys on a first control plane) to
     /// `--secret-dir`: a memory emptyDir with a small size limit, never the node's disk.
     #[test]
@@ -589,12 +658,7 @@ mod tests {
             "m",
             json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
         );
-        let placement = MachinePlacement {
-            cluster: "c".into(),
-            control_plane: true,
-            failure_domain: None,
-        };
-        let spec = build(&km, &placement, &MachineDefaults::default())
+        let spec = build(&km, &in_cluster_c(true), &MachineDefaults::default())
             .spec
             .unwrap();
         let c = &spec.containers[0];

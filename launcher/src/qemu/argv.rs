@@ -164,8 +164,6 @@ pub struct VmSpec {
     pub qmp_socket: PathBuf,
     /// Heartbeat socket (QEMU listens, the launcher connects).
     pub heartbeat_socket: PathBuf,
-    /// Copy of the serial console for `capk-launcher console`.
-    pub console_log: PathBuf,
     /// 9p shares.
     pub host_volumes: Vec<HostVolume>,
     /// Direct kernel boot instead of the disk's bootloader.
@@ -218,15 +216,9 @@ pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
     a.push("-no-user-config".into());
     push(&mut a, "-display", "none".into());
     push(&mut a, "-msg", "timestamp=on".into());
-    // Serial console on QEMU's stdout, which is the launcher's stdout (kubectl logs).
-    push(
-        &mut a,
-        "-chardev",
-        format!(
-            "stdio,id=console,signal=off,logfile={},logappend=on",
-            p(&spec.console_log)
-        ),
-    );
+    // Serial console on QEMU's stdout, a pipe to the launcher: it copies it to its own stdout
+    // (kubectl logs) and to a size-capped file (`console`). QEMU's `logfile=` would only append.
+    push(&mut a, "-chardev", "stdio,id=console,signal=off".into());
     push(&mut a, "-serial", "chardev:console".into());
     push(
         &mut a,
@@ -403,7 +395,6 @@ mod tests {
             ignition: Some("/run/capk-secret/ignition.json".into()),
             qmp_socket: "/run/capk/qmp.sock".into(),
             heartbeat_socket: "/run/capk/heartbeat.sock".into(),
-            console_log: "/run/capk/console.log".into(),
             host_volumes: vec![
                 HostVolume {
                     tag: "data".into(),

@@ -7,7 +7,7 @@
 //!
 //! What QEMU opens must be usable by that user: the launcher hands over the tap (and vhost-net)
 //! as descriptors, and gives the user the files QEMU writes ([`hand_over`]) and a runtime
-//! directory it may create its sockets and console log in ([`share_runtime_dir`]).
+//! directory it may create its sockets in ([`share_runtime_dir`]).
 #![allow(unsafe_code)]
 
 use std::io;
@@ -207,15 +207,14 @@ pub fn hand_over(path: &Path, user: &QemuUser) -> Result<(), HandOverError> {
     std::os::unix::fs::fchown(&f, Some(user.uid), Some(user.gid)).map_err(io_err("chown"))
 }
 
-/// Lets QEMU's user create its sockets and console log in the runtime directory without
-/// touching the launcher's own files there: group-owned by QEMU's group, group-writable and
-/// sticky (only a file's owner may remove or rename it, so QEMU cannot replace the control
-/// socket). Leftovers of an earlier QEMU are removed or handed over.
+/// Lets QEMU's user create its sockets in the runtime directory without touching the launcher's
+/// own files there (the control socket, the console copy): group-owned by QEMU's group,
+/// group-writable and sticky (only a file's owner may remove or rename it, so QEMU cannot replace
+/// them). Leftovers of an earlier QEMU are removed.
 pub fn share_runtime_dir(
     dir: &Path,
     user: &QemuUser,
     qemu_creates: &[&Path],
-    qemu_appends: &[&Path],
 ) -> Result<(), HandOverError> {
     let io_err = |action, path: &Path| {
         let path = path.to_path_buf();
@@ -232,11 +231,6 @@ pub fn share_runtime_dir(
         match std::fs::remove_file(p) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(io_err("remove", p)(e)),
             _ => {}
-        }
-    }
-    for p in qemu_appends {
-        if std::fs::symlink_metadata(p).is_ok() {
-            hand_over(p, user)?;
         }
     }
     Ok(())
