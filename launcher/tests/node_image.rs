@@ -334,6 +334,8 @@ impl Launcher {
             ])
             .args(["--state-dir", &work.join("state").display().to_string()])
             .args(["--runtime-dir", &runtime_dir.display().to_string()])
+            // Each run's own, like the machine Pod's memory volume (not the host's /run).
+            .args(["--secret-dir", &work.join("secret").display().to_string()])
             .args(["--resolv-conf", &resolv.display().to_string()])
             .args(["--ignition", &ignition.display().to_string()])
             .args(["--host-volume", &format!("shared={}", shared.display())])
