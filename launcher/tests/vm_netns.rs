@@ -1251,13 +1251,23 @@ fn console_copy_is_capped_and_shows_the_boot_from_the_firmware_on() {
 
     let mut l = Launcher::start_from_disk(&t, work.path());
     l.wait_for("SYSLINUX", Duration::from_secs(60));
-    let mut follower = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
-        .args(["console", "--runtime-dir", &run.display().to_string()])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    /// Kills `capk-launcher console` (which follows until interrupted), also when the test fails.
+    struct Follower(Child);
+    impl Drop for Follower {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut follower = Follower(
+        Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
+            .args(["console", "--runtime-dir", &run.display().to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let followed = {
-        let mut out = follower.stdout.take().unwrap();
+        let mut out = follower.0.stdout.take().unwrap();
         std::thread::spawn(move || {
             let mut text = Vec::new();
             let _ = std::io::Read::read_to_end(&mut out, &mut text);
@@ -1295,8 +1305,7 @@ fn console_copy_is_capped_and_shows_the_boot_from_the_firmware_on() {
     assert!(l.wait_exit(Duration::from_secs(30)).success());
     l.wait_for("CAPK-TESTGUEST acpi-power-button", Duration::from_secs(1));
     std::thread::sleep(Duration::from_millis(600));
-    let _ = follower.kill();
-    let _ = follower.wait();
+    drop(follower);
     let followed = followed.join().unwrap();
     assert!(
         followed.contains("SYSLINUX") && followed.contains("CAPK-TESTGUEST acpi-power-button"),
