@@ -79,10 +79,12 @@ where
         + 'static,
 {
     let (store, writer) = reflector::store();
+    // Small pages (100, or fewer when the caller asks): the first list of thousands of objects
+    // is not held in memory at once.
+    let page = config.page_size.unwrap_or(100).min(100);
     let stream = reflector::reflector(
         writer,
-        // Small pages: the first list of thousands of objects is not held in memory at once.
-        watcher(api, config.page_size(100)).modify(move |o: &mut K| {
+        watcher(api, config.page_size(page)).modify(move |o: &mut K| {
             o.managed_fields_mut().clear();
             strip(o);
         }),
@@ -235,7 +237,8 @@ pub async fn run_with_metrics(
     // Secrets, PVCs and Services as metadata only: their data is read when needed.
     let (secrets, secret_events) = cached(
         api::<PartialObjectMeta<Secret>>(&client, ns),
-        Default::default(),
+        // Pages of 25: each Secret may carry up to 256 KiB of annotations until stripped.
+        watcher::Config::default().page_size(25),
         strip_secret,
     );
     let (claims, claim_events) = cached(
