@@ -20,8 +20,10 @@
 # inputs (for the Rust images: the git tree of the crates, Cargo files and Dockerfile, plus the ids
 # of the two base images); a build runs only when no image with that label exists, an import only
 # when containerd lacks the name with that label. Cargo's registry and target directory are
-# buildah cache mounts (/var/tmp/buildah-cache, outside the clone), so a rebuild compiles only
-# what changed, also in a fresh clone. Buildah storage: _output/buildah (vfs), as images/base/.
+# buildah cache mounts (/var/tmp/buildah-cache, outside the clone), so a rebuild compiles the
+# workspace's crates only (the Dockerfiles touch their sources: an edit made while an earlier
+# build ran would otherwise look older than its output), also in a fresh clone. Buildah storage:
+# _output/buildah (vfs), as images/base/.
 set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
