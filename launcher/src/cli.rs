@@ -57,6 +57,11 @@ pub enum Command {
         #[command(flatten)]
         socket: SocketArgs,
     },
+    /// Put a node image into the MC node's cache (the machine Pod's `fetch-image` init
+    /// container): download once per node, verify, evict least recently used images over the
+    /// limit, link it for `run --image`. On failure, one line for the KVMMachine's `Ready`
+    /// condition goes to --termination-log.
+    FetchImage(Box<FetchImageArgs>),
     /// Check whether KVM can run a guest instruction here and print the accelerator `auto` picks.
     ProbeAccel {
         /// How long the probe vCPU may take for its loop (real KVM needs about 1 ms).
@@ -126,6 +131,67 @@ impl From<QmpCommandArg> for SimpleCommand {
             QmpCommandArg::Cont => SimpleCommand::Cont,
         }
     }
+}
+
+/// `fetch-image` arguments: a URL with its sha256, or a Flatcar release.
+#[derive(Args, Debug, Clone)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["url", "flatcar_version"])))]
+pub struct FetchImageArgs {
+    /// http(s) URL of a qcow2 or raw disk image (`spec.image.url`); messages show it without
+    /// userinfo, query and fragment.
+    #[arg(long, requires = "sha256")]
+    pub url: Option<String>,
+    /// Expected sha256 of the --url file, 64 lower-case hex digits.
+    #[arg(long, requires = "url")]
+    pub sha256: Option<String>,
+    /// Flatcar release channel.
+    #[arg(long, default_value = "stable", requires = "flatcar_version")]
+    pub flatcar_channel: String,
+    /// Flatcar release, pinned (e.g. 4230.2.3).
+    #[arg(long)]
+    pub flatcar_version: Option<String>,
+    /// A mirror of the channel's `<arch>/<version>/<file>` tree (http or https: the release's
+    /// signature is checked either way). Default: Flatcar's release server of the channel.
+    #[arg(long)]
+    pub flatcar_base_url: Option<String>,
+    /// OpenPGP key Flatcar releases must be signed with (a mirror's own signed tree). Default:
+    /// the Flatcar image signing key shipped in this program.
+    #[arg(long)]
+    pub flatcar_key: Option<PathBuf>,
+    /// The node-image cache directory (the MC node's /var/lib/capk/images).
+    #[arg(long, default_value = "/var/lib/capk/image")]
+    pub cache_dir: PathBuf,
+    /// Symbolic link to the cached image written for `run --image`.
+    #[arg(long)]
+    pub link: Option<PathBuf>,
+    /// Most bytes the cache's images may take (also the most one download may hold); least
+    /// recently used images no machine uses are evicted beyond it.
+    #[arg(long, default_value = "50Gi")]
+    pub max_cache_size: ByteSize,
+    /// Seconds an image stays after its last use before it may be evicted (a Pod between this
+    /// init container and its launcher does not hold its image yet).
+    #[arg(long, default_value_t = 600)]
+    pub keep_used_seconds: u64,
+    /// Seconds a connection may take.
+    #[arg(long, default_value_t = 30)]
+    pub connect_timeout_seconds: u64,
+    /// Seconds a transfer may make (almost) no progress (under 1 KiB/s) before the attempt fails.
+    #[arg(long, default_value_t = 60)]
+    pub stall_seconds: u64,
+    /// Attempts per file (back-off 1, 2, 4, ... s); then the container fails and the kubelet
+    /// restarts it with its own back-off, continuing the download.
+    #[arg(long, default_value_t = 4)]
+    pub attempts: u32,
+    /// Where the one-line failure message for the controller goes (the container's
+    /// terminationMessagePath).
+    #[arg(long, default_value = "/dev/termination-log")]
+    pub termination_log: PathBuf,
+    /// curl.
+    #[arg(long, default_value = "curl")]
+    pub curl: PathBuf,
+    /// gpgv (Flatcar signatures).
+    #[arg(long, default_value = "gpgv")]
+    pub gpgv: PathBuf,
 }
 
 /// Hardware accelerator choice.

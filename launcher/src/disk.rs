@@ -322,10 +322,16 @@ pub fn observe(r: &DiskRequest) -> Result<DiskState, DiskError> {
 
 /// Opens a base image read-only for QEMU (which gets the descriptor) and checks again, on the
 /// open file, that a qcow2 names no other file: what QEMU reads is what was checked, even if the
-/// path was replaced after planning.
+/// path was replaced after planning. The open file holds a shared `flock` for as long as the VM
+/// runs: the node-image cache never evicts an image so held (`image_cache`).
 pub fn open_base(b: &BaseImage) -> Result<std::fs::File, DiskError> {
     let f = std::fs::File::open(&b.path).map_err(|source| DiskError::Io {
         action: "open",
+        path: b.path.clone(),
+        source,
+    })?;
+    f.lock_shared().map_err(|source| DiskError::Io {
+        action: "lock (shared: in use) the node image",
         path: b.path.clone(),
         source,
     })?;

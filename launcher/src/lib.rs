@@ -10,6 +10,7 @@ pub mod control;
 pub mod disk;
 pub mod health;
 pub mod ignition;
+pub mod image_cache;
 pub mod line;
 pub mod net;
 pub mod qcow2;

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use capk_launcher::cli::{Cli, Command, LogFormat};
+use capk_launcher::cli::{Cli, Command, FetchImageArgs, LogFormat};
 use capk_launcher::control::{self, ProbeKind, Request};
 use capk_launcher::{accel, run};
 use clap::Parser;
@@ -65,6 +65,99 @@ fn follow_console(path: &std::path::Path, follow: bool) -> std::io::Result<()> {
         out.flush()?;
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// `fetch-image`: fills the cache and links the image, or writes `<Reason>: <message>` (one
+/// line, for the controller) to the termination log and fails.
+fn fetch_image(args: &FetchImageArgs) -> ExitCode {
+    use capk_launcher::image_cache::{self, ImageCacheError};
+    let result = fetch_image_config(args).and_then(|(source, config)| {
+        let filled = image_cache::fill(&source, &config)?;
+        tracing::info!(
+            image = %source.describe(),
+            path = %filled.path.display(),
+            downloaded = filled.downloaded,
+            evicted = ?filled.evicted,
+            "node image ready"
+        );
+        if let Some(link) = &args.link {
+            image_cache::link(&filled.path, link)?;
+        }
+        Ok::<_, ImageCacheError>(())
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let line = format!("{}: {}", e.reason(), one_line(&e));
+            eprintln!("capk-launcher: {line}");
+            // The kubelet shows it in the container's terminated state, where the controller
+            // reads it; outside a Pod there is no such file, and stderr has said it.
+            let _ = std::fs::write(&args.termination_log, format!("{line}\n"));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The source and cache settings `fetch-image` was given.
+fn fetch_image_config(
+    args: &FetchImageArgs,
+) -> Result<
+    (
+        capk_launcher::image_cache::ImageSource,
+        capk_launcher::image_cache::CacheConfig,
+    ),
+    capk_launcher::image_cache::ImageCacheError,
+> {
+    use capk_flatcar_image::fetch::Curl;
+    use capk_flatcar_image::signature::SignatureVerifier;
+    use capk_launcher::image_cache::{CacheConfig, ImageCacheError as E, ImageSource};
+    let source = match (&args.url, &args.sha256, &args.flatcar_version) {
+        (Some(url), Some(sha256), None) => ImageSource::url(url, sha256)?,
+        (None, None, Some(version)) => {
+            let channel = args
+                .flatcar_channel
+                .parse()
+                .map_err(|e| E::Source(format!("{e}")))?;
+            let version = version
+                .parse()
+                .map_err(|e| E::Source(format!("{e}; pin a release")))?;
+            ImageSource::flatcar(channel, version, args.flatcar_base_url.as_deref())?
+        }
+        _ => {
+            return Err(E::Source(
+                "give --url with --sha256, or --flatcar-version".into(),
+            ));
+        }
+    };
+    let verifier = match &args.flatcar_key {
+        None => SignatureVerifier::flatcar(),
+        Some(path) => {
+            let key = std::fs::read(path).map_err(|source| E::Io {
+                action: "read the Flatcar key",
+                path: path.clone(),
+                source,
+            })?;
+            SignatureVerifier::from_key(&key, None).map_err(|e| E::Source(e.to_string()))?
+        }
+    }
+    .with_gpgv(&args.gpgv);
+    let curl = Curl::new(&args.curl)
+        .allow_http()
+        .resumable()
+        .attempts(args.attempts)
+        .timeouts(
+            Duration::from_secs(args.connect_timeout_seconds),
+            Duration::from_secs(args.stall_seconds),
+        )
+        .max_bytes(args.max_cache_size.0);
+    let config = CacheConfig {
+        dir: args.cache_dir.clone(),
+        max_bytes: args.max_cache_size.0,
+        grace: Duration::from_secs(args.keep_used_seconds),
+        curl,
+        verifier,
+    };
+    Ok((source, config))
 }
 
 fn main() -> ExitCode {
@@ -152,6 +245,10 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+        Command::FetchImage(args) => {
+            init_tracing(cli.log_format);
+            fetch_image(&args)
         }
         Command::ProbeAccel { timeout_ms } => {
             match accel::probe_kvm(Duration::from_millis(timeout_ms)) {

@@ -7,9 +7,10 @@
 //! disk.
 
 use std::fs;
-use std::io::Read as _;
+use std::io::{Read as _, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use thiserror::Error;
 
@@ -23,13 +24,18 @@ use crate::version_txt::{VersionTxt, VersionTxtError};
 #[derive(Debug, Error)]
 pub enum FetchError {
     /// A download failed.
-    #[error("download {url}: {detail}")]
+    #[error("download {url}: {}{detail}", status.map(|s| format!("HTTP {s}: ")).unwrap_or_default())]
     Download {
-        /// The URL.
+        /// The URL, without credentials ([`redact_url`]).
         url: String,
+        /// The HTTP status of the last attempt, when the server answered.
+        status: Option<u16>,
         /// curl's message.
         detail: String,
     },
+    /// A URL curl must not be given.
+    #[error("{0} is not an http:// or https:// URL without spaces, quotes or backslashes")]
+    BadUrl(String),
     /// curl could not be started.
     #[error("run {program}: install the Debian package curl (or pass --curl PATH)")]
     SpawnCurl {
@@ -97,57 +103,230 @@ pub trait Download {
 
 /// Downloads with the `curl` program.
 ///
-/// Why curl and not a Rust HTTP client: no new crates for a tool that runs once per release,
-/// and curl brings what a platform engineer's build host is already configured for (proxies
-/// through `https_proxy`, the system's CA store, retries), with a clear message on failure.
+/// Why curl and not a Rust HTTP client: no new crates, and curl brings what a platform
+/// engineer's hosts are already configured for (proxies through `https_proxy`, the system's CA
+/// store), resumption (HTTP Range), connect and stall timeouts, with a clear message on failure.
+///
+/// The URL reaches curl on its standard input (`--config -`), never in its arguments, where
+/// every process on the host could read a token in it. Messages name it without userinfo,
+/// query or fragment ([`redact_url`]).
 #[derive(Clone, Debug)]
 pub struct Curl {
     program: PathBuf,
+    protocols: &'static str,
+    resume: bool,
+    attempts: u32,
+    connect_timeout: Duration,
+    stall: Duration,
+    max_bytes: Option<u64>,
 }
 
 impl Curl {
-    /// curl at `program` (e.g. `curl` from `PATH`).
+    /// curl at `program` (e.g. `curl` from `PATH`): https only (also after redirects), four
+    /// attempts, no resumption, a transfer slower than 1 KiB/s for 60 s fails.
     pub fn new(program: impl Into<PathBuf>) -> Self {
         Curl {
             program: program.into(),
+            // The signature is the trust anchor; TLS keeps the version resolution private.
+            protocols: "=https",
+            resume: false,
+            attempts: 4,
+            connect_timeout: Duration::from_secs(30),
+            stall: Duration::from_secs(60),
+            max_bytes: None,
         }
     }
+
+    /// Accepts http:// too (an air-gapped mirror, a tenant's `spec.image.url`): what is
+    /// downloaded must then be checked by digest or signature.
+    pub fn allow_http(mut self) -> Self {
+        self.protocols = "=http,https";
+        self
+    }
+
+    /// Keeps `<dest>.part` when a download fails and continues it (HTTP Range) next time, in
+    /// this process or the next one. A server that ignores the range starts it over.
+    pub fn resumable(mut self) -> Self {
+        self.resume = true;
+        self
+    }
+
+    /// Attempts per download (at least 1); transient failures (timeouts, refused connections,
+    /// HTTP 408, 429 and 5xx) are retried after 1, 2, 4, ... s (at most 30 s).
+    pub fn attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts.max(1);
+        self
+    }
+
+    /// How long a connection may take, and how long a transfer may make no progress (less than
+    /// 1 KiB/s), before the attempt fails.
+    pub fn timeouts(mut self, connect: Duration, stall: Duration) -> Self {
+        self.connect_timeout = connect;
+        self.stall = stall;
+        self
+    }
+
+    /// The most a download may hold: it is stopped, and its part deleted, once larger.
+    pub fn max_bytes(mut self, max: u64) -> Self {
+        self.max_bytes = Some(max);
+        self
+    }
+
+    fn part(dest: &Path) -> PathBuf {
+        PathBuf::from(format!("{}.part", dest.display()))
+    }
+
+    /// One curl run: appends to (`resume`) or replaces `part`.
+    fn attempt(&self, url: &str, part: &Path, resume: bool) -> Result<(), Failure> {
+        let mut command = Command::new(&self.program);
+        command
+            .args(["--fail", "--location", "--silent", "--show-error"])
+            .args(["--max-redirs", "5"])
+            .args(["--proto", self.protocols, "--proto-redir", self.protocols])
+            .arg("--connect-timeout")
+            .arg(self.connect_timeout.as_secs().max(1).to_string())
+            .args(["--speed-limit", "1024", "--speed-time"])
+            .arg(self.stall.as_secs().max(1).to_string())
+            .args(["--write-out", "%{http_code}"]);
+        if let Some(max) = self.max_bytes {
+            command.arg("--max-filesize").arg(max.to_string());
+        }
+        if resume {
+            command.args(["--continue-at", "-"]);
+        }
+        let mut child = command
+            .arg("--output")
+            .arg(part)
+            .args(["--config", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(Failure::Spawn)?;
+        // The config line: `validate_url` refused quotes, backslashes and control characters.
+        let config = format!("url = \"{url}\"\n");
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(config.as_bytes());
+        }
+        // curl checks --max-filesize only against a announced length: a body without one is
+        // measured here, and the transfer stopped once it is too large.
+        let mut too_large = false;
+        while child.try_wait().map_err(Failure::Spawn)?.is_none() {
+            if let Some(max) = self.max_bytes
+                && fs::metadata(part).is_ok_and(|m| m.len() > max)
+            {
+                too_large = true;
+                let _ = child.kill();
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let output = child.wait_with_output().map_err(Failure::Spawn)?;
+        let status = String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .parse::<u16>()
+            .ok()
+            .filter(|s| *s != 0);
+        if too_large || output.status.code() == Some(63) {
+            return Err(Failure::Fatal {
+                status,
+                detail: format!(
+                    "larger than {} bytes, the most a download may hold",
+                    self.max_bytes.unwrap_or_default()
+                ),
+            });
+        }
+        if output.status.success() {
+            return Ok(());
+        }
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
+        let mut detail = match last {
+            Some(line) => line.trim().trim_start_matches("curl: ").to_owned(),
+            None => format!("curl exited with {}", output.status),
+        };
+        let code = output.status.code();
+        if code == Some(28) {
+            detail = format!(
+                "no progress for {} s or no connection within {} s ({detail})",
+                self.stall.as_secs(),
+                self.connect_timeout.as_secs()
+            );
+        }
+        // 33: the server ignores the range; 36: bad resume offset; 416: the range is past its
+        // end (the part is as long as the file, or longer: another file now).
+        if resume && (matches!(code, Some(33 | 36)) || status == Some(416)) {
+            return Err(Failure::RestartFromZero);
+        }
+        let transient = match status {
+            Some(s) if s >= 400 => s == 408 || s == 429 || s >= 500,
+            // Connect, timeout, partial file, empty reply, send/receive errors, TLS handshake.
+            _ => matches!(code, Some(7 | 18 | 28 | 35 | 52 | 55 | 56)),
+        };
+        Err(if transient {
+            Failure::Transient { status, detail }
+        } else {
+            Failure::Fatal { status, detail }
+        })
+    }
+}
+
+/// How one curl run failed.
+enum Failure {
+    Spawn(std::io::Error),
+    RestartFromZero,
+    Transient { status: Option<u16>, detail: String },
+    Fatal { status: Option<u16>, detail: String },
 }
 
 impl Download for Curl {
     fn download(&self, url: &str, dest: &Path) -> Result<(), FetchError> {
-        let part = PathBuf::from(format!("{}.part", dest.display()));
-        let output = Command::new(&self.program)
-            .args(["--fail", "--location", "--silent", "--show-error"])
-            // https only, also after redirects; the signature is the trust anchor, TLS keeps
-            // the version resolution private.
-            .args(["--proto", "=https", "--proto-redir", "=https"])
-            .args(["--retry", "3", "--connect-timeout", "30"])
-            .arg("--output")
-            .arg(&part)
-            .arg(url)
-            .output()
-            .map_err(|source| FetchError::SpawnCurl {
-                program: self.program.clone(),
-                source,
-            })?;
-        if !output.status.success() {
+        let shown = redact_url(url);
+        validate_url(url)?;
+        let part = Self::part(dest);
+        if !self.resume {
             let _ = fs::remove_file(&part);
-            // With --retry curl repeats its message; the last one is enough.
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            let detail = stderr.lines().rev().find(|l| !l.trim().is_empty());
-            let mut detail = match detail {
-                Some(line) => line.trim().to_owned(),
-                None => format!("curl exited with {}", output.status),
+        }
+        let mut attempt = 0;
+        let mut backoff = Duration::from_secs(1);
+        loop {
+            attempt += 1;
+            let resume = self.resume && fs::metadata(&part).is_ok_and(|m| m.len() > 0);
+            let (status, mut detail, again) = match self.attempt(url, &part, resume) {
+                Ok(()) => break,
+                Err(Failure::Spawn(source)) => {
+                    return Err(FetchError::SpawnCurl {
+                        program: self.program.clone(),
+                        source,
+                    });
+                }
+                Err(Failure::RestartFromZero) => {
+                    let _ = fs::remove_file(&part);
+                    attempt -= 1;
+                    continue;
+                }
+                Err(Failure::Transient { status, detail }) => (status, detail, true),
+                Err(Failure::Fatal { status, detail }) => (status, detail, false),
             };
-            if detail.contains("404") {
+            if again && attempt < self.attempts {
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+                continue;
+            }
+            if !self.resume || !again {
+                let _ = fs::remove_file(&part);
+            }
+            if status == Some(404) {
                 detail.push_str(
-                    " (no such release or file: check channel, version and arch; releases \
-                     before Stable 3602.2.0 have no uncompressed QEMU image)",
+                    " (no such file: check the URL; for Flatcar the channel, version and arch; \
+                     releases before Stable 3602.2.0 have no uncompressed QEMU image)",
                 );
             }
+            if attempt > 1 {
+                detail.push_str(&format!(" (after {attempt} attempts)"));
+            }
             return Err(FetchError::Download {
-                url: url.into(),
+                url: shown,
+                status,
                 detail,
             });
         }
@@ -156,6 +335,41 @@ impl Download for Curl {
             path: dest.into(),
             source,
         })
+    }
+}
+
+/// Refuses what curl must not be given: another scheme than http(s), and characters that have
+/// no place in a URL (whitespace, quotes, backslashes, control characters).
+pub fn validate_url(url: &str) -> Result<(), FetchError> {
+    let scheme_ok = ["https://", "http://"]
+        .iter()
+        .any(|s| url.len() > s.len() && url[..s.len()].eq_ignore_ascii_case(s));
+    let chars_ok = !url
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || "\"\\".contains(c));
+    if scheme_ok && chars_ok {
+        Ok(())
+    } else {
+        Err(FetchError::BadUrl(redact_url(url)))
+    }
+}
+
+/// A URL as messages may show it: without userinfo (`user:token@`), query and fragment, where
+/// credentials hide.
+pub fn redact_url(url: &str) -> String {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((s, r)) => (Some(s), r),
+        None => (None, url),
+    };
+    // The authority ends at the first `/`; userinfo, even one holding `?` or `#`, ends at its
+    // last `@`.
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let cut = |s: &str| s.split(['?', '#']).next().unwrap_or_default().to_owned();
+    let (host, path) = (cut(host), cut(path));
+    match scheme {
+        Some(s) => format!("{s}://{host}{path}"),
+        None => format!("{host}{path}"),
     }
 }
 
@@ -374,37 +588,16 @@ mod tests {
                 .map(|_| ())
                 .map_err(|e| FetchError::Download {
                     url: url.into(),
+                    status: None,
                     detail: e.to_string(),
                 })
         }
     }
 
-    const VERSION_TXT_4230: &str = "FLATCAR_BUILD=4230\nFLATCAR_BRANCH=2\nFLATCAR_PATCH=3\n\
-        FLATCAR_VERSION=4230.2.3\nFLATCAR_VERSION_ID=4230.2.3\nFLATCAR_BUILD_ID=\"\"\n\
-        FLATCAR_SDK_VERSION=4230.0.0\n";
     const IMAGE: &str = "flatcar_production_qemu_image.img";
 
-    /// A release tree like Flatcar's: `amd64-usr/{current,4230.2.3}/…`, signed by `key`.
     fn release_tree(key: &TestKey, root: &Path, disk: &[u8]) {
-        for dir in ["current", "4230.2.3"] {
-            let d = root.join("amd64-usr").join(dir);
-            fs::create_dir_all(&d).unwrap();
-            fs::write(d.join("version.txt"), VERSION_TXT_4230).unwrap();
-            key.sign(&d.join("version.txt"));
-            let image = d.join(IMAGE);
-            fs::write(&image, disk).unwrap();
-            key.sign(&image);
-            let sha = sha512_file(&image).unwrap();
-            fs::write(
-                d.join(format!("{IMAGE}.DIGESTS")),
-                format!(
-                    "# MD5 HASH\n{}  {IMAGE}\n# SHA1 HASH\n{}  {IMAGE}\n# SHA512 HASH\n{sha}  {IMAGE}\n",
-                    "0".repeat(32),
-                    "0".repeat(40)
-                ),
-            )
-            .unwrap();
-        }
+        key.release_tree(root, "4230.2.3", disk);
     }
 
     fn setup(key: &TestKey) -> (tempfile::TempDir, Mirror, FetchRequest, SignatureVerifier) {
@@ -597,6 +790,37 @@ mod tests {
     }
 
     #[test]
+    fn messages_show_urls_without_credentials_and_curl_gets_only_http_urls() {
+        for (url, shown) in [
+            (
+                "https://user:s3cret@images.example/disk.img?X-Amz-Signature=abc#frag",
+                "https://images.example/disk.img",
+            ),
+            (
+                "http://10.0.0.1:8080/a/b.qcow2",
+                "http://10.0.0.1:8080/a/b.qcow2",
+            ),
+            ("https://to?k#en@host/x?q", "https://host/x"),
+            ("https://host", "https://host"),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
+        assert!(validate_url("https://images.example/disk.img?sig=1").is_ok());
+        for bad in [
+            "file:///etc/shadow",
+            "ftp://x/y",
+            "https://",
+            "https://x/\"quoted",
+            "https://x/a b",
+            "https://x/\\",
+            "http://x/\n",
+        ] {
+            let err = validate_url(bad).unwrap_err();
+            assert!(matches!(err, FetchError::BadUrl(_)), "{bad}: {err:?}");
+        }
+    }
+
+    #[test]
     fn curl_failures_name_the_url() {
         let dir = tempfile::tempdir().unwrap();
         let dest = dir.path().join("f");
@@ -612,7 +836,7 @@ mod tests {
             .download("http://127.0.0.1:9/x", &dest)
             .unwrap_err();
         assert!(
-            matches!(&err, FetchError::Download { url, detail } if url == "http://127.0.0.1:9/x" && detail.contains("not supported")),
+            matches!(&err, FetchError::Download { url, detail, .. } if url == "http://127.0.0.1:9/x" && detail.contains("not supported")),
             "{err:?} (curl comes from the Debian package curl)"
         );
         assert!(!dest.exists());

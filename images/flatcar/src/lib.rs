@@ -14,5 +14,5 @@ pub mod release;
 pub mod signature;
 pub mod version_txt;
 
-#[cfg(test)]
-mod testkey;
+#[cfg(any(test, feature = "testkey"))]
+pub mod testkey;

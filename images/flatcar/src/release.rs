@@ -25,8 +25,11 @@ pub enum ReleaseError {
         "Flatcar version {0:?} must look like 4230.2.3 (three numbers, no leading zeros) or be 'current'"
     )]
     Version(String),
-    /// Not an https base URL.
-    #[error("base URL {0:?} must start with https:// and contain no spaces, quotes or query")]
+    /// Not an https (or, where allowed, http) base URL.
+    #[error(
+        "base URL {0:?} must start with https:// (an in-cluster mirror: http:// too) and contain \
+         no spaces, quotes or query"
+    )]
     BaseUrl(String),
 }
 
@@ -214,9 +217,21 @@ impl ReleaseServer {
     /// base). Only `https://` is accepted; the signature is what makes a download trusted, TLS
     /// keeps the version resolution private and unmodified.
     pub fn mirror(base: &str) -> Result<Self, ReleaseError> {
+        Self::checked_mirror(base, &["https://"])
+    }
+
+    /// Like [`ReleaseServer::mirror`], `http://` too (an air-gapped mirror inside the
+    /// cluster): only for exact versions, whose signed `version.txt` must name the version asked
+    /// for, so a mirror (or anyone on its path) cannot substitute another release.
+    pub fn mirror_allowing_http(base: &str) -> Result<Self, ReleaseError> {
+        Self::checked_mirror(base, &["https://", "http://"])
+    }
+
+    fn checked_mirror(base: &str, schemes: &[&str]) -> Result<Self, ReleaseError> {
         let base = base.trim_end_matches('/');
-        let ok = base.len() > "https://".len()
-            && base.starts_with("https://")
+        let ok = schemes
+            .iter()
+            .any(|s| base.len() > s.len() && base.starts_with(s))
             && !base
                 .chars()
                 .any(|c| c.is_whitespace() || c.is_control() || "\"'\\?#".contains(c));
@@ -335,6 +350,12 @@ mod tests {
                 "{bad}"
             );
         }
+        let http = ReleaseServer::mirror_allowing_http("http://mirror.example/flatcar/").unwrap();
+        assert_eq!(
+            http.url(Arch::Amd64, VersionSpec::Current, "version.txt"),
+            "http://mirror.example/flatcar/amd64-usr/current/version.txt"
+        );
+        assert!(ReleaseServer::mirror_allowing_http("ftp://mirror.example").is_err());
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Throwaway OpenPGP keys for the tests, made by `gpg --batch` in scratch home directories.
+//! Throwaway OpenPGP keys for the tests, made by `gpg --batch` in scratch home directories, and
+//! release trees signed with them (feature `testkey`: other crates' tests serve such a tree).
 //!
 //! Shaped like Flatcar's key: a certification-only primary key with an Ed25519 signing subkey,
 //! so the tests see signatures by a subkey that must be traced back to a primary key.
@@ -10,7 +11,7 @@ use std::process::Command;
 use tempfile::TempDir;
 
 /// The gpg program (package `gpg`; secret-key operations also need `gpg-agent`).
-pub(crate) struct Gpg;
+pub struct Gpg;
 
 impl Gpg {
     fn run<I, S>(&self, home: &Path, args: I) -> Vec<u8>
@@ -36,7 +37,7 @@ impl Gpg {
     }
 
     /// Fingerprints of a key file, primary first (`gpg --show-keys`, which imports nothing).
-    pub(crate) fn show_key_fingerprints(&self, key: &[u8]) -> Vec<String> {
+    pub fn show_key_fingerprints(&self, key: &[u8]) -> Vec<String> {
         let home = scratch_home();
         let file = home.path().join("key.gpg");
         std::fs::write(&file, key).unwrap();
@@ -73,15 +74,15 @@ fn scratch_home() -> TempDir {
 }
 
 /// A key pair in its own gpg home; the agent it started is stopped on drop.
-pub(crate) struct TestKey {
+pub struct TestKey {
     home: TempDir,
     /// Primary key fingerprint.
-    pub(crate) fpr: String,
+    pub fpr: String,
 }
 
 impl TestKey {
     /// gpg and gpgv, or `None` with a printed reason outside CI; under `CI` a missing tool fails.
-    pub(crate) fn gpg_or_skip() -> Option<Gpg> {
+    pub fn gpg_or_skip() -> Option<Gpg> {
         let works = |program: &str| {
             Command::new(program)
                 .arg("--version")
@@ -101,18 +102,13 @@ impl TestKey {
     }
 
     /// A new key pair: certification-only primary key, Ed25519 signing subkey.
-    pub(crate) fn generate(gpg: &Gpg, name: &str) -> TestKey {
+    pub fn generate(gpg: &Gpg, name: &str) -> TestKey {
         Self::generate_at(gpg, name, None, "never")
     }
 
     /// A key pair made at `faked_time` (gpg's `--faked-system-time`, e.g. `20260101T000000`)
     /// whose signing subkey expires after `expire` (e.g. `2d`), as Flatcar's yearly subkeys do.
-    pub(crate) fn generate_at(
-        gpg: &Gpg,
-        name: &str,
-        faked_time: Option<&str>,
-        expire: &str,
-    ) -> TestKey {
+    pub fn generate_at(gpg: &Gpg, name: &str, faked_time: Option<&str>, expire: &str) -> TestKey {
         let home = scratch_home();
         let uid = format!("{name} <capk-test@example.invalid>");
         let time: Vec<String> = faked_time
@@ -147,12 +143,12 @@ impl TestKey {
     }
 
     /// Signs `path` (detached, binary, as Flatcar's `.sig` files); returns `<path>.sig`.
-    pub(crate) fn sign(&self, path: &Path) -> PathBuf {
+    pub fn sign(&self, path: &Path) -> PathBuf {
         self.sign_at(path, None)
     }
 
     /// Signs `path` as if at `faked_time`.
-    pub(crate) fn sign_at(&self, path: &Path, faked_time: Option<&str>) -> PathBuf {
+    pub fn sign_at(&self, path: &Path, faked_time: Option<&str>) -> PathBuf {
         let sig = PathBuf::from(format!("{}.sig", path.display()));
         let time: Vec<String> = faked_time
             .map(|t| vec!["--faked-system-time".into(), format!("{t}!")])
@@ -171,12 +167,46 @@ impl TestKey {
     }
 
     /// The public key, armored.
-    pub(crate) fn public_armored(&self) -> String {
+    pub fn public_armored(&self) -> String {
         String::from_utf8(Gpg.run(self.home.path(), ["--armor", "--export", &self.fpr])).unwrap()
     }
 
+    /// A release tree like Flatcar's under `root`: `amd64-usr/{current,<version>}/` with
+    /// `version.txt`, the QEMU image holding `disk`, their signatures by this key and the
+    /// image's DIGESTS.
+    pub fn release_tree(&self, root: &Path, version: &str, disk: &[u8]) {
+        let image_name = crate::release::Arch::Amd64.qemu_image_file();
+        let (build, rest) = version.split_once('.').expect("a N.N.N version");
+        let (branch, patch) = rest.split_once('.').expect("a N.N.N version");
+        let version_txt = format!(
+            "FLATCAR_BUILD={build}\nFLATCAR_BRANCH={branch}\nFLATCAR_PATCH={patch}\n\
+             FLATCAR_VERSION={version}\nFLATCAR_VERSION_ID={version}\nFLATCAR_BUILD_ID=\"\"\n\
+             FLATCAR_SDK_VERSION={build}.0.0\n"
+        );
+        for dir in ["current", version] {
+            let d = root.join("amd64-usr").join(dir);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("version.txt"), &version_txt).unwrap();
+            self.sign(&d.join("version.txt"));
+            let image = d.join(image_name);
+            std::fs::write(&image, disk).unwrap();
+            self.sign(&image);
+            let sha = crate::digests::sha512_file(&image).unwrap();
+            std::fs::write(
+                d.join(format!("{image_name}.DIGESTS")),
+                format!(
+                    "# MD5 HASH\n{}  {image_name}\n# SHA1 HASH\n{}  {image_name}\n\
+                     # SHA512 HASH\n{sha}  {image_name}\n",
+                    "0".repeat(32),
+                    "0".repeat(40)
+                ),
+            )
+            .unwrap();
+        }
+    }
+
     /// The public key, binary.
-    pub(crate) fn public_binary(&self) -> Vec<u8> {
+    pub fn public_binary(&self) -> Vec<u8> {
         Gpg.run(self.home.path(), ["--export", &self.fpr])
     }
 }
