@@ -1,4 +1,5 @@
-//! A real etcd + kube-apiserver on loopback, with our CRDs and the Cluster API CRDs installed.
+//! A real etcd + kube-apiserver on loopback, with our CRDs, the Cluster API CRDs and our
+//! admission policies (`manifests/admission`) installed.
 //!
 //! [`TestEnv::shared`] starts one per test binary; a watchdog process stops it (and removes its
 //! directory) as soon as the test binary exits, so no server outlives the tests. `capk-testenv`
@@ -18,8 +19,9 @@ use base64::{Engine, engine::general_purpose::STANDARD as B64};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::{
     Api, Client, Config, ResourceExt,
-    api::{Patch, PatchParams},
+    api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams},
     config::{KubeConfigOptions, Kubeconfig},
+    discovery,
 };
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
@@ -78,7 +80,8 @@ impl TestEnv {
         })
     }
 
-    /// Starts etcd and kube-apiserver, writes a kubeconfig and installs the CRDs.
+    /// Starts etcd and kube-apiserver, writes a kubeconfig and installs the CRDs and the
+    /// admission policies.
     pub async fn start(opts: EnvOptions) -> Result<TestEnv> {
         let etcd = component("etcd", "make test-deps")?;
         let apiserver = component("kube-apiserver", "make test-deps")?;
@@ -146,7 +149,8 @@ impl TestEnv {
         };
         let ready = async {
             env.wait_ready().await?;
-            env.install_crds().await
+            env.install_crds().await?;
+            env.install_admission_policies().await
         };
         if let Err(e) = ready.await {
             stop_pids(&env.pids);
@@ -210,6 +214,108 @@ impl TestEnv {
         )
     }
 
+    /// Applies the shipped ValidatingAdmissionPolicies and bindings, then waits until the
+    /// apiserver enforces them: a policy takes effect a moment after it is created, and a test
+    /// that edits a template must meet it.
+    async fn install_admission_policies(&self) -> Result<()> {
+        let client = self.client().await?;
+        for file in admission_files()? {
+            let text = fs::read_to_string(&file)?;
+            for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+                let value: serde_json::Value = serde::Deserialize::deserialize(doc)
+                    .with_context(|| format!("parse {}", file.display()))?;
+                if value.is_null() {
+                    continue;
+                }
+                let obj: DynamicObject = serde_json::from_value(value)?;
+                let gvk =
+                    GroupVersionKind::try_from(obj.types.as_ref().context("apiVersion/kind")?)?;
+                let (ar, caps) = discovery::pinned_kind(&client, &gvk).await?;
+                if caps.scope != discovery::Scope::Cluster {
+                    bail!(
+                        "{} in {} is namespaced; manifests/admission holds cluster-wide policies",
+                        gvk.kind,
+                        file.display()
+                    );
+                }
+                let api: Api<DynamicObject> = Api::all_with(client.clone(), &ar);
+                api.patch(
+                    &obj.name_any(),
+                    &PatchParams::apply("capk-testenv").force(),
+                    &Patch::Apply(&obj),
+                )
+                .await
+                .with_context(|| {
+                    format!(
+                        "install {} {} from {}",
+                        gvk.kind,
+                        obj.name_any(),
+                        file.display()
+                    )
+                })?;
+            }
+        }
+        self.wait_admission_enforced(&client).await
+    }
+
+    /// Waits until a changed KVMClusterTemplate spec is refused (dry run, so nothing changes).
+    async fn wait_admission_enforced(&self, client: &Client) -> Result<()> {
+        let templates: Api<DynamicObject> = Api::namespaced_with(
+            client.clone(),
+            "default",
+            &ApiResource::from_gvk(&GroupVersionKind::gvk(
+                "infrastructure.cluster.x-k8s.io",
+                "v1alpha1",
+                "KVMClusterTemplate",
+            )),
+        );
+        let name = "capk-testenv-admission-probe";
+        let probe = |service: &str| {
+            serde_json::json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+                "kind": "KVMClusterTemplate",
+                "metadata": {"name": name},
+                "spec": {"template": {"spec": {"controlPlaneService": {"type": service}}}},
+            })
+        };
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let mut last = String::new();
+        while Instant::now() < deadline {
+            let created = templates
+                .patch(
+                    name,
+                    &PatchParams::apply("capk-testenv").force(),
+                    &Patch::Apply(probe("ClusterIP")),
+                )
+                .await;
+            let changed = match created {
+                Ok(_) => {
+                    templates
+                        .patch(
+                            name,
+                            &PatchParams::apply("capk-testenv").force().dry_run(),
+                            &Patch::Apply(probe("NodePort")),
+                        )
+                        .await
+                }
+                Err(e) => Err(e),
+            };
+            match changed {
+                Err(kube::Error::Api(s)) if s.message.contains("immutable") => {
+                    templates.delete(name, &Default::default()).await?;
+                    return Ok(());
+                }
+                Err(e) => last = e.to_string(),
+                Ok(_) => last = "a changed template spec was accepted".into(),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        bail!(
+            "the admission policies of manifests/admission are not enforced after {READY_TIMEOUT:?} ({last}); logs in {}",
+            self.dir.display()
+        )
+    }
+
     async fn install_crds(&self) -> Result<()> {
         let client = self.client().await?;
         let crds: Api<CustomResourceDefinition> = Api::all(client);
@@ -250,6 +356,20 @@ impl TestEnv {
         }
         Ok(())
     }
+}
+
+/// The shipped admission policies (`manifests/admission`, the file release manifests include),
+/// applied as they are.
+pub fn admission_files() -> Result<Vec<PathBuf>> {
+    let dir = repo_root().join("manifests/admission");
+    let mut files: Vec<PathBuf> = fs::read_dir(&dir)
+        .with_context(|| format!("read {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .filter(|p| !p.ends_with("kustomization.yaml"))
+        .collect();
+    files.sort();
+    Ok(files)
 }
 
 /// The CRD files installed: ours (`manifests/crd`) and the pinned Cluster API release's.

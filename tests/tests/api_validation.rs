@@ -29,6 +29,22 @@ async fn client_with_namespace(ns: &str) -> Result<Client> {
 /// Server-side applies one object with strict field validation (like
 /// `kubectl apply --validate=strict`), returning the apiserver's error text on rejection.
 async fn apply(client: &Client, ns: &str, obj: &Value) -> Result<DynamicObject, String> {
+    apply_with(
+        client,
+        ns,
+        obj,
+        &PatchParams::apply(MANAGER).force().validation_strict(),
+    )
+    .await
+}
+
+/// Server-side applies one object with `params`.
+async fn apply_with(
+    client: &Client,
+    ns: &str,
+    obj: &Value,
+    params: &PatchParams,
+) -> Result<DynamicObject, String> {
     let mut obj: DynamicObject = serde_json::from_value(obj.clone()).map_err(|e| e.to_string())?;
     obj.metadata.namespace = Some(ns.to_owned());
     let types = obj.types.clone().ok_or("object without apiVersion/kind")?;
@@ -37,16 +53,12 @@ async fn apply(client: &Client, ns: &str, obj: &Value) -> Result<DynamicObject, 
         .await
         .map_err(|e| format!("discover {gvk:?}: {e}"))?;
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
-    api.patch(
-        &obj.name_any(),
-        &PatchParams::apply(MANAGER).force().validation_strict(),
-        &Patch::Apply(&obj),
-    )
-    .await
-    .map_err(|e| match e {
-        kube::Error::Api(status) => status.message,
-        other => other.to_string(),
-    })
+    api.patch(&obj.name_any(), params, &Patch::Apply(&obj))
+        .await
+        .map_err(|e| match e {
+            kube::Error::Api(status) => status.message,
+            other => other.to_string(),
+        })
 }
 
 async fn expect_rejected(client: &Client, ns: &str, obj: Value, wanted: &[&str]) {
@@ -388,8 +400,24 @@ async fn provider_id_cannot_change_once_set() -> Result<()> {
     Ok(())
 }
 
+/// The request Cluster API's topology controller makes to see whether a ClusterClass change
+/// alters a template (CAPI v1.14 `structuredmerge/dryrun.go`): a forced server-side apply as
+/// `capi-topology` with `dryRun=All`, the object carrying the annotation
+/// `topology.cluster.x-k8s.io/dry-run: ""`.
+async fn topology_dry_run(client: &Client, ns: &str, obj: &Value) -> Result<DynamicObject, String> {
+    let mut obj = obj.clone();
+    obj["metadata"]["annotations"]["topology.cluster.x-k8s.io/dry-run"] = json!("");
+    apply_with(
+        client,
+        ns,
+        &obj,
+        &PatchParams::apply("capi-topology").force().dry_run(),
+    )
+    .await
+}
+
 #[tokio::test]
-async fn templates_are_immutable() -> Result<()> {
+async fn templates_are_immutable_but_take_the_topology_dry_run() -> Result<()> {
     let ns = "immutable-templates";
     let client = client_with_namespace(ns).await?;
     let template = |memory: &str| {
@@ -412,9 +440,69 @@ async fn templates_are_immutable() -> Result<()> {
         &client,
         ns,
         template("4Gi"),
+        &[
+            "KVMMachineTemplate spec is immutable",
+            "create a new template",
+        ],
+    )
+    .await;
+    // The topology controller's dry run of a changed spec is answered, with the changed spec,
+    // and changes nothing.
+    let answer = topology_dry_run(&client, ns, &template("4Gi"))
+        .await
+        .map_err(|e| anyhow!("the topology controller's dry run was refused: {e}"))?;
+    assert_eq!(
+        answer.data["spec"]["template"]["spec"]["resources"]["memory"],
+        "4Gi"
+    );
+    let templates: Api<KVMMachineTemplate> = Api::namespaced(client.clone(), ns);
+    let stored = templates.get("workers").await?;
+    assert_eq!(stored.spec.template.spec.resources.memory.0, "2Gi");
+    assert!(
+        !stored
+            .annotations()
+            .contains_key("topology.cluster.x-k8s.io/dry-run")
+    );
+    // Only both together pass: a real update with the annotation, and a dry run without it
+    // (`kubectl apply --dry-run=server` should tell the truth), are refused.
+    let mut annotated = template("4Gi");
+    annotated["metadata"]["annotations"] = json!({"topology.cluster.x-k8s.io/dry-run": ""});
+    expect_rejected(
+        &client,
+        ns,
+        annotated,
         &["KVMMachineTemplate spec is immutable"],
     )
     .await;
+    let plain_dry_run = apply_with(
+        &client,
+        ns,
+        &template("4Gi"),
+        &PatchParams::apply(MANAGER).force().dry_run(),
+    )
+    .await;
+    assert!(
+        plain_dry_run
+            .as_ref()
+            .is_err_and(|e| e.contains("KVMMachineTemplate spec is immutable")),
+        "a dry run without the topology annotation: {plain_dry_run:?}"
+    );
+    // Labels, annotations and status stay writable (clusterctl move, the template reconciler).
+    templates
+        .patch(
+            "workers",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {
+                "labels": {"team": "a"}, "annotations": {"note": "x"}}})),
+        )
+        .await?;
+    templates
+        .patch_status(
+            "workers",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"capacity": {"cpu": "2"}}})),
+        )
+        .await?;
 
     let cluster_template = |t: &str| {
         json!({
@@ -434,6 +522,107 @@ async fn templates_are_immutable() -> Result<()> {
         &["KVMClusterTemplate spec is immutable"],
     )
     .await;
+    topology_dry_run(&client, ns, &cluster_template("NodePort"))
+        .await
+        .map_err(|e| anyhow!("the topology controller's dry run was refused: {e}"))?;
+    Ok(())
+}
+
+/// A KVMMachine's spec is what its Pod was built from: once the controller has set providerID
+/// (right before it creates the Pod) an edit is refused, not silently ignored. Before, an edit
+/// is what the Pod will be built from. The controller's one write (providerID) and metadata and
+/// status writes pass.
+#[tokio::test]
+async fn machine_spec_is_immutable_once_its_pod_is_built() -> Result<()> {
+    let ns = "immutable-machines";
+    let client = client_with_namespace(ns).await?;
+    apply(&client, ns, &machine_with("m", json!({"accel": "kvm"})))
+        .await
+        .map_err(|e| anyhow!(e))?;
+    // No Pod yet (no providerID): a spec the controller refused can still be fixed.
+    apply(&client, ns, &machine_with("m", json!({})))
+        .await
+        .map_err(|e| anyhow!("an edit before the Pod exists was refused: {e}"))?;
+    let machines: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    // What the controller sends (controller/src/kvmmachine/mod.rs `patch_machine`): a merge
+    // patch with providerID, and its annotations.
+    machines
+        .patch(
+            "m",
+            &PatchParams::default(),
+            &Patch::Merge(json!({
+                "metadata": {"annotations": {"clusterctl.cluster.x-k8s.io/block-move": "true"}},
+                "spec": {"providerID": "kvm://immutable-machines/m"},
+            })),
+        )
+        .await
+        .context("the controller sets providerID")?;
+    let message = "KVMMachine spec cannot be changed once its machine Pod is built";
+    for (what, change) in [
+        ("resources", json!({"resources": {"cpu": 2}})),
+        (
+            "an added image",
+            json!({"image": {"flatcar": {"channel": "stable", "version": "4230.2.3"}}}),
+        ),
+        (
+            "an added node selector",
+            json!({"nodeSelector": {"zone": "a"}}),
+        ),
+        ("accel", json!({"accel": "tcg"})),
+    ] {
+        let mut obj = machine_with("m", change);
+        obj["spec"]["providerID"] = json!("kvm://immutable-machines/m");
+        match apply(&client, ns, &obj).await {
+            Ok(_) => panic!("an edit of {what} was accepted"),
+            Err(e) => assert!(
+                e.contains(message) && e.contains("KVMMachineTemplate"),
+                "{what}: {e}"
+            ),
+        }
+    }
+    // Removing a field is a change too.
+    let provider_id = json!({"providerID": "kvm://immutable-machines/n"});
+    let mut with_accel = machine_with("n", provider_id.clone());
+    with_accel["spec"]["accel"] = json!("tcg");
+    apply(&client, ns, &with_accel)
+        .await
+        .map_err(|e| anyhow!(e))?;
+    expect_rejected(&client, ns, machine_with("n", provider_id), &[message]).await;
+
+    // Metadata (Cluster API's labels and annotations, finalizers) and status stay writable.
+    machines
+        .patch(
+            "m",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {
+                "labels": {"cluster.x-k8s.io/cluster-name": "c"},
+                "annotations": {"clusterctl.cluster.x-k8s.io/block-move": null},
+                "finalizers": ["kvmmachine.infrastructure.cluster.x-k8s.io"],
+            }})),
+        )
+        .await
+        .context("metadata update")?;
+    machines
+        .patch_status(
+            "m",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"ready": true, "podName": "m"}})),
+        )
+        .await
+        .context("status update")?;
+    machines
+        .patch(
+            "m",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await?;
+    let m = machines.get("m").await?;
+    assert_eq!(m.spec.resources.cpu, 1);
+    assert_eq!(
+        m.spec.provider_id.as_deref(),
+        Some("kvm://immutable-machines/m")
+    );
     Ok(())
 }
 

@@ -170,7 +170,8 @@ pub struct KVMClusterStatus {
     pub observed_generation: Option<i64>,
 }
 
-/// A template for KVMClusters, used by ClusterClass.
+/// A template for KVMClusters, used by ClusterClass. Immutable, by the admission policy in
+/// manifests/admission.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[kube(
     group = "infrastructure.cluster.x-k8s.io",
@@ -190,7 +191,6 @@ pub struct KVMClusterStatus {
     )
 )]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self == oldSelf").message("KVMClusterTemplate spec is immutable; create a new template and point the ClusterClass at it"))]
 pub struct KVMClusterTemplateSpec {
     /// The KVMCluster to stamp out.
     pub template: KVMClusterTemplateResource,

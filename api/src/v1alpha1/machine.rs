@@ -23,6 +23,42 @@ pub const MIN_DISK: &str = "1Gi";
 /// on `spec.resources.cpu` says the same number; a test holds them together).
 pub const MAX_CPU: i32 = 255;
 
+/// The CEL rule that keeps a KVMMachine's spec as it was when its machine Pod was built. The
+/// controller sets `providerID` right before it creates the Pod (and the spec's own rule forbids
+/// changing it after), so from then on an edit would be accepted and silently ignored: refused.
+/// Before, an edit is what the Pod will be built from (a spec the controller refused can be
+/// fixed). Cluster API writes nothing in an InfraMachine's spec (it updates labels and
+/// annotations); the controller writes only `providerID`. The rule sits on the KVMMachine, not
+/// on its spec type, which KVMMachineTemplate embeds: a template must still take the topology
+/// controller's dry run (manifests/admission). An optional field is compared after `has()` on
+/// both sides: the apiserver estimates `self.spec.?f == oldSelf.spec.?f` above its CEL cost
+/// budget. A test keeps the fields here equal to the spec's.
+pub const SPEC_IMMUTABLE_RULE: &str = concat!(
+    "!has(oldSelf.spec.providerID)",
+    " || (self.spec.resources == oldSelf.spec.resources",
+    " && has(self.spec.image) == has(oldSelf.spec.image)",
+    " && (!has(self.spec.image) || self.spec.image == oldSelf.spec.image)",
+    " && has(self.spec.dns) == has(oldSelf.spec.dns)",
+    " && (!has(self.spec.dns) || self.spec.dns == oldSelf.spec.dns)",
+    " && has(self.spec.ntp) == has(oldSelf.spec.ntp)",
+    " && (!has(self.spec.ntp) || self.spec.ntp == oldSelf.spec.ntp)",
+    " && has(self.spec.etcdStorage) == has(oldSelf.spec.etcdStorage)",
+    " && (!has(self.spec.etcdStorage) || self.spec.etcdStorage == oldSelf.spec.etcdStorage)",
+    " && has(self.spec.hostVolumes) == has(oldSelf.spec.hostVolumes)",
+    " && (!has(self.spec.hostVolumes) || self.spec.hostVolumes == oldSelf.spec.hostVolumes)",
+    " && has(self.spec.accel) == has(oldSelf.spec.accel)",
+    " && (!has(self.spec.accel) || self.spec.accel == oldSelf.spec.accel)",
+    " && has(self.spec.nodeSelector) == has(oldSelf.spec.nodeSelector)",
+    " && (!has(self.spec.nodeSelector) || self.spec.nodeSelector == oldSelf.spec.nodeSelector)",
+    " && has(self.spec.tolerations) == has(oldSelf.spec.tolerations)",
+    " && (!has(self.spec.tolerations) || self.spec.tolerations == oldSelf.spec.tolerations)",
+    " && has(self.spec.priorityClassName) == has(oldSelf.spec.priorityClassName)",
+    " && (!has(self.spec.priorityClassName) || self.spec.priorityClassName == oldSelf.spec.priorityClassName))",
+);
+
+/// What the apiserver answers to an edit of a KVMMachine's spec.
+pub const SPEC_IMMUTABLE_MESSAGE: &str = "KVMMachine spec cannot be changed once its machine Pod is built (spec.providerID is set): to resize or reconfigure machines, point the MachineDeployment or control plane at a new KVMMachineTemplate and Cluster API replaces them";
+
 /// A workload-cluster node: a QEMU/KVM virtual machine running in a machine Pod of the
 /// management cluster. The VM takes the Pod's IP and boots Flatcar Linux with the node's Ignition.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
@@ -39,6 +75,7 @@ pub const MAX_CPU: i32 = 255;
     shortname = "kvmm",
     label("cluster.x-k8s.io/v1beta2", "v1alpha1"),
     label("cluster.x-k8s.io/provider", "infrastructure-kvm"),
+    validation = Rule::new(SPEC_IMMUTABLE_RULE).message(SPEC_IMMUTABLE_MESSAGE),
     printcolumn(
         name = "Cluster",
         type_ = "string",
@@ -411,7 +448,9 @@ pub struct EtcdHostDirStatus {
 }
 
 /// A template for KVMMachines (used by KubeadmControlPlane and MachineDeployments). Immutable:
-/// roll out a change by creating a new template and pointing the owner at it.
+/// roll out a change by creating a new template and pointing the owner at it. The admission
+/// policy in manifests/admission enforces it, not a CRD rule: only it can let Cluster API's
+/// topology dry run through.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[kube(
     group = "infrastructure.cluster.x-k8s.io",
@@ -451,7 +490,6 @@ pub struct EtcdHostDirStatus {
     )
 )]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self == oldSelf").message("KVMMachineTemplate spec is immutable; create a new template and point the MachineDeployment or control plane at it"))]
 pub struct KVMMachineTemplateSpec {
     /// The KVMMachine to stamp out.
     pub template: KVMMachineTemplateResource,
@@ -509,6 +547,36 @@ mod tests {
             .iter()
             .map(|r| r["rule"].as_str().unwrap().to_owned())
             .collect()
+    }
+
+    /// Every field of a KVMMachine's spec but `providerID` is held by [`SPEC_IMMUTABLE_RULE`]:
+    /// a field added later without it would be silently mutable again.
+    #[test]
+    fn the_immutability_rule_names_every_spec_field_but_provider_id() {
+        let crd = serde_json::to_value(KVMMachine::crd()).unwrap();
+        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+        let fields: Vec<&String> = spec["properties"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .filter(|k| *k != "providerID")
+            .collect();
+        assert!(fields.len() >= 10, "{fields:?}");
+        for f in fields {
+            let held = SPEC_IMMUTABLE_RULE.contains(&format!("self.spec.{f} == oldSelf.spec.{f}"));
+            assert!(held, "spec.{f} is missing from SPEC_IMMUTABLE_RULE");
+        }
+        // providerID itself is only the condition: set, the spec is frozen.
+        assert!(SPEC_IMMUTABLE_RULE.starts_with("!has(oldSelf.spec.providerID) || ("));
+        assert_eq!(SPEC_IMMUTABLE_RULE.matches("providerID").count(), 1);
+        let root = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        let rules: Vec<&str> = root["x-kubernetes-validations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|r| r["rule"].as_str())
+            .collect();
+        assert!(rules.contains(&SPEC_IMMUTABLE_RULE), "{rules:?}");
     }
 
     #[test]
