@@ -43,9 +43,26 @@ struct Cli {
         default_value = "localhost/capk/capk-launcher:dev"
     )]
     launcher_image: String,
-    /// Flatcar version for KVMMachines that name no image.
-    #[arg(long, default_value = "current")]
+    /// Flatcar release (stable channel) for KVMMachines that name no image: a concrete
+    /// version, so machines made later boot what their peers boot.
+    #[arg(
+        long,
+        env = "CAPK_DEFAULT_FLATCAR_VERSION",
+        default_value = capk_controller::settings::DEFAULT_FLATCAR_VERSION,
+        value_parser = pinned_flatcar_version
+    )]
     default_flatcar_version: String,
+    /// A mirror of Flatcar's release server for one channel (`<base>/amd64-usr/<version>/…`, as
+    /// `capk-flatcar-image fetch --base-url` reads it), http or https: the machine Pods fetch
+    /// Flatcar images there instead of from flatcar-linux.net (air-gapped management
+    /// clusters). Signatures are checked either way. Empty: Flatcar's servers.
+    #[arg(long, env = "CAPK_FLATCAR_BASE_URL", default_value = "")]
+    flatcar_base_url: String,
+    /// Most an MC node's node-image cache (/var/lib/capk/images) may hold, e.g. 50Gi; least
+    /// recently used images no machine uses are evicted beyond it. Also the most one
+    /// `spec.image.url` download may hold.
+    #[arg(long, env = "CAPK_IMAGE_CACHE_SIZE", default_value = "50Gi", value_parser = quantity_bytes)]
+    image_cache_size: u64,
     /// Container image holding a node disk (at `/disk/image.qcow2`) for KVMMachines that name no
     /// image; overrides the Flatcar default. Empty: Flatcar.
     #[arg(long, env = "CAPK_DEFAULT_NODE_IMAGE", default_value = "")]
@@ -139,6 +156,33 @@ enum Command {
 }
 
 /// An allowed host directory: absolute, no `..` element (or empty: none).
+/// A Kubernetes quantity of bytes (`50Gi`), positive.
+fn quantity_bytes(s: &str) -> Result<u64, String> {
+    match capk_api::quantity::parse_bytes(s.trim()) {
+        Ok(0) => Err("must be more than 0".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A concrete Flatcar release (`4230.2.3`): `current` would let machines made later boot
+/// another OS than their peers.
+fn pinned_flatcar_version(s: &str) -> Result<String, String> {
+    let s = s.trim();
+    let parts: Vec<&str> = s.split('.').collect();
+    if parts.len() == 3
+        && parts
+            .iter()
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+    {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} is not a Flatcar release such as 4230.2.3 (pin one; 'current' is not accepted)"
+        ))
+    }
+}
+
 fn absolute_dir(s: &str) -> Result<String, String> {
     let s = s.trim();
     if s.is_empty() {
@@ -204,6 +248,9 @@ async fn main() -> anyhow::Result<()> {
         machine_defaults: MachineDefaults {
             launcher_image: cli.launcher_image,
             flatcar_version: cli.default_flatcar_version,
+            flatcar_base_url: Some(cli.flatcar_base_url.trim().to_owned())
+                .filter(|u| !u.is_empty()),
+            image_cache_bytes: cli.image_cache_size,
             default_node_image: Some(cli.default_node_image.trim().to_owned())
                 .filter(|i| !i.is_empty()),
             require_control_plane_anti_affinity: cli.require_control_plane_anti_affinity,

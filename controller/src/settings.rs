@@ -93,13 +93,25 @@ impl TenantPolicy {
     }
 }
 
+/// The Flatcar release (stable channel) a KVMMachine without `spec.image` boots, unless the
+/// operator pins another (`--default-flatcar-version`); the flavors' `FLATCAR_VERSION` default
+/// is the same (a test holds them together).
+pub const DEFAULT_FLATCAR_VERSION: &str = "4230.2.3";
+
 /// Defaults for what a KVMMachine leaves out.
 #[derive(Clone, Debug)]
 pub struct MachineDefaults {
     /// The launcher container image (concrete tag).
     pub launcher_image: String,
-    /// Flatcar version used when `spec.image` is absent.
+    /// Flatcar release (stable channel) used when `spec.image` is absent: pinned, so a machine
+    /// made months later boots what its peers boot.
     pub flatcar_version: String,
+    /// A mirror of Flatcar's release servers (`<base>/<arch>/<version>/<file>`, one channel),
+    /// for air-gapped management clusters; `None`: Flatcar's own servers.
+    pub flatcar_base_url: Option<String>,
+    /// Most bytes the node-image cache of an MC node may hold (also the most one download may
+    /// hold); beyond it, least recently used images no machine uses are evicted.
+    pub image_cache_bytes: u64,
     /// A container disk image used instead of Flatcar when `spec.image` is absent.
     pub default_node_image: Option<String>,
     /// containerd disk size when `dockerVolumeSize` is absent.
@@ -124,7 +136,9 @@ impl Default for MachineDefaults {
     fn default() -> Self {
         Self {
             launcher_image: "localhost/capk/capk-launcher:dev".into(),
-            flatcar_version: "current".into(),
+            flatcar_version: DEFAULT_FLATCAR_VERSION.into(),
+            flatcar_base_url: None,
+            image_cache_bytes: 50 << 30,
             default_node_image: None,
             docker_volume_bytes: 10 << 30,
             kubelet_volume_bytes: 5 << 30,

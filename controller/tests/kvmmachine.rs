@@ -392,16 +392,120 @@ async fn a_restarted_controller_makes_no_duplicate_pods() -> Result<()> {
 
 /// Waits for the Warning Event `SpecInvalid` about KVMMachine `name` whose note has `field`.
 async fn spec_invalid_event(client: &Client, ns: &str, name: &str, field: &str) -> Result<()> {
+    warning_event(client, ns, name, "SpecInvalid", field).await
+}
+
+/// Waits for a Warning Event with `reason` about KVMMachine `name` whose note has `detail`.
+async fn warning_event(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    reason: &str,
+    detail: &str,
+) -> Result<()> {
     let events: Api<Event> = Api::namespaced(client.clone(), ns);
-    eventually(30, "a SpecInvalid Warning Event", || async {
+    eventually(30, &format!("a {reason} Warning Event"), || async {
         let list = events.list(&ListParams::default()).await?;
         Ok(list.items.into_iter().find(|e| {
-            e.reason.as_deref() == Some("SpecInvalid")
+            e.reason.as_deref() == Some(reason)
                 && e.type_.as_deref() == Some("Warning")
                 && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-                && e.note.as_deref().is_some_and(|n| n.contains(field))
+                && e.note.as_deref().is_some_and(|n| n.contains(detail))
         }))
     })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_node_image_that_cannot_be_fetched_or_verified_is_the_ready_reason_and_an_event()
+-> Result<()> {
+    let ns = "kvmmachine-image-fetch";
+    let (client, _stop) = setup(ns).await?;
+    let sha = "ab".repeat(32);
+    let spec = json!({
+        "resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
+        "image": {"url": {"url": "https://images.example/node.qcow2?token=t0ken", "sha256": sha}},
+    });
+    support::bootstrap_secret(&client, ns, "demo-cp-9", CLOUD_CONFIG).await?;
+    support::control_plane_machine_with_spec(&client, ns, "demo-cp-9", spec).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+
+    // The machine Pod fetches the image into the node's cache before the launcher boots it.
+    let pod = eventually(30, "machine Pod", || async {
+        Ok(pods.get_opt("demo-cp-9").await?)
+    })
+    .await?;
+    let spec = pod.spec.context("Pod spec")?;
+    let init = spec.init_containers.unwrap_or_default();
+    let fetch = init
+        .iter()
+        .find(|c| c.name == "fetch-image")
+        .context("the fetch-image init container")?;
+    let args = fetch.args.clone().unwrap_or_default();
+    assert!(
+        args.contains(&format!("--sha256={sha}"))
+            && args.contains(&"--link=/var/lib/capk/state/node-image".to_owned()),
+        "{args:?}"
+    );
+    let launcher = &spec.containers[0];
+    assert!(
+        launcher
+            .args
+            .iter()
+            .flatten()
+            .any(|a| a == "--image=/var/lib/capk/state/node-image"),
+        "{:?}",
+        launcher.args
+    );
+
+    // What the kubelet writes when the init container fails and is backed off: its
+    // termination message (the fetcher's one line) in lastState.
+    let failed = |message: &str| {
+        json!({"status": {"phase": "Pending",
+            "initContainerStatuses": [{"name": "fetch-image", "ready": false, "restartCount": 1,
+                "image": "localhost/capk/capk-launcher:dev", "imageID": "",
+                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {"terminated": {"exitCode": 1, "message": message}}}]}})
+    };
+    let download = "ImageDownloadFailed: cannot fetch node image https://images.example/node.qcow2: download https://images.example/node.qcow2: HTTP 404: The requested URL returned error: 404\n";
+    pods.patch_status(
+        "demo-cp-9",
+        &PatchParams::default(),
+        &Patch::Merge(&failed(download)),
+    )
+    .await?;
+    let (status, message) = ready_with_reason(&kms, "demo-cp-9", "ImageDownloadFailed").await?;
+    assert_eq!(status, "False");
+    assert!(
+        message.contains("HTTP 404") && message.contains("https://images.example/node.qcow2"),
+        "{message}"
+    );
+    warning_event(&client, ns, "demo-cp-9", "ImageDownloadFailed", "HTTP 404").await?;
+
+    let mismatch = format!(
+        "ImageVerificationFailed: https://images.example/node.qcow2: sha256 is {}, expected {sha}; the download was deleted",
+        "cd".repeat(32)
+    );
+    pods.patch_status(
+        "demo-cp-9",
+        &PatchParams::default(),
+        &Patch::Merge(&failed(&mismatch)),
+    )
+    .await?;
+    let (_, message) = ready_with_reason(&kms, "demo-cp-9", "ImageVerificationFailed").await?;
+    assert!(
+        message.contains(&sha) && message.contains(&"cd".repeat(32)),
+        "both digests: {message}"
+    );
+    warning_event(
+        &client,
+        ns,
+        "demo-cp-9",
+        "ImageVerificationFailed",
+        &"cd".repeat(32),
+    )
     .await?;
     Ok(())
 }

@@ -141,7 +141,7 @@ pub enum ImageCacheError {
     #[error("{0}")]
     Source(String),
     /// The download failed (HTTP status and URL in the message).
-    #[error("download {what}: {source}")]
+    #[error("cannot fetch node image {what}")]
     Download {
         /// The image.
         what: String,
@@ -160,7 +160,7 @@ pub enum ImageCacheError {
         actual: String,
     },
     /// A Flatcar release did not verify (signature, DIGESTS, version, format).
-    #[error("verify {what}: {source}")]
+    #[error("node image {what} does not verify")]
     Verify {
         /// The release.
         what: String,

@@ -572,8 +572,17 @@ async fn apply(
             )
             .await;
         }
+        // The node image cannot be fetched or verified: the user's to fix (the URL, the
+        // digest, the mirror), a Warning Event, once per message.
+        let state = status::pod_state(&existing);
+        if let MachineState::NodeImageFailed {
+            reason, message, ..
+        } = &state
+        {
+            warn_once(ctx, km, reason, message).await;
+        }
         Observed {
-            state: status::pod_state(&existing),
+            state,
             pod: Some(existing),
             gate: Some(gate),
         }

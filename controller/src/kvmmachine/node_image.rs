@@ -1,6 +1,7 @@
 //! Pure: how the node image reaches the launcher. A container image is mounted as an image
 //! volume or copied once per MC node into a host cache by init containers; a Flatcar release or
-//! a URL download is a file in that cache.
+//! a URL download is fetched into that cache, verified, by the launcher image's `fetch-image`
+//! init container (`capk_launcher::image_cache`), which links it for the launcher.
 
 use capk_api::v1alpha1::{ContainerDiskImage, FlatcarChannel, KVMMachine};
 use k8s_openapi::api::core::v1::{
@@ -14,6 +15,10 @@ use crate::settings::{MachineDefaults, NodeImageSource};
 pub const HOST_IMAGE_CACHE: &str = "/var/lib/capk/images";
 /// Default path of the disk file inside a node-image container image.
 pub const DEFAULT_CONTAINER_DISK_PATH: &str = "/disk/image.qcow2";
+/// The init container that fetches Flatcar releases and URL images into the host cache; its
+/// termination message (`<Reason>: <message>`) becomes the KVMMachine's `Ready` reason when it
+/// fails.
+pub const FETCH_IMAGE_CONTAINER: &str = "fetch-image";
 /// Where the machine Pod's init containers keep the launcher image's static busybox.
 pub const TOOLS_DIR: &str = "/var/lib/capk/tools";
 /// The node-image link the `node-image` init container leaves in the state directory (host
@@ -26,7 +31,8 @@ pub const NODE_IMAGE_LINK: &str = "/var/lib/capk/state/node-image";
 /// The copy is named by the sha256 of the disk's content and written under a temporary name,
 /// then renamed: a half-copied file is never used, whatever happens. A lock directory on the
 /// cache (busybox has no `flock`; `mkdir` is atomic) makes machine Pods that start together on
-/// one MC node copy once; a lock left by a Pod killed mid-copy is broken after 15 minutes.
+/// one MC node copy once; a lock left by a Pod killed mid-copy is broken after 15 minutes. A
+/// reused copy is touched: the cache evicts least recently modified images first.
 pub const NODE_IMAGE_SCRIPT: &str = r#"set -eu
 bb=$1 src=$2 cache=$3 link=$4
 [ -f "$src" ] || { echo "node image: $src is not in the node image" >&2; exit 1; }
@@ -43,6 +49,7 @@ done
 trap '"$bb" rmdir "$lock" 2>/dev/null || true' EXIT
 if [ -f "$dst" ]; then
   echo "node image: $src is cached as $dst"
+  "$bb" touch "$dst"
 else
   "$bb" cp "$src" "$dst.partial.$$"
   "$bb" mv "$dst.partial.$$" "$dst"
@@ -104,16 +111,6 @@ pub fn plan(km: &KVMMachine, defaults: &MachineDefaults) -> NodeImage {
             ..Default::default()
         };
         let busybox = format!("{TOOLS_DIR}/busybox");
-        let init =
-            |name: &str, image: &str, command: Vec<String>, mounts: Vec<VolumeMount>| Container {
-                name: name.into(),
-                image: Some(image.into()),
-                image_pull_policy: Some("IfNotPresent".into()),
-                command: Some(command),
-                volume_mounts: Some(mounts),
-                termination_message_policy: Some("FallbackToLogsOnError".into()),
-                ..Default::default()
-            };
         return NodeImage {
             volumes: vec![cache, tools],
             init_containers: vec![
@@ -152,26 +149,64 @@ pub fn plan(km: &KVMMachine, defaults: &MachineDefaults) -> NodeImage {
             path: NODE_IMAGE_LINK.into(),
         };
     }
-    let file = match image {
-        Some(i) if i.url.is_some() => {
-            format!(
-                "sha256-{}.img",
-                i.url
-                    .as_ref()
-                    .map(|u| u.sha256.as_str())
-                    .unwrap_or_default()
-            )
+    // A URL image or a Flatcar release (the machine's, or the pinned default): fetched into
+    // the host cache and verified by the launcher image, linked into the state directory.
+    let mut args = vec![
+        "fetch-image".to_owned(),
+        format!("--cache-dir={IMAGE_DIR}"),
+        format!("--link={NODE_IMAGE_LINK}"),
+        format!("--max-cache-size={}", defaults.image_cache_bytes),
+    ];
+    let flatcar = match image.and_then(|i| i.url.as_ref()) {
+        Some(u) => {
+            args.extend([format!("--url={}", u.url), format!("--sha256={}", u.sha256)]);
+            None
         }
-        Some(i) if i.flatcar.is_some() => {
-            let f = i.flatcar.as_ref().expect("checked");
-            format!("flatcar-{}-{}.img", channel(f.channel), f.version)
-        }
-        _ => format!("flatcar-stable-{}.img", defaults.flatcar_version),
+        None => Some(match image.and_then(|i| i.flatcar.as_ref()) {
+            Some(f) => (channel(f.channel), f.version.as_str()),
+            None => ("stable", defaults.flatcar_version.as_str()),
+        }),
     };
+    if let Some((channel, version)) = flatcar {
+        args.extend([
+            format!("--flatcar-channel={channel}"),
+            format!("--flatcar-version={version}"),
+        ]);
+        args.extend(
+            defaults
+                .flatcar_base_url
+                .as_ref()
+                .map(|b| format!("--flatcar-base-url={b}")),
+        );
+    }
+    let mut fetch = init(
+        FETCH_IMAGE_CONTAINER,
+        &defaults.launcher_image,
+        vec!["capk-launcher".into()],
+        vec![
+            mount("image", IMAGE_DIR, false),
+            mount("state", STATE_DIR, false),
+        ],
+    );
+    fetch.args = Some(args);
     NodeImage {
         volumes: vec![cache],
-        init_containers: vec![],
-        path: format!("{IMAGE_DIR}/{file}"),
+        init_containers: vec![fetch],
+        path: NODE_IMAGE_LINK.into(),
+    }
+}
+
+/// An init container: `command` in `image` with `mounts`; its termination message is the file
+/// it writes, else its log's end.
+fn init(name: &str, image: &str, command: Vec<String>, mounts: Vec<VolumeMount>) -> Container {
+    Container {
+        name: name.into(),
+        image: Some(image.into()),
+        image_pull_policy: Some("IfNotPresent".into()),
+        command: Some(command),
+        volume_mounts: Some(mounts),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        ..Default::default()
     }
 }
 
@@ -217,13 +252,73 @@ mod tests {
             "flatcar",
             json!({"resources": resources, "image": {"flatcar": {"channel": "beta", "version": "4230.1.0"}}}),
         );
-        assert!(
-            init_images(&flatcar).is_empty(),
-            "a machine naming its image keeps it"
-        );
         assert_eq!(
-            plan(&flatcar, &defaults).path,
-            "/var/lib/capk/image/flatcar-beta-4230.1.0.img"
+            init_images(&flatcar),
+            ["localhost/capk/capk-launcher:dev"],
+            "a machine naming its image keeps it: the launcher image fetches it"
+        );
+        let fetch = &plan(&flatcar, &defaults).init_containers[0];
+        let args = fetch.args.clone().unwrap_or_default();
+        assert!(
+            args.contains(&"--flatcar-channel=beta".to_owned())
+                && args.contains(&"--flatcar-version=4230.1.0".to_owned()),
+            "{args:?}"
+        );
+        assert_eq!(plan(&flatcar, &defaults).path, NODE_IMAGE_LINK);
+    }
+
+    #[test]
+    fn url_and_default_images_are_fetched_pinned_into_the_host_cache_by_the_launcher_image() {
+        let resources = json!({"cpu": 1, "memory": "1Gi", "disk": "20Gi"});
+        let defaults = MachineDefaults {
+            flatcar_base_url: Some("http://mirror.internal/flatcar/stable".into()),
+            image_cache_bytes: 20 << 30,
+            ..MachineDefaults::default()
+        };
+        let args = |km: &KVMMachine| -> Vec<String> {
+            let p = plan(km, &defaults);
+            assert_eq!(p.path, NODE_IMAGE_LINK);
+            let c = &p.init_containers[0];
+            assert_eq!(c.name, FETCH_IMAGE_CONTAINER);
+            assert_eq!(
+                c.command.as_deref(),
+                Some(&["capk-launcher".to_owned()][..])
+            );
+            let host = p.volumes.iter().find(|v| v.name == "image");
+            assert_eq!(
+                host.and_then(|v| v.host_path.as_ref())
+                    .map(|h| h.path.as_str()),
+                Some(HOST_IMAGE_CACHE)
+            );
+            c.args.clone().unwrap_or_default()
+        };
+        let plain = kvm_machine("plain", json!({"resources": resources}));
+        assert_eq!(
+            args(&plain),
+            [
+                "fetch-image",
+                "--cache-dir=/var/lib/capk/image",
+                "--link=/var/lib/capk/state/node-image",
+                "--max-cache-size=21474836480",
+                "--flatcar-channel=stable",
+                "--flatcar-version=4230.2.3",
+                "--flatcar-base-url=http://mirror.internal/flatcar/stable",
+            ]
+        );
+        let sha = "ab".repeat(32);
+        let url = kvm_machine(
+            "url",
+            json!({"resources": resources,
+                   "image": {"url": {"url": "https://images.example/n.qcow2", "sha256": sha}}}),
+        );
+        let a = args(&url);
+        assert_eq!(
+            &a[4..],
+            [
+                "--url=https://images.example/n.qcow2".to_owned(),
+                format!("--sha256={sha}")
+            ],
+            "a URL image has no Flatcar mirror: {a:?}"
         );
     }
 

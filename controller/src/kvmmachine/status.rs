@@ -11,6 +11,10 @@ use capk_api::v1alpha1::KVMMachine;
 pub const REASON_SPEC_INVALID: &str = "SpecInvalid";
 /// Condition and Event reason of bootstrap data that does not convert to Ignition.
 pub const REASON_BOOTSTRAP_DATA_INVALID: &str = "BootstrapDataInvalid";
+/// Condition and Event reason of a node image the machine Pod could not download.
+pub const REASON_IMAGE_DOWNLOAD_FAILED: &str = "ImageDownloadFailed";
+/// Condition and Event reason of a node image that did not verify (digest, signature).
+pub const REASON_IMAGE_VERIFICATION_FAILED: &str = "ImageVerificationFailed";
 /// Condition and Event reason of a provisioned machine whose Pod (and VM) is gone.
 pub const REASON_MACHINE_POD_MISSING: &str = "MachinePodMissing";
 
@@ -38,6 +42,16 @@ pub enum MachineState {
         pod: String,
         /// The Pod's phase and reason, for the message.
         detail: String,
+    },
+    /// The machine Pod's `fetch-image` init container failed (the kubelet retries it with
+    /// back-off); the reason and message are its termination message's.
+    NodeImageFailed {
+        /// Pod name.
+        pod: String,
+        /// [`REASON_IMAGE_DOWNLOAD_FAILED`] or [`REASON_IMAGE_VERIFICATION_FAILED`].
+        reason: &'static str,
+        /// What failed: the URL (without credentials) and HTTP status, or both digests.
+        message: String,
     },
     /// The machine Pod runs the VM.
     Running {
@@ -227,9 +241,60 @@ pub fn node_condition(gate: Option<&crate::workload::Gate>) -> crate::conditions
     }
 }
 
-/// Reads the machine Pod's state: running with an IP, or starting (with why).
+/// The failure of the Pod's `fetch-image` init container, from its termination message
+/// (`<Reason>: <message>`): as it ended now, or last time while the kubelet backs off.
+fn node_image_failure(pod: &Pod) -> Option<(&'static str, String)> {
+    use super::node_image::FETCH_IMAGE_CONTAINER;
+    let status = pod
+        .status
+        .as_ref()?
+        .init_container_statuses
+        .as_deref()?
+        .iter()
+        .find(|c| c.name == FETCH_IMAGE_CONTAINER)?;
+    if status.state.as_ref().is_some_and(|s| s.running.is_some()) {
+        return None;
+    }
+    let terminated = status
+        .state
+        .as_ref()
+        .and_then(|s| s.terminated.as_ref())
+        .or_else(|| status.last_state.as_ref()?.terminated.as_ref())
+        .filter(|t| t.exit_code != 0)?;
+    let text = terminated.message.as_deref().unwrap_or_default().trim();
+    // The fetcher writes one line; with a crash the kubelet falls back to the log's end.
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or_default();
+    let (reason, message) = match line.split_once(": ") {
+        Some((REASON_IMAGE_VERIFICATION_FAILED, m)) => (REASON_IMAGE_VERIFICATION_FAILED, m),
+        Some((REASON_IMAGE_DOWNLOAD_FAILED, m)) => (REASON_IMAGE_DOWNLOAD_FAILED, m),
+        _ => (REASON_IMAGE_DOWNLOAD_FAILED, line),
+    };
+    let message = if message.is_empty() {
+        format!(
+            "the {FETCH_IMAGE_CONTAINER} init container exited with code {}",
+            terminated.exit_code
+        )
+    } else {
+        message.to_owned()
+    };
+    Some((reason, message))
+}
+
+/// Reads the machine Pod's state: running with an IP, starting (with why), or stuck on its
+/// node image.
 pub fn pod_state(pod: &Pod) -> MachineState {
     let name = pod.name_any();
+    if let Some((reason, message)) = node_image_failure(pod) {
+        return MachineState::NodeImageFailed {
+            pod: name,
+            reason,
+            message,
+        };
+    }
     let status = pod.status.clone().unwrap_or_default();
     let running = status
         .container_statuses
@@ -310,6 +375,17 @@ pub fn status(
             "VMStarting",
             format!("machine Pod {pod}: {detail}"),
         )),
+        MachineState::NodeImageFailed {
+            pod,
+            reason,
+            message,
+        } => Some(C::falsy(
+            CONDITION_READY,
+            *reason,
+            format!(
+                "machine Pod {pod} cannot get its node image (retried with back-off): {message}"
+            ),
+        )),
         MachineState::Running { pod, .. } => Some(C::truthy(
             CONDITION_READY,
             "VMRunning",
@@ -344,7 +420,7 @@ pub fn status(
         desired.extend_from_slice(pod);
     }
     match state {
-        MachineState::PodStarting { pod, .. } => {
+        MachineState::PodStarting { pod, .. } | MachineState::NodeImageFailed { pod, .. } => {
             out.pod_name = Some(pod.clone());
         }
         MachineState::Running { pod, ip } => {
@@ -510,6 +586,48 @@ mod tests {
         assert_eq!(
             started(false),
             ("BootstrapCompleted", false, "WaitingForBootstrap".into())
+        );
+
+        // The node image init container failed: its termination message is the Ready reason,
+        // also while the kubelet backs off before the next try.
+        let fetching = |state: serde_json::Value, last: serde_json::Value| {
+            let p = pod(json!({"phase": "Pending",
+                "initContainerStatuses": [{"name": "fetch-image", "ready": false,
+                    "restartCount": 2, "image": "i", "imageID": "", "state": state,
+                    "lastState": last}]}));
+            match pod_state(&p) {
+                MachineState::NodeImageFailed {
+                    reason, message, ..
+                } => Some((reason, message)),
+                _ => None,
+            }
+        };
+        let mismatch = json!({"terminated": {"exitCode": 1,
+            "message": "ImageVerificationFailed: https://x/n.img: sha256 is 11, expected 22; the download was deleted\n"}});
+        assert_eq!(
+            fetching(mismatch.clone(), json!({})),
+            Some((
+                REASON_IMAGE_VERIFICATION_FAILED,
+                "https://x/n.img: sha256 is 11, expected 22; the download was deleted".into()
+            ))
+        );
+        let backoff = json!({"waiting": {"reason": "CrashLoopBackOff"}});
+        assert_eq!(
+            fetching(backoff, mismatch).map(|f| f.0),
+            Some(REASON_IMAGE_VERIFICATION_FAILED)
+        );
+        let crashed = json!({"terminated": {"exitCode": 137}});
+        assert_eq!(
+            fetching(crashed, json!({})),
+            Some((
+                REASON_IMAGE_DOWNLOAD_FAILED,
+                "the fetch-image init container exited with code 137".into()
+            ))
+        );
+        let retrying = json!({"running": {}});
+        assert_eq!(
+            fetching(retrying, json!({"terminated": {"exitCode": 1}})),
+            None
         );
 
         // A reason that is not a condition reason is replaced, not copied.
