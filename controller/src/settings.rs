@@ -226,6 +226,19 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_flatcar_defaults_are_the_pinned_release() {
+        let flavor = include_str!("../../manifests/templates/cluster-template.yaml");
+        let manager = include_str!("../../manifests/manager/manager.yaml");
+        let version = format!("${{FLATCAR_VERSION:={DEFAULT_FLATCAR_VERSION}}}");
+        assert_eq!(flavor.matches(&version).count(), 2, "both machine templates");
+        let flag = format!(
+            "--default-flatcar-version=${{CAPK_DEFAULT_FLATCAR_VERSION:={DEFAULT_FLATCAR_VERSION}}}"
+        );
+        assert!(manager.contains(&flag), "{flag}");
+        assert_eq!(MachineDefaults::default().flatcar_version, DEFAULT_FLATCAR_VERSION);
+    }
+
+    #[test]
     fn every_node_image_source_name_parses_to_itself() {
         for name in NodeImageSource::NAMES {
             let source: NodeImageSource = name.parse().unwrap();

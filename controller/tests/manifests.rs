@@ -1038,18 +1038,23 @@ fn default_timeouts(role: Role) -> Vec<(&'static str, &'static str)> {
         .collect()
 }
 
-/// The default flavor on stock Flatcar: every machine's Ignition brings Kubernetes through the
-/// sysext of the cluster's version, and kubeadm gets the timeouts and the cluster's ranges.
+/// The default flavor on stock Flatcar: every machine names the pinned release
+/// (`FLATCAR_VERSION`), its Ignition brings Kubernetes through the sysext of the cluster's
+/// version, and kubeadm gets the timeouts and the cluster's ranges.
 #[test]
 fn default_flavor_brings_kubernetes_to_flatcar_through_the_sysext() -> Result<()> {
     let version = kubernetes_version();
     let rendered = generate_flavor("cluster-template.yaml", &[])?;
-    for o in docs(&rendered)? {
-        if o["kind"] == "KVMMachineTemplate" {
-            assert!(
-                o["spec"]["template"]["spec"]["image"].is_null(),
-                "Flatcar is the management cluster's default node image: {o}"
-            );
+    let pinned = generate_flavor("cluster-template.yaml", &[("FLATCAR_VERSION", "4459.2.1")])?;
+    for (rendered, release) in [(&rendered, "4230.2.3"), (&pinned, "4459.2.1")] {
+        for o in docs(rendered)? {
+            if o["kind"] == "KVMMachineTemplate" {
+                assert_eq!(
+                    o["spec"]["template"]["spec"]["image"],
+                    json!({"flatcar": {"channel": "stable", "version": release}}),
+                    "machines made later boot what their peers boot: {o}"
+                );
+            }
         }
     }
     for role in ROLES {

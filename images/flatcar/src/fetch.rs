@@ -408,8 +408,8 @@ pub struct Fetched {
 }
 
 impl Fetched {
-    /// The file name the controller looks for in an MC node's host cache
-    /// (`/var/lib/capk/images`) for `spec.image.flatcar` with this channel and version.
+    /// The file name machine Pods fetch `spec.image.flatcar` of this channel and version to in
+    /// an MC node's host cache (`/var/lib/capk/images`).
     pub fn host_cache_name(&self, channel: Channel) -> String {
         format!("flatcar-{channel}-{}.img", self.version)
     }

@@ -165,7 +165,7 @@ fn run(cli: Cli) -> Result<()> {
                 dir = request.out.display()
             );
             println!(
-                "(for spec.image.flatcar instead: copy the disk to /var/lib/capk/images/{} on every MC node)",
+                "(spec.image.flatcar needs no container image: machine Pods fetch the release into /var/lib/capk/images/{} themselves)",
                 fetched.host_cache_name(channel)
             );
         }
