@@ -230,12 +230,19 @@ mod tests {
         let flavor = include_str!("../../manifests/templates/cluster-template.yaml");
         let manager = include_str!("../../manifests/manager/manager.yaml");
         let version = format!("${{FLATCAR_VERSION:={DEFAULT_FLATCAR_VERSION}}}");
-        assert_eq!(flavor.matches(&version).count(), 2, "both machine templates");
+        assert_eq!(
+            flavor.matches(&version).count(),
+            2,
+            "both machine templates"
+        );
         let flag = format!(
             "--default-flatcar-version=${{CAPK_DEFAULT_FLATCAR_VERSION:={DEFAULT_FLATCAR_VERSION}}}"
         );
         assert!(manager.contains(&flag), "{flag}");
-        assert_eq!(MachineDefaults::default().flatcar_version, DEFAULT_FLATCAR_VERSION);
+        assert_eq!(
+            MachineDefaults::default().flatcar_version,
+            DEFAULT_FLATCAR_VERSION
+        );
     }
 
     #[test]
