@@ -282,11 +282,12 @@ async fn clusterctl_generates_every_flavor_from_the_required_variables_only() ->
     let client = TestEnv::shared().client().await?;
     create_namespace(&client, ns).await?;
 
-    // The ClusterClass of the topology flavor, applied for real (a Cluster refers to it).
-    let class = docs(&clusterctl(
-        &["generate", "yaml", "--from", &file("clusterclass-kvm.yaml")],
-        &[("NAMESPACE", ns)],
-    )?)?;
+    // The ClusterClass of the topology flavor, applied for real into the namespace (a Cluster
+    // refers to it), as `kubectl apply -n` does.
+    let mut class = class_objects()?;
+    for o in &mut class {
+        o["metadata"]["namespace"] = json!(ns);
+    }
     assert_eq!(
         kinds(&class),
         [
@@ -1121,47 +1122,168 @@ fn json_patch_add(target: &mut Value, path: &str, value: Value) -> Result<()> {
     Ok(())
 }
 
-/// What the topology controller makes of the ClusterClass `kvm` for the topology flavor's
-/// Cluster: the class's templates with its inline patches applied (each `valueFrom.template`
-/// rendered by `cabpk-render patch-template`, CAPI's own template code), as the
-/// KubeadmControlPlane, KubeadmConfigTemplate and MachineDeployment it creates.
-fn topology_objects(class: &[Value], cluster: &Value, version: &str) -> Result<String> {
-    let bin = capk_tests::component("cabpk-render", "make test-deps")?;
-    let by_kind = |kind: &str| {
-        class
-            .iter()
-            .find(|o| o["kind"] == kind)
-            .cloned()
-            .with_context(|| format!("no {kind} in the class"))
-    };
-    let mut kcp_template = by_kind("KubeadmControlPlaneTemplate")?;
-    let mut kct = by_kind("KubeadmConfigTemplate")?;
-    let cc = by_kind("ClusterClass")?;
-    let variables = json!({"builtin": {
+/// The ClusterClass file as `clusterctl generate yaml --from` renders it (with no variables: the
+/// contract wants none in a ClusterClass definition).
+fn class_objects() -> Result<Vec<Value>> {
+    let file = release_dir()?.join("clusterclass-kvm.yaml");
+    docs(&clusterctl(
+        &["generate", "yaml", "--from", &file.to_string_lossy()],
+        &[],
+    )?)
+}
+
+/// `value` with the defaults of `schema` filled in where absent, as the apiserver's structural
+/// defaulting (which Cluster API runs on a Cluster's variables) does: a parent's default first,
+/// then its properties'.
+fn with_defaults(schema: &Value, value: Option<&Value>) -> Option<Value> {
+    let mut value = value.cloned().or_else(|| schema.get("default").cloned())?;
+    if let (Some(obj), Some(props)) = (value.as_object_mut(), schema["properties"].as_object()) {
+        for (name, prop) in props {
+            if let Some(v) = with_defaults(prop, obj.get(name)) {
+                obj.insert(name.clone(), v);
+            }
+        }
+    }
+    Some(value)
+}
+
+/// The values of the class's variables for `cluster`: its `spec.topology.variables`, else the
+/// class's defaults, with the builtin variables the patches use.
+fn topology_variables(cc: &Value, cluster: &Value, version: &str) -> Value {
+    let set: BTreeMap<&str, &Value> = cluster["spec"]["topology"]["variables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| Some((v["name"].as_str()?, &v["value"])))
+        .collect();
+    let mut vars = json!({"builtin": {
         "cluster": {"name": CLUSTER, "namespace": FLAVOR_NS},
         "controlPlane": {"version": version, "replicas": 1},
         "machineDeployment": {"version": version, "class": "default-worker", "replicas": 1},
     }});
+    for v in cc["spec"]["variables"].as_array().into_iter().flatten() {
+        let name = v["name"].as_str().unwrap_or_default();
+        let schema = &v["schema"]["openAPIV3Schema"];
+        if let Some(value) = with_defaults(schema, set.get(name).copied()) {
+            vars[name] = value;
+        }
+    }
+    vars
+}
+
+/// A ClusterClass patch's Go template (`valueFrom.template`, `enabledIf`) rendered by
+/// `cabpk-render patch-template`: Cluster API's own template code.
+fn render_patch_template(template: &str, variables: &Value) -> Result<Value> {
+    let bin = capk_tests::component("cabpk-render", "make test-deps")?;
+    let input = json!({"template": template, "variables": variables});
+    let out = run_with_input(&bin, &["patch-template"], input.to_string().as_bytes())?;
+    if out.trim_ascii().is_empty() {
+        // An empty rendering (an `enabledIf` whose condition is false) is no value.
+        return Ok(Value::Null);
+    }
+    Ok(serde_json::from_slice(&out)?)
+}
+
+/// The class's templates after its inline patches, as the topology controller makes them for
+/// one Cluster.
+struct Topology {
+    kcp_template: Value,
+    kct: Value,
+    control_plane_machine: Value,
+    worker_machine: Value,
+}
+
+/// What the topology controller makes of the ClusterClass `kvm` for `cluster`: the class's
+/// templates with each enabled patch applied where its selector points, each value taken from
+/// `value`, a variable (`valueFrom.variable`, dotted) or a Go template (`valueFrom.template`).
+fn topology(class: &[Value], cluster: &Value, version: &str) -> Result<Topology> {
+    let by_kind_name = |kind: &str, name: &str| {
+        class
+            .iter()
+            .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+            .cloned()
+            .with_context(|| format!("no {kind} {name} in the class"))
+    };
+    let cc = class
+        .iter()
+        .find(|o| o["kind"] == "ClusterClass")
+        .context("no ClusterClass")?;
+    let cp = &cc["spec"]["controlPlane"];
+    let md = &cc["spec"]["workers"]["machineDeployments"][0];
+    let name = |r: &Value| {
+        r["templateRef"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let mut t = Topology {
+        kcp_template: by_kind_name("KubeadmControlPlaneTemplate", &name(cp))?,
+        kct: by_kind_name("KubeadmConfigTemplate", &name(&md["bootstrap"]))?,
+        control_plane_machine: by_kind_name(
+            "KVMMachineTemplate",
+            &name(&cp["machineInfrastructure"]),
+        )?,
+        worker_machine: by_kind_name("KVMMachineTemplate", &name(&md["infrastructure"]))?,
+    };
+    let md_class = md["class"].as_str().context("class")?;
+    let variables = topology_variables(cc, cluster, version);
     for patch in cc["spec"]["patches"].as_array().into_iter().flatten() {
+        if let Some(cond) = patch["enabledIf"].as_str() {
+            let enabled = render_patch_template(cond, &variables)?;
+            // As Cluster API: enabled when the rendering is exactly `true`.
+            if enabled != json!(true) {
+                continue;
+            }
+        }
         for def in patch["definitions"].as_array().into_iter().flatten() {
-            let target = match def["selector"]["kind"].as_str() {
-                Some("KubeadmControlPlaneTemplate") => &mut kcp_template,
-                Some("KubeadmConfigTemplate") => &mut kct,
+            let selector = &def["selector"];
+            let control_plane = selector["matchResources"]["controlPlane"] == json!(true);
+            let worker = selector["matchResources"]["machineDeploymentClass"]["names"]
+                .as_array()
+                .is_some_and(|n| n.contains(&json!(md_class)));
+            let mut targets: Vec<&mut Value> = Vec::new();
+            match selector["kind"].as_str() {
+                Some("KubeadmControlPlaneTemplate") if control_plane => {
+                    targets.push(&mut t.kcp_template)
+                }
+                Some("KubeadmConfigTemplate") if worker => targets.push(&mut t.kct),
+                Some("KVMMachineTemplate") => {
+                    if control_plane {
+                        targets.push(&mut t.control_plane_machine);
+                    }
+                    if worker {
+                        targets.push(&mut t.worker_machine);
+                    }
+                }
                 other => bail!("patch {} selects {other:?}", patch["name"]),
-            };
+            }
             for p in def["jsonPatches"].as_array().into_iter().flatten() {
                 assert_eq!(p["op"], "add", "{p}");
-                let template = p["valueFrom"]["template"].as_str().context("template")?;
-                let input = json!({"template": template, "variables": variables});
-                let value: Value = serde_json::from_slice(&run_with_input(
-                    &bin,
-                    &["patch-template"],
-                    input.to_string().as_bytes(),
-                )?)?;
-                json_patch_add(target, p["path"].as_str().context("path")?, value)?;
+                let value = if let Some(v) = p.get("value") {
+                    v.clone()
+                } else if let Some(var) = p["valueFrom"]["variable"].as_str() {
+                    let pointer = format!("/{}", var.replace('.', "/"));
+                    variables
+                        .pointer(&pointer)
+                        .cloned()
+                        .with_context(|| format!("variable {var} has no value"))?
+                } else {
+                    let template = p["valueFrom"]["template"].as_str().context("template")?;
+                    render_patch_template(template, &variables)?
+                };
+                for target in targets.iter_mut() {
+                    json_patch_add(target, p["path"].as_str().context("path")?, value.clone())?;
+                }
             }
         }
     }
+    Ok(t)
+}
+
+/// The topology as the KubeadmControlPlane, KubeadmConfigTemplate and MachineDeployment the
+/// topology controller creates, for CABPK's bootstrap code.
+fn topology_objects(class: &[Value], cluster: &Value, version: &str) -> Result<String> {
+    let t = topology(class, cluster, version)?;
     let kcp = json!({
         "apiVersion": "controlplane.cluster.x-k8s.io/v1beta2", "kind": "KubeadmControlPlane",
         "metadata": {"name": format!("{CLUSTER}-x2k9d"), "namespace": FLAVOR_NS},
@@ -1170,7 +1292,7 @@ fn topology_objects(class: &[Value], cluster: &Value, version: &str) -> Result<S
             "machineTemplate": {"spec": {"infrastructureRef": {
                 "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMMachineTemplate",
                 "name": format!("{CLUSTER}-control-plane-f7h2k")}}},
-            "kubeadmConfigSpec": kcp_template["spec"]["template"]["spec"]["kubeadmConfigSpec"],
+            "kubeadmConfigSpec": t.kcp_template["spec"]["template"]["spec"]["kubeadmConfigSpec"],
         },
     });
     let md = json!({
@@ -1179,10 +1301,12 @@ fn topology_objects(class: &[Value], cluster: &Value, version: &str) -> Result<S
         "spec": {"clusterName": CLUSTER, "template": {"spec": {
             "clusterName": CLUSTER, "version": version,
             "bootstrap": {"configRef": {"apiGroup": "bootstrap.cluster.x-k8s.io",
-                "kind": "KubeadmConfigTemplate", "name": kct["metadata"]["name"]}},
+                "kind": "KubeadmConfigTemplate", "name": t.kct["metadata"]["name"]}},
             "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
                 "kind": "KVMMachineTemplate", "name": "kvm-default-worker"}}}},
     });
+    let mut kct = t.kct;
+    kct["metadata"]["namespace"] = json!(FLAVOR_NS);
     let mut out = String::new();
     for o in [cluster, &kcp, &kct, &md] {
         out.push_str("---\n");
@@ -1192,34 +1316,22 @@ fn topology_objects(class: &[Value], cluster: &Value, version: &str) -> Result<S
 }
 
 /// The topology flavor: the ClusterClass's patch brings the sysext of the Cluster's version
-/// (and the mirror chosen when the class was generated) to every machine.
+/// (and the mirror the Cluster names in its variables) to every machine.
 #[test]
 fn topology_class_brings_the_sysext_of_the_cluster_version() -> Result<()> {
     let version = kubernetes_version();
-    let dir = release_dir()?;
-    let cluster = docs(&generate_flavor("cluster-template-topology.yaml", &[])?)?
-        .into_iter()
-        .next()
-        .context("the Cluster")?;
+    let class = class_objects()?;
     for (base, env) in [
-        (UPSTREAM_SYSEXT, vec![("NAMESPACE", FLAVOR_NS)]),
+        (UPSTREAM_SYSEXT, vec![]),
         (
             MIRROR_SYSEXT,
-            vec![
-                ("NAMESPACE", FLAVOR_NS),
-                ("FLATCAR_SYSEXT_BASE_URL", MIRROR_SYSEXT),
-            ],
+            vec![("FLATCAR_SYSEXT_BASE_URL", MIRROR_SYSEXT)],
         ),
     ] {
-        let class = docs(&clusterctl(
-            &[
-                "generate",
-                "yaml",
-                "--from",
-                &dir.join("clusterclass-kvm.yaml").to_string_lossy(),
-            ],
-            &env,
-        )?)?;
+        let cluster = docs(&generate_flavor("cluster-template-topology.yaml", &env)?)?
+            .into_iter()
+            .next()
+            .context("the Cluster")?;
         let objects = topology_objects(&class, &cluster, &version)?;
         for role in ROLES {
             let what = format!("{base} {role:?}");
@@ -1229,6 +1341,194 @@ fn topology_class_brings_the_sysext_of_the_cluster_version() -> Result<()> {
             assert_kubernetes_sysext(&config, base, &version, &what);
             assert_timeouts(&kubeadm_documents(&config)?, role, &default_timeouts(role));
         }
+    }
+    Ok(())
+}
+
+/// The ClusterClass definition as the clusterctl contract asks: no clusterctl variables, no
+/// namespace anywhere (`kubectl apply -n` and `clusterctl generate cluster` place it), every
+/// template it names in the file, every variable a patch reads declared with a default or
+/// optional, and a MachineHealthCheck for the control plane and the workers.
+#[test]
+fn clusterclass_follows_the_clusterctl_contract() -> Result<()> {
+    let file = release_dir()?.join("clusterclass-kvm.yaml");
+    let listing = clusterctl(
+        &[
+            "generate",
+            "yaml",
+            "--from",
+            &file.to_string_lossy(),
+            "--list-variables",
+        ],
+        &[],
+    )?;
+    assert!(
+        !listing.contains("- "),
+        "the ClusterClass definition uses clusterctl variables: {listing}"
+    );
+    let class = class_objects()?;
+    for o in &class {
+        assert!(
+            o["metadata"]["namespace"].is_null(),
+            "{} {} names a namespace",
+            o["kind"],
+            o["metadata"]["name"]
+        );
+    }
+    let cc = class
+        .iter()
+        .find(|o| o["kind"] == "ClusterClass")
+        .context("no ClusterClass")?;
+    let text = serde_json::to_string(cc)?;
+    for r in text.split("\"templateRef\":").skip(1) {
+        let r: Value = serde_json::Deserializer::from_str(r)
+            .into_iter()
+            .next()
+            .context("templateRef")??;
+        assert!(r["namespace"].is_null(), "{r}");
+        assert!(
+            class
+                .iter()
+                .any(|o| o["kind"] == r["kind"] && o["metadata"]["name"] == r["name"]),
+            "the class refers to {r}, which the file lacks"
+        );
+    }
+    let declared: Vec<&str> = cc["spec"]["variables"]
+        .as_array()
+        .context("variables")?
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    for want in [
+        "controlPlaneResources",
+        "workerResources",
+        "nodeImage",
+        "etcdStorage",
+    ] {
+        assert!(declared.contains(&want), "no variable {want}: {declared:?}");
+    }
+    for p in cc["spec"]["patches"].as_array().context("patches")? {
+        let p = serde_json::to_string(p)?;
+        let mut vars: Vec<&str> = p
+            .split("\"variable\":\"")
+            .skip(1)
+            .filter_map(|r| r.split(['"', '.']).next())
+            .collect();
+        // Go template actions: each `.name` they read.
+        for action in p.split("{{").skip(1).filter_map(|a| a.split("}}").next()) {
+            vars.extend(
+                action
+                    .split_whitespace()
+                    .filter_map(|w| w.strip_prefix('.'))
+                    .filter_map(|w| w.split('.').next()),
+            );
+        }
+        for name in vars {
+            assert!(
+                name == "builtin" || declared.contains(&name),
+                "a patch reads {name}, which the class does not declare"
+            );
+        }
+    }
+    for (what, hc) in [
+        ("control plane", &cc["spec"]["controlPlane"]["healthCheck"]),
+        (
+            "workers",
+            &cc["spec"]["workers"]["machineDeployments"][0]["healthCheck"],
+        ),
+    ] {
+        let checks = &hc["checks"];
+        assert!(
+            checks["nodeStartupTimeoutSeconds"]
+                .as_i64()
+                .is_some_and(|s| s > 600),
+            "{what}: an emulated node may need longer than kubeadm's own 10 minutes: {hc}"
+        );
+        assert!(
+            checks["unhealthyNodeConditions"]
+                .as_array()
+                .is_some_and(|c| c.len() >= 2),
+            "{what}: {hc}"
+        );
+    }
+    Ok(())
+}
+
+/// The class's variables reach the KVMMachineTemplates it stamps out (sizes, node image, etcd
+/// storage), a MachineDeployment's override too, and the patched templates are valid KVM objects
+/// for the real apiserver; a Cluster that sets nothing gets the documented defaults.
+#[tokio::test]
+async fn topology_variables_reach_the_machine_templates() -> Result<()> {
+    let version = kubernetes_version();
+    let class = class_objects()?;
+    let client = TestEnv::shared().client().await?;
+    let ns = "topology-variables";
+    create_namespace(&client, ns).await?;
+
+    let defaults = topology(&class, &json!({"spec": {"topology": {}}}), &version)?;
+    let spec = |t: &Value| t["spec"]["template"]["spec"].clone();
+    let default_resources =
+        json!({"cpu": 4, "memory": "8Gi", "disk": "40Gi", "dockerVolumeSize": "40Gi"});
+    assert_eq!(
+        spec(&defaults.control_plane_machine)["resources"],
+        default_resources
+    );
+    assert_eq!(
+        spec(&defaults.control_plane_machine)["etcdStorage"],
+        json!({"type": "hostPath", "hostPath": "/var/lib/capk/etcd"})
+    );
+    assert_eq!(
+        spec(&defaults.worker_machine)["resources"],
+        default_resources
+    );
+    assert!(spec(&defaults.worker_machine)["image"].is_null());
+
+    let image = json!({"containerImage": {"image": NODE_IMAGE}});
+    let cluster = json!({"spec": {"topology": {"variables": [
+        {"name": "controlPlaneResources", "value": {"cpu": 2, "memory": "3Gi"}},
+        {"name": "workerResources", "value": {"cpu": 1, "memory": "2Gi", "disk": "20Gi",
+            "kubeletVolumeSize": "5Gi"}},
+        {"name": "nodeImage", "value": image},
+        {"name": "etcdStorage", "value": {"type": "persistentVolume", "size": "10Gi",
+            "storageClassName": "fast"}},
+        {"name": "kubernetesSysext", "value": false},
+    ]}}});
+    let t = topology(&class, &cluster, &version)?;
+    let cp = spec(&t.control_plane_machine);
+    let worker = spec(&t.worker_machine);
+    assert_eq!(
+        cp["resources"],
+        json!({"cpu": 2, "memory": "3Gi", "disk": "40Gi", "dockerVolumeSize": "40Gi"}),
+        "unset sizes keep their defaults"
+    );
+    assert_eq!(
+        worker["resources"],
+        json!({"cpu": 1, "memory": "2Gi", "disk": "20Gi", "dockerVolumeSize": "40Gi",
+               "kubeletVolumeSize": "5Gi"})
+    );
+    assert_eq!(cp["image"], image);
+    assert_eq!(worker["image"], image);
+    assert_eq!(cp["etcdStorage"]["type"], "persistentVolume");
+    assert!(worker["etcdStorage"].is_null(), "{worker}");
+    // A node image that holds Kubernetes: no sysext download.
+    let ignition = serde_json::to_string(&t.kcp_template)?;
+    assert!(!ignition.contains("kubernetes.raw"), "{ignition}");
+
+    // The patched templates as the topology controller creates them: valid for the real CRDs.
+    for (i, mut o) in [
+        t.control_plane_machine,
+        t.worker_machine,
+        t.kcp_template,
+        t.kct,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        o["metadata"]["namespace"] = json!(ns);
+        o["metadata"]["name"] = json!(format!("patched-{i}"));
+        apply(&client, &o, false)
+            .await
+            .with_context(|| format!("{o}"))?;
     }
     Ok(())
 }
@@ -1400,24 +1700,11 @@ fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result
         }
     }
     let version = kubernetes_version();
-    let cluster = docs(&generate_flavor("cluster-template-topology.yaml", &[])?)?
+    let cluster = docs(&generate_flavor("cluster-template-topology.yaml", &TCG)?)?
         .into_iter()
         .next()
         .context("the Cluster")?;
-    let mut env = vec![("NAMESPACE", FLAVOR_NS)];
-    env.extend_from_slice(&TCG);
-    let class = docs(&clusterctl(
-        &[
-            "generate",
-            "yaml",
-            "--from",
-            &release_dir()?
-                .join("clusterclass-kvm.yaml")
-                .to_string_lossy(),
-        ],
-        &env,
-    )?)?;
-    let objects = topology_objects(&class, &cluster, &version)?;
+    let objects = topology_objects(&class_objects()?, &cluster, &version)?;
     assert_leader_election(
         &node_kubeadm_documents(&objects, Role::Init)?,
         ["60s", "40s", "5s"],
@@ -1464,7 +1751,7 @@ fn rendered_flavors() -> Result<()> {
             "--from",
             &dir.join("clusterclass-kvm.yaml").to_string_lossy(),
         ],
-        &[("NAMESPACE", FLAVOR_NS)],
+        &[],
     )?;
     insta::assert_snapshot!("clusterclass-kvm", class);
     Ok(())
