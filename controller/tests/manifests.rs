@@ -1226,53 +1226,81 @@ fn topology(class: &[Value], cluster: &Value, version: &str) -> Result<Topology>
         worker_machine: by_kind_name("KVMMachineTemplate", &name(&md["infrastructure"]))?,
     };
     let md_class = md["class"].as_str().context("class")?;
-    let variables = topology_variables(cc, cluster, version);
-    for patch in cc["spec"]["patches"].as_array().into_iter().flatten() {
-        if let Some(cond) = patch["enabledIf"].as_str() {
-            let enabled = render_patch_template(cond, &variables)?;
-            // As Cluster API: enabled when the rendering is exactly `true`.
-            if enabled != json!(true) {
-                continue;
-            }
-        }
-        for def in patch["definitions"].as_array().into_iter().flatten() {
-            let selector = &def["selector"];
-            let control_plane = selector["matchResources"]["controlPlane"] == json!(true);
-            let worker = selector["matchResources"]["machineDeploymentClass"]["names"]
-                .as_array()
-                .is_some_and(|n| n.contains(&json!(md_class)));
-            let mut targets: Vec<&mut Value> = Vec::new();
-            match selector["kind"].as_str() {
-                Some("KubeadmControlPlaneTemplate") if control_plane => {
-                    targets.push(&mut t.kcp_template)
+    // A MachineDeployment's templates see its variable overrides in place of the Cluster's.
+    let mut md_cluster = cluster.clone();
+    let overrides =
+        &cluster["spec"]["topology"]["workers"]["machineDeployments"][0]["variables"]["overrides"];
+    if let Some(overrides) = overrides.as_array() {
+        let mut merged: Vec<Value> = cluster["spec"]["topology"]["variables"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        merged.retain(|v| !overrides.iter().any(|o| o["name"] == v["name"]));
+        merged.extend(overrides.iter().cloned());
+        md_cluster["spec"]["topology"]["variables"] = json!(merged);
+    }
+    for (variables, control_plane_side) in [
+        (topology_variables(cc, cluster, version), true),
+        (topology_variables(cc, &md_cluster, version), false),
+    ] {
+        for patch in cc["spec"]["patches"].as_array().into_iter().flatten() {
+            if let Some(cond) = patch["enabledIf"].as_str() {
+                let enabled = render_patch_template(cond, &variables)?;
+                // As Cluster API: enabled when the rendering is exactly `true`.
+                if enabled != json!(true) {
+                    continue;
                 }
-                Some("KubeadmConfigTemplate") if worker => targets.push(&mut t.kct),
-                Some("KVMMachineTemplate") => {
-                    if control_plane {
-                        targets.push(&mut t.control_plane_machine);
-                    }
-                    if worker {
-                        targets.push(&mut t.worker_machine);
-                    }
-                }
-                other => bail!("patch {} selects {other:?}", patch["name"]),
             }
-            for p in def["jsonPatches"].as_array().into_iter().flatten() {
-                assert_eq!(p["op"], "add", "{p}");
-                let value = if let Some(v) = p.get("value") {
-                    v.clone()
-                } else if let Some(var) = p["valueFrom"]["variable"].as_str() {
-                    let pointer = format!("/{}", var.replace('.', "/"));
-                    variables
-                        .pointer(&pointer)
-                        .cloned()
-                        .with_context(|| format!("variable {var} has no value"))?
-                } else {
-                    let template = p["valueFrom"]["template"].as_str().context("template")?;
-                    render_patch_template(template, &variables)?
-                };
-                for target in targets.iter_mut() {
-                    json_patch_add(target, p["path"].as_str().context("path")?, value.clone())?;
+            for def in patch["definitions"].as_array().into_iter().flatten() {
+                let selector = &def["selector"];
+                let control_plane =
+                    control_plane_side && selector["matchResources"]["controlPlane"] == json!(true);
+                let worker = !control_plane_side
+                    && selector["matchResources"]["machineDeploymentClass"]["names"]
+                        .as_array()
+                        .is_some_and(|n| n.contains(&json!(md_class)));
+                let mut targets: Vec<&mut Value> = Vec::new();
+                match selector["kind"].as_str() {
+                    Some("KubeadmControlPlaneTemplate") => {
+                        if control_plane {
+                            targets.push(&mut t.kcp_template);
+                        }
+                    }
+                    Some("KubeadmConfigTemplate") => {
+                        if worker {
+                            targets.push(&mut t.kct);
+                        }
+                    }
+                    Some("KVMMachineTemplate") => {
+                        if control_plane {
+                            targets.push(&mut t.control_plane_machine);
+                        }
+                        if worker {
+                            targets.push(&mut t.worker_machine);
+                        }
+                    }
+                    other => bail!("patch {} selects {other:?}", patch["name"]),
+                }
+                if targets.is_empty() {
+                    continue;
+                }
+                for p in def["jsonPatches"].as_array().into_iter().flatten() {
+                    assert_eq!(p["op"], "add", "{p}");
+                    let value = if let Some(v) = p.get("value") {
+                        v.clone()
+                    } else if let Some(var) = p["valueFrom"]["variable"].as_str() {
+                        let pointer = format!("/{}", var.replace('.', "/"));
+                        variables
+                            .pointer(&pointer)
+                            .cloned()
+                            .with_context(|| format!("variable {var} has no value"))?
+                    } else {
+                        let template = p["valueFrom"]["template"].as_str().context("template")?;
+                        render_patch_template(template, &variables)?
+                    };
+                    for target in targets.iter_mut() {
+                        json_patch_add(target, p["path"].as_str().context("path")?, value.clone())?;
+                    }
                 }
             }
         }
@@ -1455,8 +1483,9 @@ fn clusterclass_follows_the_clusterctl_contract() -> Result<()> {
 }
 
 /// The class's variables reach the KVMMachineTemplates it stamps out (sizes, node image, etcd
-/// storage), a MachineDeployment's override too, and the patched templates are valid KVM objects
-/// for the real apiserver; a Cluster that sets nothing gets the documented defaults.
+/// storage), a MachineDeployment's override in place of the Cluster's value, and the patched
+/// templates are valid KVM objects for the real apiserver; a Cluster that sets nothing gets the
+/// documented defaults.
 #[tokio::test]
 async fn topology_variables_reach_the_machine_templates() -> Result<()> {
     let version = kubernetes_version();
@@ -1484,10 +1513,15 @@ async fn topology_variables_reach_the_machine_templates() -> Result<()> {
     assert!(spec(&defaults.worker_machine)["image"].is_null());
 
     let image = json!({"containerImage": {"image": NODE_IMAGE}});
-    let cluster = json!({"spec": {"topology": {"variables": [
-        {"name": "controlPlaneResources", "value": {"cpu": 2, "memory": "3Gi"}},
-        {"name": "workerResources", "value": {"cpu": 1, "memory": "2Gi", "disk": "20Gi",
+    let cluster = json!({"spec": {"topology": {
+      "workers": {"machineDeployments": [{"class": "default-worker", "name": "md-0",
+        "variables": {"overrides": [
+          {"name": "workerResources", "value": {"cpu": 1, "memory": "2Gi", "disk": "20Gi",
             "kubeletVolumeSize": "5Gi"}},
+        ]}}]},
+      "variables": [
+        {"name": "controlPlaneResources", "value": {"cpu": 2, "memory": "3Gi"}},
+        {"name": "workerResources", "value": {"cpu": 8}},
         {"name": "nodeImage", "value": image},
         {"name": "etcdStorage", "value": {"type": "persistentVolume", "size": "10Gi",
             "storageClassName": "fast"}},
