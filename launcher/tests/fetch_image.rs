@@ -174,6 +174,31 @@ fn sha256(data: &[u8]) -> String {
     capk_flatcar_image::digests::sha256_file(&f).unwrap()
 }
 
+/// A disk image served at `<base>/disk.img`.
+struct Served {
+    server: Server,
+    disk: Vec<u8>,
+    sum: String,
+    url: String,
+}
+
+/// Serves `len` varied bytes at `/disk.img`, behaving as `behaviour` says.
+fn serve_disk(len: usize, seed: u32, behaviour: Behaviour) -> Result<Served> {
+    curl_or_fail()?;
+    let server = Server::start()?;
+    let disk = image(len, seed);
+    let sum = sha256(&disk);
+    server.put("/disk.img", &disk);
+    server.behave(behaviour);
+    let url = format!("{}/disk.img", server.base);
+    Ok(Served {
+        server,
+        disk,
+        sum,
+        url,
+    })
+}
+
 /// A machine Pod's view: the node's cache, the Pod's link and termination log.
 struct Pod {
     _dir: tempfile::TempDir,
@@ -281,13 +306,13 @@ fn curl_or_fail() -> Result<()> {
 
 #[test]
 fn a_url_image_is_downloaded_verified_and_linked_then_reused_without_a_download() -> Result<()> {
-    curl_or_fail()?;
-    let server = Server::start()?;
-    let disk = image(3 << 20, 1);
-    let sum = sha256(&disk);
-    server.put("/disk.img", &disk);
+    let Served {
+        server,
+        disk,
+        sum,
+        url,
+    } = serve_disk(3 << 20, 1, Behaviour::default())?;
     let pod = Pod::new()?;
-    let url = format!("{}/disk.img", server.base);
     let out = pod.run(&["--url", &url, "--sha256", &sum])?;
     assert!(out.status.success(), "{}", log(&out));
     let name = format!("sha256-{sum}.img");
@@ -314,14 +339,12 @@ fn a_url_image_is_downloaded_verified_and_linked_then_reused_without_a_download(
 
 #[test]
 fn a_wrong_digest_names_both_digests_and_leaves_no_file() -> Result<()> {
-    curl_or_fail()?;
-    let server = Server::start()?;
-    let disk = image(1 << 20, 2);
-    let actual = sha256(&disk);
-    server.put("/disk.img", &disk);
+    // The server thread serves on after the handle is gone.
+    let Served {
+        sum: actual, url, ..
+    } = serve_disk(1 << 20, 2, Behaviour::default())?;
     let pod = Pod::new()?;
     let wanted = "0".repeat(64);
-    let url = format!("{}/disk.img", server.base);
     let out = pod.run(&["--url", &url, "--sha256", &wanted])?;
     assert!(!out.status.success());
     let msg = pod.message();
@@ -373,17 +396,20 @@ fn a_file_url_is_refused_before_anything_is_fetched() -> Result<()> {
 
 #[test]
 fn a_server_that_stalls_mid_file_fails_in_bounded_time_and_the_next_run_continues() -> Result<()> {
-    curl_or_fail()?;
-    let server = Server::start()?;
-    let disk = image(2 << 20, 3);
-    let sum = sha256(&disk);
-    server.put("/disk.img", &disk);
-    server.behave(Behaviour {
-        rate: 0,
-        stall_at: Some(1 << 20),
-    });
+    let Served {
+        server,
+        disk,
+        sum,
+        url,
+    } = serve_disk(
+        2 << 20,
+        3,
+        Behaviour {
+            rate: 0,
+            stall_at: Some(1 << 20),
+        },
+    )?;
     let pod = Pod::new()?;
-    let url = format!("{}/disk.img", server.base);
     let started = Instant::now();
     let out = pod.run(&["--url", &url, "--sha256", &sum, "--attempts", "2"])?;
     let took = started.elapsed();
@@ -418,17 +444,20 @@ fn a_server_that_stalls_mid_file_fails_in_bounded_time_and_the_next_run_continue
 
 #[test]
 fn a_killed_download_is_continued_by_the_next_run() -> Result<()> {
-    curl_or_fail()?;
-    let server = Server::start()?;
-    let disk = image(4 << 20, 4);
-    let sum = sha256(&disk);
-    server.put("/disk.img", &disk);
-    server.behave(Behaviour {
-        rate: 1 << 20,
-        stall_at: None,
-    });
+    let Served {
+        server,
+        disk,
+        sum,
+        url,
+    } = serve_disk(
+        4 << 20,
+        4,
+        Behaviour {
+            rate: 1 << 20,
+            stall_at: None,
+        },
+    )?;
     let pod = Pod::new()?;
-    let url = format!("{}/disk.img", server.base);
     let mut child = pod.spawn(&["--url", &url, "--sha256", &sum])?;
     let part = pod.cache.join(format!(".work/sha256-{sum}.img.part"));
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -461,19 +490,22 @@ fn a_killed_download_is_continued_by_the_next_run() -> Result<()> {
 
 #[test]
 fn two_pods_on_one_node_download_a_file_once() -> Result<()> {
-    curl_or_fail()?;
-    let server = Server::start()?;
-    let disk = image(2 << 20, 5);
-    let sum = sha256(&disk);
-    server.put("/disk.img", &disk);
     // Slow enough (2 s) that the second Pod starts while the first downloads.
-    server.behave(Behaviour {
-        rate: 1 << 20,
-        stall_at: None,
-    });
+    let Served {
+        server,
+        disk,
+        sum,
+        url,
+    } = serve_disk(
+        2 << 20,
+        5,
+        Behaviour {
+            rate: 1 << 20,
+            stall_at: None,
+        },
+    )?;
     let first = Pod::new()?;
     let second = first.sibling()?;
-    let url = format!("{}/disk.img", server.base);
     let a = first.spawn(&["--url", &url, "--sha256", &sum])?;
     let b = second.spawn(&["--url", &url, "--sha256", &sum])?;
     for (pod, child) in [(&first, a), (&second, b)] {
@@ -491,11 +523,7 @@ fn two_pods_on_one_node_download_a_file_once() -> Result<()> {
 
 #[test]
 fn the_cache_evicts_the_least_recently_used_image_no_launcher_holds() -> Result<()> {
-    curl_or_fail()?;
-    let server = Server::start()?;
-    let disk = image(1 << 20, 6);
-    let sum = sha256(&disk);
-    server.put("/disk.img", &disk);
+    let Served { sum, url, .. } = serve_disk(1 << 20, 6, Behaviour::default())?;
     let pod = Pod::new()?;
     let old = |name: &str, hours: u64| -> Result<std::fs::File> {
         let path = pod.cache.join(name);
@@ -511,7 +539,6 @@ fn the_cache_evicts_the_least_recently_used_image_no_launcher_holds() -> Result<
     held.lock_shared()?;
 
     // Room for two images: the new one and one of the three old ones may stay.
-    let url = format!("{}/disk.img", server.base);
     let out = pod.run(&["--url", &url, "--sha256", &sum, "--max-cache-size", "2Mi"])?;
     assert!(out.status.success(), "{}", log(&out));
     assert_eq!(
