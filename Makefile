@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e bench-e2e-workload testenv testenv-down dev-up dev-down e2e e2e-stub e2e-workload fuzz clean help node-image test-node-image
+.PHONY: all build test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node testenv testenv-down dev-up dev-down e2e e2e-stub e2e-workload fuzz clean help node-image test-node-image
 
 all: build
 
@@ -51,6 +51,9 @@ node-image: ## Kubernetes node image (images/node): _output/node-image/node.qcow
 
 test-node-image: node-image ## Boot the node image under QEMU: Ignition, preloaded images, kubeadm init with no registry
 	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture
+
+bench-idle-node: node-image ## An idle control plane of the node-image flavor under TCG: QEMU's host CPU over 60 s, the guest's split (flavor variables from the environment; CAPK_BENCH_PERF=1 samples QEMU)
+	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture --exact bench_idle_control_plane
 
 dev-up: ## The local management cluster with Cluster API and CAPK (clusterctl init) and a sample cluster
 	bash hack/dev-up.sh

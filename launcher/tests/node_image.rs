@@ -294,7 +294,8 @@ struct Launcher {
 }
 
 impl Launcher {
-    fn start(t: &Topology, work: &Path) -> Launcher {
+    /// Starts the launcher on the node image with `ignition`, `vcpus` and `memory` (a quantity).
+    fn start(t: &Topology, work: &Path, ignition: &[u8], vcpus: &str, memory: &str) -> Launcher {
         let resolv = work.join("resolv.conf");
         std::fs::write(
             &resolv,
@@ -310,16 +311,16 @@ impl Launcher {
         let ro = work.join("ro");
         std::fs::create_dir_all(&ro).unwrap();
         std::fs::write(ro.join("hello"), HOST_VOLUME_TEXT).unwrap();
+        let ignition_json = ignition;
         let ignition = work.join("ignition.json");
-        std::fs::write(&ignition, machine_ignition()).unwrap();
+        std::fs::write(&ignition, ignition_json).unwrap();
         let runtime_dir = work.join("run");
         let started = Instant::now();
         let mut child = Command::new("ip")
             .args(["netns", "exec", &t.pod])
             .args([env!("CARGO_BIN_EXE_capk-launcher"), "run"])
             .args(["--image", &node_image().display().to_string()])
-            // kubeadm's preflight wants 2 CPUs and 1700 MB on a control-plane node.
-            .args(["--accel", "tcg", "--vcpus", "2", "--memory", "2560Mi"])
+            .args(["--accel", "tcg", "--vcpus", vcpus, "--memory", memory])
             // A Kubernetes node's programs overflow the default 128 MiB translation cache: QEMU
             // then keeps re-translating, and `kubeadm init` did not finish in 10 minutes.
             .args(["--tcg-translation-cache-mib", "1024"])
@@ -545,7 +546,8 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
     // Like a Pod's volumes, reachable by QEMU's unprivileged user (tempdirs are 0700).
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(work.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut l = Launcher::start(&t, work.path());
+    // kubeadm's preflight wants 2 CPUs and 1700 MB on a control-plane node.
+    let mut l = Launcher::start(&t, work.path(), &machine_ignition(), "2", "2560Mi");
 
     // Firmware → SYSLINUX → kernel → Ignition in the initramfs → the real root's systemd.
     l.wait_for("SYSLINUX", Duration::from_secs(60));
@@ -646,4 +648,333 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
         l.started.elapsed().as_secs_f64(),
         ready.1
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// What an idle emulated control plane costs (`make bench-idle-node`): the node-image flavor as
+// `clusterctl generate cluster` renders it (flavor variables from the environment, as clusterctl
+// takes them), its first control plane's bootstrap data made by CABPK's own code (`cabpk-render`)
+// and converted like the controller does, booted by the launcher on the node image. Once kubeadm
+// init is done, the flavor's CNI applied and every kube-system Pod ready, the guest waits
+// CAPK_BENCH_SETTLE_SECONDS (30) and then measures CAPK_BENCH_IDLE_SECONDS (60) while the test
+// reads QEMU's host CPU over the same window. The guest prints its own split: CPU by process
+// name, user/system/irq time, interrupts and context switches per second. With
+// CAPK_BENCH_PERF=1 the test also samples QEMU with `perf` during the window.
+
+/// The guest's side of the idle benchmark (`CAPK-NODE idle-…` console lines). `@SETTLE@` and `@WINDOW@`
+/// are replaced by seconds. Short-lived processes (exec'd by probes, say) are not in the
+/// per-process table; `unaccounted` is the busy time the table misses.
+const IDLE_SCRIPT: &str = r#"#!/bin/bash
+exec >/dev/console 2>&1
+r() { echo "CAPK-NODE idle-$*"; }
+kc() { kubectl --kubeconfig /etc/kubernetes/admin.conf --request-timeout 60s "$@"; }
+up() { cut -d' ' -f1 /proc/uptime; }
+# The flavor's bootstrap is cloud-config: kubeadm runs in the converted runcmd unit.
+if [ ! -e /run/cluster-api/bootstrap-success.complete ]; then
+  journalctl -b -u capk-runcmd.service -o cat | grep -vi token | tail -30 | sed 's/^/CAPK-NODE idle-kubeadm| /'
+  r "failed kubeadm init: $(systemctl show -p Result --value capk-runcmd.service)"
+  exit 0
+fi
+r "kubeadm-done uptime=$(up)"
+# Without validation: kubectl would download the OpenAPI document first (seconds under TCG).
+until kc apply --validate=false -f /etc/capk-bench/cni.yaml >/dev/null; do sleep 10; done
+ready=False pods=0 waiting=?
+for _ in $(seq 360); do
+  ready=$(kc get node "$(hostname)" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)
+  list=$(kc get pods -A --no-headers 2>/dev/null)
+  pods=$(grep -c . <<<"$list")
+  waiting=$(awk '{split($3, c, "/"); if ($4 != "Running" || c[1] != c[2]) n++} END {print n + 0}' <<<"$list")
+  [ "$ready" = True ] && [ "$pods" -gt 0 ] && [ "$waiting" = 0 ] && break
+  sleep 5
+done
+kc get pods -A --no-headers 2>&1 | awk '{print "CAPK-NODE idle-pod " $1 "/" $2 " " $3 " " $4 " restarts=" $5}'
+r "ready node=$ready pods=$pods waiting=$waiting uptime=$(up)"
+sleep @SETTLE@
+# pid, name, utime+stime in ticks of every process.
+procs() {
+  for d in /proc/[0-9]*; do
+    s=$(cat "$d/stat" 2>/dev/null) || continue
+    n=${s#*(}; n=${n%)*}; set -- ${s##*) }
+    echo "${d#/proc/} ${n// /_} $((${12} + ${13}))"
+  done
+}
+cpu() { awk '/^cpu /{print $2 + $3, $4, $7 + $8, $5 + $6}' /proc/stat; }
+counters() { awk '/^intr /{i=$2} /^ctxt /{c=$2} END {print i, c}' /proc/stat; }
+procs >/run/capk-idle.0; c0=$(cpu); k0=$(counters); cp /proc/interrupts /run/capk-idle.irq0
+r "window-start uptime=$(up)"
+sleep @WINDOW@
+r "window-end uptime=$(up)"
+procs >/run/capk-idle.1; c1=$(cpu); k1=$(counters); cp /proc/interrupts /run/capk-idle.irq1
+tck=$(getconf CLK_TCK)
+# Per process name: % of one vCPU over the window.
+awk -v w=@WINDOW@ -v t="$tck" 'NR == FNR {a[$1] = $3; next} {d = $3 - ($1 in a ? a[$1] : 0); s[$2] += d}
+  END {for (n in s) if (s[n] > 0) printf "%.1f %s\n", 100 * s[n] / t / w, n}' \
+  /run/capk-idle.0 /run/capk-idle.1 | sort -rn | awk '{print "CAPK-NODE idle-proc " $2 " " $1 "%"}'
+set -- $c0 $c1
+r "$(awk -v w=@WINDOW@ -v t="$tck" -v u=$(($5 - $1)) -v s=$(($6 - $2)) -v i=$(($7 - $3)) -v id=$(($8 - $4)) \
+  'BEGIN {printf "cpu user=%.1f%% system=%.1f%% irq=%.1f%% idle=%.1f%% (of one vCPU)", 100*u/t/w, 100*s/t/w, 100*i/t/w, 100*id/t/w}')"
+accounted=$(awk 'NR == FNR {a[$1] = $3; next} {d = $3 - ($1 in a ? a[$1] : 0); if (d > 0) s += d} END {print s + 0}' /run/capk-idle.0 /run/capk-idle.1)
+r "unaccounted $(awk -v w=@WINDOW@ -v t="$tck" -v b=$(( ($5 - $1) + ($6 - $2) )) -v a="$accounted" 'BEGIN {printf "%.1f%%", 100 * (b - a) / t / w}')"
+set -- $k0 $k1
+r "rates interrupts/s=$(( ($3 - $1) / @WINDOW@ )) context-switches/s=$(( ($4 - $2) / @WINDOW@ ))"
+awk 'NR == FNR {for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) a[$1] += $i; next}
+  {s = 0; for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) s += $i; if (s - a[$1] > 0) printf "%d %s %s\n", (s - a[$1]) / @WINDOW@, $1, $NF}' \
+  /run/capk-idle.irq0 /run/capk-idle.irq1 | sort -rn | head -6 | awk '{print "CAPK-NODE idle-irq " $2 $3 " " $1 "/s"}'
+r "loadavg $(cut -d' ' -f1-3 /proc/loadavg)"
+r "done"
+"#;
+
+/// `name` from the environment, else `default` (the flavor variables the benchmark sets unless
+/// the caller did).
+fn var_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+/// The node-image flavor's first control plane as the benchmark boots it: its Ignition (CABPK's
+/// bootstrap data converted like the controller does, plus the idle report and the CNI manifest),
+/// vCPUs and memory.
+fn flavor_control_plane(settle: u64, window: u64) -> (Vec<u8>, String, String) {
+    let home = tempfile::tempdir().unwrap();
+    // Sizes of the workload journey's control plane (tests/tests/e2e/workload.rs), leader
+    // election as it raises it for TCG; each overridable from the environment.
+    let defaults = [
+        ("CONTROL_PLANE_MACHINE_CPUS", "2"),
+        ("CONTROL_PLANE_MACHINE_MEMORY", "2560Mi"),
+        ("CONTROL_PLANE_VOLUME_SIZE_GB", "8"),
+        ("CONTROL_PLANE_DOCKER_VOLUME_SIZE_GB", "4"),
+        ("KUBE_LEADER_ELECT_LEASE_DURATION", "120s"),
+        ("KUBE_LEADER_ELECT_RENEW_DEADLINE", "90s"),
+        ("KUBE_LEADER_ELECT_RETRY_PERIOD", "10s"),
+    ];
+    let mut clusterctl = Command::new(repo_root().join("_output/bin/clusterctl"));
+    clusterctl
+        .args(["generate", "cluster", "idle", "--from"])
+        .arg(repo_root().join("manifests/templates/cluster-template-node-image.yaml"))
+        .args([
+            "--kubernetes-version",
+            "v1.35.4",
+            "--target-namespace",
+            "default",
+        ])
+        .args([
+            "--control-plane-machine-count",
+            "1",
+            "--worker-machine-count",
+            "0",
+        ])
+        .env("HOME", home.path())
+        .env("CLUSTERCTL_DISABLE_VERSIONCHECK", "true")
+        .env("KVM_NODE_IMAGE", "localhost/capk/node:bench");
+    for (k, v) in defaults {
+        clusterctl.env(k, var_or(k, v));
+    }
+    let out = clusterctl.output().expect("run clusterctl");
+    assert!(
+        out.status.success(),
+        "clusterctl generate cluster: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let objects = out.stdout;
+
+    use serde::Deserialize;
+    let mut cni = None;
+    for d in serde_yaml_ng::Deserializer::from_slice(&objects) {
+        let v = serde_yaml_ng::Value::deserialize(d).unwrap();
+        if v["kind"] == "ConfigMap" {
+            cni = v["data"]["flannel.yaml"].as_str().map(str::to_string);
+        }
+    }
+    let cni = cni.expect("the flavor's CNI ConfigMap");
+
+    use std::io::Write;
+    let mut render = Command::new(repo_root().join("_output/bin/cabpk-render"))
+        .args(["bootstrap", "--role", "init", "--endpoint"])
+        .arg(format!("{POD_IP}:6443"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run cabpk-render");
+    render.stdin.take().unwrap().write_all(&objects).unwrap();
+    let out = render.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "cabpk-render: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let secret: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let format = BootstrapFormat::from_secret(secret["format"].as_str()).unwrap();
+    let value = secret["value"].as_str().expect("value").as_bytes();
+    let json = capk_bootstrap::render_ignition(format, value, &MachineFacts::new(HOSTNAME), None)
+        .unwrap()
+        .json;
+    let mut config: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    let script = IDLE_SCRIPT
+        .replace("@SETTLE@", &settle.to_string())
+        .replace("@WINDOW@", &window.to_string());
+    let files = config["storage"]["files"].as_array_mut().expect("files");
+    for (path, mode, body) in [
+        ("/etc/capk-bench/idle.sh", 0o755, script.as_bytes()),
+        ("/etc/capk-bench/cni.yaml", 0o644, cni.as_bytes()),
+    ] {
+        files.push(serde_json::json!({
+            "path": path,
+            "mode": mode,
+            "contents": {"source": capk_bootstrap::content::data_url(body)},
+        }));
+    }
+    config["systemd"]["units"]
+        .as_array_mut()
+        .expect("units")
+        .push(serde_json::json!({
+            "name": "capk-bench-idle.service",
+            "enabled": true,
+            "contents": "[Unit]\nDescription=CAPK idle benchmark\nAfter=capk-runcmd.service\n\n\
+                [Service]\nType=oneshot\nExecStart=/bin/bash /etc/capk-bench/idle.sh\n\n\
+                [Install]\nWantedBy=multi-user.target\n",
+        }));
+    (
+        serde_json::to_vec(&config).unwrap(),
+        var_or("CONTROL_PLANE_MACHINE_CPUS", "2"),
+        var_or("CONTROL_PLANE_MACHINE_MEMORY", "2560Mi"),
+    )
+}
+
+/// User + system CPU ticks of a process (all its threads).
+fn cpu_ticks(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("QEMU's /proc stat");
+    let rest: Vec<&str> = s[s.rfind(')').unwrap() + 2..].split(' ').collect();
+    rest[11].parse::<u64>().unwrap() + rest[12].parse::<u64>().unwrap()
+}
+
+/// The launcher's QEMU.
+fn qemu_pid(launcher: u32) -> u32 {
+    let out = Command::new("pgrep")
+        .args(["-P", &launcher.to_string(), "qemu-system"])
+        .output()
+        .expect("run pgrep");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("no QEMU child of the launcher {launcher}"))
+}
+
+#[test]
+#[ignore = "boots the node-image flavor's control plane under TCG and measures it idle (minutes): make bench-idle-node"]
+fn bench_idle_control_plane() {
+    if !prerequisites() {
+        return;
+    }
+    for f in ["clusterctl", "cabpk-render"] {
+        let p = repo_root().join("_output/bin").join(f);
+        assert!(p.exists(), "{} missing: make test-deps", p.display());
+    }
+    let settle: u64 = var_or("CAPK_BENCH_SETTLE_SECONDS", "30").parse().unwrap();
+    let window: u64 = var_or("CAPK_BENCH_IDLE_SECONDS", "60").parse().unwrap();
+    let (ignition, vcpus, memory) = flavor_control_plane(settle, window);
+    let t = Topology::new();
+    let work = tempfile::Builder::new()
+        .prefix("capk-idle")
+        .tempdir_in("/tmp")
+        .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(work.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut l = Launcher::start(&t, work.path(), &ignition, &vcpus, &memory);
+    // "idle-kubeadm-done", or kubeadm's journal ("idle-kubeadm| ") before "idle-failed".
+    let kubeadm = l.wait_for("CAPK-NODE idle-kubeadm", Duration::from_secs(1800));
+    if !kubeadm.contains("idle-kubeadm-done") {
+        let failed = l.wait_for("CAPK-NODE idle-failed", Duration::from_secs(60));
+        panic!("{failed}:\n{}", l.facts("idle-kubeadm| ").join("\n"));
+    }
+    let ready = l.wait_for("CAPK-NODE idle-ready", Duration::from_secs(1800));
+    assert!(
+        ready.contains("node=True") && ready.contains("waiting=0"),
+        "the control plane did not get ready: {ready}\n{}",
+        l.facts("idle-pod ").join("\n")
+    );
+    let qemu = qemu_pid(l.child.id());
+    l.wait_for(
+        "CAPK-NODE idle-window-start",
+        Duration::from_secs(settle + 120),
+    );
+    let (t0, q0) = (Instant::now(), cpu_ticks(qemu));
+    let perf = (std::env::var("CAPK_BENCH_PERF").as_deref() == Ok("1")).then(|| {
+        let data = work.path().join("perf.data");
+        let child = Command::new("perf")
+            .args([
+                "record",
+                "-q",
+                "-F",
+                "499",
+                "-g",
+                "-p",
+                &qemu.to_string(),
+                "-o",
+            ])
+            .arg(&data)
+            .args(["--", "sleep", &(window - 5).to_string()])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("run perf (apt-get install linux-perf)");
+        (child, data)
+    });
+    l.wait_for(
+        "CAPK-NODE idle-window-end",
+        Duration::from_secs(window + 60),
+    );
+    let (secs, q1) = (t0.elapsed().as_secs_f64(), cpu_ticks(qemu));
+    l.wait_for("CAPK-NODE idle-done", Duration::from_secs(120));
+    let tck: f64 = String::from_utf8(
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap()
+    .trim()
+    .parse()
+    .unwrap();
+    println!("MEASURE idle control plane ({vcpus} vCPUs, {memory}):");
+    println!("MEASURE   {}", l.fact("idle-ready").trim());
+    println!(
+        "MEASURE   QEMU host CPU over {secs:.0} s: {:.0} % of one host core",
+        100.0 * (q1 - q0) as f64 / tck / secs
+    );
+    for prefix in ["cpu ", "unaccounted", "rates ", "loadavg "] {
+        println!(
+            "MEASURE   guest {prefix}{}",
+            l.fact(&format!("idle-{prefix}"))
+        );
+    }
+    for p in l.facts("idle-proc ").iter().take(15) {
+        println!("MEASURE   guest proc {p}");
+    }
+    for i in l.facts("idle-irq ") {
+        println!("MEASURE   guest irq {i}");
+    }
+    if let Some((mut child, data)) = perf {
+        child.wait().unwrap();
+        let report = Command::new("perf")
+            .args([
+                "report",
+                "--stdio",
+                "--no-children",
+                "--sort",
+                "dso,sym",
+                "-g",
+                "none",
+                "-i",
+            ])
+            .arg(&data)
+            .output()
+            .unwrap();
+        for line in String::from_utf8_lossy(&report.stdout)
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .take(40)
+        {
+            println!("MEASURE   perf {line}");
+        }
+    }
 }
