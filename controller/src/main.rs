@@ -165,20 +165,15 @@ fn quantity_bytes(s: &str) -> Result<u64, String> {
     }
 }
 
-/// A concrete Flatcar release (`4230.2.3`): `current` would let machines made later boot
-/// another OS than their peers.
+/// A concrete Flatcar release (`4230.2.3`).
 fn pinned_flatcar_version(s: &str) -> Result<String, String> {
     let s = s.trim();
-    let parts: Vec<&str> = s.split('.').collect();
-    if parts.len() == 3
-        && parts
-            .iter()
-            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
-    {
+    if capk_controller::settings::is_flatcar_release(s) {
         Ok(s.to_owned())
     } else {
         Err(format!(
-            "{s:?} is not a Flatcar release such as 4230.2.3 (pin one; 'current' is not accepted)"
+            "{s:?} is not a Flatcar release such as 4230.2.3 (pin one: machines made later \
+             boot what their peers boot; 'current' is not accepted)"
         ))
     }
 }

@@ -98,6 +98,19 @@ impl TenantPolicy {
 /// is the same (a test holds them together).
 pub const DEFAULT_FLATCAR_VERSION: &str = "4230.2.3";
 
+/// Whether `version` is a concrete Flatcar release (`4230.2.3`: three numbers, no leading
+/// zeros), not `current`, which would let machines made later boot another OS than their peers.
+pub fn is_flatcar_release(version: &str) -> bool {
+    let parts: Vec<&str> = version.split('.').collect();
+    parts.len() == 3
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && p.len() <= 9
+                && p.bytes().all(|b| b.is_ascii_digit())
+                && (*p == "0" || !p.starts_with('0'))
+        })
+}
+
 /// Defaults for what a KVMMachine leaves out.
 #[derive(Clone, Debug)]
 pub struct MachineDefaults {

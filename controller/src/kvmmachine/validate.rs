@@ -215,6 +215,31 @@ pub fn validate(
             ),
         );
     }
+    // What the machine Pod's fetch-image init container is given: a pinned release, a URL it
+    // can hand to curl.
+    if let Some(f) = spec.image.as_ref().and_then(|i| i.flatcar.as_ref())
+        && !crate::settings::is_flatcar_release(&f.version)
+    {
+        fail(
+            "spec.image.flatcar.version".into(),
+            format!(
+                "{:?} is not a concrete release: pin one such as 4230.2.3, so that machines made \
+                 later boot what their peers boot",
+                f.version
+            ),
+        );
+    }
+    if let Some(u) = spec.image.as_ref().and_then(|i| i.url.as_ref())
+        && u.url
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || c == '"' || c == '\\')
+    {
+        fail(
+            "spec.image.url.url".into(),
+            "must not contain spaces, quotes, backslashes or control characters (percent-encode them)"
+                .into(),
+        );
+    }
     if let Some(ci) = spec.image.as_ref().and_then(|i| i.container_image.as_ref()) {
         if ci.image.is_empty() || ci.image.chars().any(char::is_whitespace) {
             fail(
@@ -580,6 +605,32 @@ mod tests {
         };
         assert_eq!(refused(everywhere, false, &lenient), None);
         assert_eq!(refused(critical, false, &lenient), None);
+    }
+
+    #[test]
+    fn node_images_to_fetch_are_pinned_releases_and_urls_curl_can_take() {
+        let current = json!({"image": {"flatcar": {"channel": "stable", "version": "current"}}});
+        assert_eq!(
+            errors(current.clone(), false),
+            ["spec.image.flatcar.version"]
+        );
+        let km = kvm_machine("m", spec(current));
+        let msg = validate(
+            &km,
+            &placement(false),
+            &MachineDefaults::default(),
+            &policy(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(msg.contains("pin one such as 4230.2.3"), "{msg}");
+        let pinned = json!({"image": {"flatcar": {"channel": "lts", "version": "4081.3.6"}}});
+        assert!(errors(pinned, false).is_empty());
+        let sha = "ab".repeat(32);
+        let spaced = json!({"image": {"url": {"url": "https://x/a b.img", "sha256": sha}}});
+        assert_eq!(errors(spaced, false), ["spec.image.url.url"]);
+        let fine = json!({"image": {"url": {"url": "https://x/a%20b.img?sig=1", "sha256": sha}}});
+        assert!(errors(fine, false).is_empty());
     }
 
     #[test]
