@@ -11,6 +11,7 @@ pub mod hosting;
 pub mod inline_kubeconfig;
 pub mod kvmcluster;
 pub mod kvmmachine;
+pub mod kvmmachinetemplate;
 pub mod leader;
 pub mod metrics;
 pub mod ownership;
@@ -27,7 +28,7 @@ use capk_api::{
         CLUSTER_NAME_LABEL, GROUP, KVMCLUSTER_LABEL, KVMMACHINE_LABEL, MACHINE_ROLE_LABEL,
         MANAGED_BY, MAX_LABEL_LEN, OWNER_NAMESPACE_LABEL, ROLE_CONTROL_PLANE,
     },
-    v1alpha1::{KVMCluster, KVMMachine},
+    v1alpha1::{KVMCluster, KVMMachine, KVMMachineTemplate},
 };
 use futures::{Stream, StreamExt};
 use hosting::HostingKey;
@@ -407,6 +408,25 @@ pub async fn run_with_metrics(
             }
         });
 
+    // Templates: only their own spec matters (the autoscaler's capacity).
+    let templates = Controller::new(
+        api::<KVMMachineTemplate>(&client, ns),
+        watcher::Config::default(),
+    )
+    .with_config(controller_config.clone())
+    .graceful_shutdown_on(stopped(rx.clone()))
+    .run(
+        kvmmachinetemplate::reconcile,
+        kvmmachinetemplate::error_policy,
+        ctx.clone(),
+    )
+    .for_each(|res| async move {
+        match res {
+            Ok((obj, _)) => debug!(kvmmachinetemplate = %obj.name, "reconciled"),
+            Err(e) => warn!(error = %e, "KVMMachineTemplate reconcile error"),
+        }
+    });
+
     let (by_cluster, by_secret, by_kvm_cluster) = (
         kvm_machines.clone(),
         kvm_machines.clone(),
@@ -512,7 +532,7 @@ pub async fn run_with_metrics(
                 Err(e) => warn!(error = %e, "KVMMachine reconcile error"),
             }
         });
-    futures::join!(clusters, machines);
+    futures::join!(clusters, machines, templates);
 }
 
 /// The KVMClusters whose hosting cluster's kubeconfig is Secret `s`.

@@ -573,6 +573,24 @@ async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
         );
     }
 
+    // KVMMachineTemplate: the autoscaler's capacity in its status.
+    let templates: Api<capk_api::v1alpha1::KVMMachineTemplate> = Api::namespaced(admin.clone(), ns);
+    let template = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachineTemplate",
+        "metadata": {"name": "demo-md-0"},
+        "spec": {"template": {"spec": {"resources": {"cpu": 2, "memory": "2Gi", "disk": "20Gi"}}}},
+    }))?;
+    templates.create(&PostParams::default(), &template).await?;
+    eventually(
+        30,
+        "KVMMachineTemplate status.capacity under the shipped RBAC",
+        || async {
+            let t = templates.get("demo-md-0").await?;
+            Ok(t.status.and_then(|s| s.capacity))
+        },
+    )
+    .await?;
+
     // The machine Pod on a node (as the scheduler binds it): its hostPath etcd data is removed
     // from there when the machine goes.
     let pods: Api<Pod> = Api::namespaced(admin.clone(), ns);

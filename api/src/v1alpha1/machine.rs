@@ -510,10 +510,11 @@ pub struct KVMMachineTemplateResource {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct KVMMachineTemplateStatus {
-    /// Resources a node from this template has (`cpu`, `memory`).
+    /// Resources a node from this template has (`cpu`, `memory`, `ephemeral-storage`: the disk
+    /// holding the kubelet's directory), written by the controller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<BTreeMap<String, Quantity>>,
-    /// Architecture and operating system of nodes from this template.
+    /// Architecture and operating system of nodes from this template (`amd64`, `linux`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_info: Option<NodeInfo>,
 }
