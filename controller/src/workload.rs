@@ -2,11 +2,12 @@
 //! API writes. One Node watch per workload cluster (started when a machine of that cluster first
 //! needs it, restarted when the kubeconfig changes) feeds a cache and wakes the machines whose
 //! Node changed; nothing polls. The machine Pod's readiness gate follows the Node's `Ready`
-//! condition, and the Node gets our providerID when it has none. An unreachable workload cluster
-//! is a reason on the gate, never a crash.
+//! condition, and the Node gets our providerID when it has none, and the zone and region labels of
+//! the management-cluster node its machine Pod runs on when it has neither (failure domains are
+//! those zones). An unreachable workload cluster is a reason on the gate, never a crash.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     sync::{Arc, Mutex},
 };
 
@@ -35,6 +36,33 @@ use crate::inline_kubeconfig::{InlineKubeconfig, KubeconfigError};
 
 /// Our field manager in workload clusters: the controller's name, as everywhere.
 const FIELD_MANAGER: &str = MANAGED_BY;
+
+/// The well-known labels that say where a Node is, copied from the management-cluster node a
+/// machine Pod runs on to the workload Node (the scheduler's topology spreading, zone-aware
+/// volumes and the workload's own tools read them).
+pub const TOPOLOGY_LABELS: [&str; 2] = [
+    "topology.kubernetes.io/zone",
+    "topology.kubernetes.io/region",
+];
+
+/// The management-cluster node a machine Pod runs on, and a client of the cluster it is in (the
+/// management cluster or a hosting cluster).
+#[derive(Clone, Copy)]
+pub struct PodNode<'a> {
+    /// A client of the cluster the Pod runs in.
+    pub client: &'a Client,
+    /// The node's name (`spec.nodeName` of the Pod).
+    pub name: &'a str,
+}
+
+/// The [`TOPOLOGY_LABELS`] among `labels`.
+pub fn topology_labels(labels: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    labels
+        .iter()
+        .filter(|(k, _)| TOPOLOGY_LABELS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
 
 /// The Secret Cluster API writes with the workload cluster's kubeconfig.
 pub fn kubeconfig_secret_name(cluster: &str) -> String {
@@ -161,7 +189,8 @@ impl Links {
     }
 
     /// What the readiness gate of machine `km` (Node `node_name`) in `cluster` should say; sets
-    /// the Node's providerID when it has none. `kubeconfig` is the resourceVersion of the
+    /// the Node's providerID when it has none, and the topology labels of `pod_node` when it has
+    /// none of them. `kubeconfig` is the resourceVersion of the
     /// kubeconfig Secret ([`kubeconfig_secret_name`]) when it exists: the Secret is read only
     /// when it is new or changed.
     pub async fn node_gate(
@@ -172,6 +201,7 @@ impl Links {
         cluster: &str,
         node_name: &str,
         provider_id: &str,
+        pod_node: Option<PodNode<'_>>,
     ) -> Gate {
         let secret_name = kubeconfig_secret_name(cluster);
         let Some(source) = kubeconfig else {
@@ -217,7 +247,7 @@ impl Links {
             );
         }
         match nodes.get(&ObjectRef::new(node_name)) {
-            Some(node) => sync_node(&wc, &node, provider_id).await,
+            Some(node) => sync_node(&wc, &node, provider_id, pod_node).await,
             None => Gate::not_ready(
                 "WaitingForNode",
                 format!("node {node_name} has not joined the workload cluster yet"),
@@ -299,14 +329,18 @@ impl Links {
     }
 }
 
-/// Of a workload Node only what the gate reads is kept: its identity, providerID and `Ready`
-/// condition. Images, labels, annotations and managed fields are most of a Node's size, and the
-/// workload cluster's users write them.
+/// Of a workload Node only what the gate reads is kept: its identity, providerID, topology
+/// labels and `Ready` condition. Images, labels, annotations and managed fields are most of a
+/// Node's size, and the workload cluster's users write them.
 fn strip_node(n: &mut Node) {
     use k8s_openapi::api::core::v1::{NodeSpec, NodeStatus};
     let meta = &mut n.metadata;
     meta.managed_fields = None;
-    meta.labels = None;
+    meta.labels = meta
+        .labels
+        .take()
+        .map(|l| topology_labels(&l))
+        .filter(|l| !l.is_empty());
     meta.annotations = None;
     meta.owner_references = None;
     meta.finalizers = None;
@@ -378,11 +412,45 @@ pub async fn client(mc: &Client, ns: &str, cluster: &str) -> Result<Client, Gate
         .map_err(refused)
 }
 
-/// Sets the Node's providerID when it has none, and says what the gate should be.
-pub async fn sync_node(wc: &Client, node: &Node, provider_id: &str) -> Gate {
+/// The topology labels of the management-cluster node `pod_node`; none when it cannot be read
+/// (a hosting cluster's credential may not read Nodes).
+async fn pod_node_topology(pod_node: PodNode<'_>) -> BTreeMap<String, String> {
+    match Api::<Node>::all(pod_node.client.clone())
+        .get_metadata_opt(pod_node.name)
+        .await
+    {
+        Ok(Some(n)) => topology_labels(n.labels()),
+        Ok(None) => BTreeMap::new(),
+        Err(e) => {
+            debug!(node = pod_node.name, error = %e, "cannot read the machine Pod's node");
+            BTreeMap::new()
+        }
+    }
+}
+
+/// Sets the Node's providerID when it has none and, when it has no topology label, those of the
+/// management-cluster node its machine Pod runs on (read only then); says what the gate should
+/// be.
+pub async fn sync_node(
+    wc: &Client,
+    node: &Node,
+    provider_id: &str,
+    pod_node: Option<PodNode<'_>>,
+) -> Gate {
     let node_name = node.name_any();
+    let mut patch = json!({});
     if !has_provider_id(node) {
-        let patch = json!({"spec": {"providerID": provider_id}});
+        patch["spec"] = json!({"providerID": provider_id});
+    }
+    if let Some(pod_node) = pod_node
+        && topology_labels(node.labels()).is_empty()
+    {
+        let labels = pod_node_topology(pod_node).await;
+        if !labels.is_empty() {
+            patch["metadata"] = json!({ "labels": labels });
+        }
+    }
+    if patch != json!({}) {
         if let Err(e) = Api::<Node>::all(wc.clone())
             .patch(
                 &node_name,
@@ -396,7 +464,7 @@ pub async fn sync_node(wc: &Client, node: &Node, provider_id: &str) -> Gate {
         {
             return Gate::not_ready(
                 "WorkloadClusterUnreachable",
-                format!("set providerID on node {node_name}: {e}"),
+                format!("set providerID or topology labels on node {node_name}: {e}"),
             );
         }
     }
@@ -473,7 +541,8 @@ mod tests {
     fn a_cached_node_keeps_only_what_the_gate_reads() {
         let mut n: Node = serde_json::from_value(json!({
             "metadata": {"name": "n1", "uid": "u", "resourceVersion": "7",
-                         "labels": {"a": "b"}, "annotations": {"big": "x".repeat(4096)}},
+                         "labels": {"a": "b", "topology.kubernetes.io/zone": "z1"},
+                         "annotations": {"big": "x".repeat(4096)}},
             "spec": {"providerID": "kvm://ns/n1", "podCIDR": "10.0.0.0/24"},
             "status": {"conditions": [
                 {"type": "MemoryPressure", "status": "False"},
@@ -485,7 +554,8 @@ mod tests {
         assert_eq!(
             serde_json::to_value(&n).unwrap(),
             json!({"apiVersion": "v1", "kind": "Node",
-                   "metadata": {"name": "n1", "uid": "u", "resourceVersion": "7"},
+                   "metadata": {"name": "n1", "uid": "u", "resourceVersion": "7",
+                                "labels": {"topology.kubernetes.io/zone": "z1"}},
                    "spec": {"providerID": "kvm://ns/n1"},
                    "status": {"conditions": [{"type": "Ready", "status": "True",
                        "message": "kubelet is posting ready status"}]}})

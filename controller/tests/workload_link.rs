@@ -113,6 +113,98 @@ async fn readiness_gate_and_provider_id_follow_the_workload_node() -> Result<()>
     Ok(())
 }
 
+/// The workload Node gets the zone and region of the management-cluster node its machine Pod
+/// runs on (the failure domains are those zones), once: a zone the Node already has is kept.
+#[tokio::test]
+async fn the_workload_node_gets_the_zone_of_the_machine_pods_node() -> Result<()> {
+    let ns = "workload-zone";
+    let mc = TestEnv::shared().client().await?;
+    create_namespace(&mc, ns).await?;
+    let _stop = start_controller(mc.clone(), ns);
+    let mc_node: Node = serde_json::from_value(json!({"metadata": {
+        "name": "mc-node-zone-b",
+        "labels": {"topology.kubernetes.io/zone": "zone-b",
+                   "topology.kubernetes.io/region": "region-1",
+                   "kubernetes.io/hostname": "mc-node-zone-b"}}}))?;
+    Api::<Node>::all(mc.clone())
+        .create(&PostParams::default(), &mc_node)
+        .await?;
+
+    let wc_env = workload_env().await?;
+    let wc = wc_env.client().await?;
+    let nodes: Api<Node> = Api::all(wc.clone());
+    for (name, labels) in [
+        ("demo-cp-0", json!({})),
+        (
+            "demo-cp-1",
+            json!({"topology.kubernetes.io/zone": "chosen-by-the-user"}),
+        ),
+    ] {
+        let node: Node =
+            serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}}))?;
+        nodes.create(&PostParams::default(), &node).await?;
+        set_node_ready(&nodes, name, true).await?;
+    }
+    let pods: Api<Pod> = Api::namespaced(mc.clone(), ns);
+    for name in ["demo-cp-0", "demo-cp-1"] {
+        control_plane_machine(&mc, ns, name, "#cloud-config\nruncmd:\n- echo ok\n").await?;
+        eventually(30, "the machine Pod", || async {
+            Ok(pods.get_opt(name).await?)
+        })
+        .await?;
+        // What the scheduler writes.
+        let binding = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": "mc-node-zone-b"}});
+        pods.create_subresource::<serde_json::Value, serde_json::Value>(
+            "binding",
+            name,
+            &PostParams::default(),
+            &binding,
+        )
+        .await?;
+    }
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "demo-kubeconfig", "labels": {"cluster.x-k8s.io/cluster-name": "demo"}},
+        "type": "cluster.x-k8s.io/secret",
+        "stringData": {"value": std::fs::read_to_string(wc_env.kubeconfig())?},
+    }))?;
+    Api::<Secret>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &secret)
+        .await?;
+
+    let labels = eventually(30, "the zone on the workload Node", || async {
+        let node = nodes.get("demo-cp-0").await?;
+        let labels = node.metadata.labels.unwrap_or_default();
+        Ok(labels
+            .contains_key("topology.kubernetes.io/zone")
+            .then_some(labels))
+    })
+    .await?;
+    assert_eq!(labels["topology.kubernetes.io/zone"], "zone-b");
+    assert_eq!(labels["topology.kubernetes.io/region"], "region-1");
+    assert!(
+        !labels.contains_key("kubernetes.io/hostname"),
+        "only the topology labels are copied: {labels:?}"
+    );
+    // The other machine's Node had a zone: once its providerID is set it was seen, and kept.
+    let other = eventually(30, "the other Node's providerID", || async {
+        let node = nodes.get("demo-cp-1").await?;
+        Ok(node
+            .spec
+            .as_ref()
+            .and_then(|s| s.provider_id.clone())
+            .map(|_| node))
+    })
+    .await?;
+    let other_labels = other.metadata.labels.unwrap_or_default();
+    assert_eq!(
+        other_labels["topology.kubernetes.io/zone"],
+        "chosen-by-the-user"
+    );
+    assert!(!other_labels.contains_key("topology.kubernetes.io/region"));
+    Ok(())
+}
+
 /// A workload apiserver that accepts connections and never answers (a tenant's, say): its
 /// machine's gate says the cluster is unreachable once the client's read timeout passes, and a
 /// machine of another cluster gets its Pod within seconds meanwhile.

@@ -58,8 +58,8 @@ use crate::{
     ownership::{Claim, Owner},
     report,
     workload::{
-        Gate, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_REFUSED, kubeconfig_secret_name,
-        set_gate,
+        Gate, PodNode, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_REFUSED,
+        kubeconfig_secret_name, set_gate,
     },
 };
 
@@ -558,6 +558,7 @@ async fn apply(
                 &placement.cluster,
                 &names::hostname(km),
                 &provider_id(&ns, &km.name_any()),
+                pod_node(&existing, there),
             )
             .await;
         if [REASON_KUBECONFIG_REFUSED, REASON_KUBECONFIG_INVALID].contains(&gate.reason)
@@ -634,6 +635,16 @@ async fn warn_once(ctx: &Context, km: &KVMMachine, reason: &str, msg: &str) {
     if !has_ready_reason(km, reason, msg) {
         publish(ctx, km, EventType::Warning, reason, msg.to_owned()).await;
     }
+}
+
+/// The node the machine Pod runs on, once scheduled, in the cluster `there` (whose topology
+/// labels the workload Node gets).
+fn pod_node<'a>(pod: &'a Pod, there: &'a Target) -> Option<PodNode<'a>> {
+    let name = pod.spec.as_ref()?.node_name.as_deref()?;
+    Some(PodNode {
+        client: &there.client,
+        name,
+    })
 }
 
 /// Whether the KVMMachine's `Ready` condition already reports `reason` with `detail` in its
