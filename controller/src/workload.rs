@@ -55,6 +55,16 @@ pub struct PodNode<'a> {
     pub name: &'a str,
 }
 
+/// What a machine's workload Node is to carry: the machine's providerID and the topology labels
+/// of the node its machine Pod runs on (once scheduled).
+#[derive(Clone, Copy)]
+pub struct NodeFacts<'a> {
+    /// `kvm://<namespace>/<kvmmachine>`.
+    pub provider_id: &'a str,
+    /// Where the machine Pod runs.
+    pub pod_node: Option<PodNode<'a>>,
+}
+
 /// The [`TOPOLOGY_LABELS`] among `labels`.
 pub fn topology_labels(labels: &BTreeMap<String, String>) -> BTreeMap<String, String> {
     labels
@@ -189,8 +199,8 @@ impl Links {
     }
 
     /// What the readiness gate of machine `km` (Node `node_name`) in `cluster` should say; sets
-    /// the Node's providerID when it has none, and the topology labels of `pod_node` when it has
-    /// none of them. `kubeconfig` is the resourceVersion of the
+    /// the Node's providerID when it has none, and the topology labels of the Pod's node when it
+    /// has none of them ([`NodeFacts`]). `kubeconfig` is the resourceVersion of the
     /// kubeconfig Secret ([`kubeconfig_secret_name`]) when it exists: the Secret is read only
     /// when it is new or changed.
     pub async fn node_gate(
@@ -200,8 +210,7 @@ impl Links {
         ns: &str,
         cluster: &str,
         node_name: &str,
-        provider_id: &str,
-        pod_node: Option<PodNode<'_>>,
+        facts: NodeFacts<'_>,
     ) -> Gate {
         let secret_name = kubeconfig_secret_name(cluster);
         let Some(source) = kubeconfig else {
@@ -247,7 +256,7 @@ impl Links {
             );
         }
         match nodes.get(&ObjectRef::new(node_name)) {
-            Some(node) => sync_node(&wc, &node, provider_id, pod_node).await,
+            Some(node) => sync_node(&wc, &node, facts).await,
             None => Gate::not_ready(
                 "WaitingForNode",
                 format!("node {node_name} has not joined the workload cluster yet"),
@@ -431,18 +440,13 @@ async fn pod_node_topology(pod_node: PodNode<'_>) -> BTreeMap<String, String> {
 /// Sets the Node's providerID when it has none and, when it has no topology label, those of the
 /// management-cluster node its machine Pod runs on (read only then); says what the gate should
 /// be.
-pub async fn sync_node(
-    wc: &Client,
-    node: &Node,
-    provider_id: &str,
-    pod_node: Option<PodNode<'_>>,
-) -> Gate {
+pub async fn sync_node(wc: &Client, node: &Node, facts: NodeFacts<'_>) -> Gate {
     let node_name = node.name_any();
     let mut patch = json!({});
     if !has_provider_id(node) {
-        patch["spec"] = json!({"providerID": provider_id});
+        patch["spec"] = json!({"providerID": facts.provider_id});
     }
-    if let Some(pod_node) = pod_node
+    if let Some(pod_node) = facts.pod_node
         && topology_labels(node.labels()).is_empty()
     {
         let labels = pod_node_topology(pod_node).await;
@@ -450,8 +454,8 @@ pub async fn sync_node(
             patch["metadata"] = json!({ "labels": labels });
         }
     }
-    if patch != json!({}) {
-        if let Err(e) = Api::<Node>::all(wc.clone())
+    if patch != json!({})
+        && let Err(e) = Api::<Node>::all(wc.clone())
             .patch(
                 &node_name,
                 &PatchParams {
@@ -461,12 +465,11 @@ pub async fn sync_node(
                 &Patch::Merge(&patch),
             )
             .await
-        {
-            return Gate::not_ready(
-                "WorkloadClusterUnreachable",
-                format!("set providerID or topology labels on node {node_name}: {e}"),
-            );
-        }
+    {
+        return Gate::not_ready(
+            "WorkloadClusterUnreachable",
+            format!("set providerID or topology labels on node {node_name}: {e}"),
+        );
     }
     let ready = node
         .status

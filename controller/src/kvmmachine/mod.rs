@@ -58,7 +58,7 @@ use crate::{
     ownership::{Claim, Owner},
     report,
     workload::{
-        Gate, PodNode, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_REFUSED,
+        Gate, NodeFacts, PodNode, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_REFUSED,
         kubeconfig_secret_name, set_gate,
     },
 };
@@ -557,8 +557,10 @@ async fn apply(
                 &ns,
                 &placement.cluster,
                 &names::hostname(km),
-                &provider_id(&ns, &km.name_any()),
-                pod_node(&existing, there),
+                NodeFacts {
+                    provider_id: &provider_id(&ns, &km.name_any()),
+                    pod_node: pod_node(&existing, there),
+                },
             )
             .await;
         if [REASON_KUBECONFIG_REFUSED, REASON_KUBECONFIG_INVALID].contains(&gate.reason)
