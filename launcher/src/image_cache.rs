@@ -209,7 +209,8 @@ pub struct Filled {
     pub path: PathBuf,
     /// Whether it was downloaded now (false: it was in the cache).
     pub downloaded: bool,
-    /// Files deleted to keep the cache within its limit.
+    /// Files deleted to keep the cache within its limit, and abandoned partial downloads
+    /// (`.work/…`).
     pub evicted: Vec<String>,
 }
 
@@ -252,7 +253,8 @@ pub fn fill(source: &ImageSource, config: &CacheConfig) -> Result<Filled, ImageC
     };
     drop(lock);
 
-    let evicted = evict(dir, config.max_bytes, config.grace, &name)?;
+    let mut evicted = evict(dir, config.max_bytes, config.grace, &name)?;
+    evicted.extend(remove_stale_work(dir, config.grace)?);
     Ok(Filled {
         path: final_path,
         downloaded,
@@ -463,6 +465,53 @@ fn evict(
         );
     }
     Ok(evicted)
+}
+
+/// Deletes partial downloads nobody continues: a Pod retrying a download holds its lock while
+/// it runs and comes back within the kubelet's back-off (at most 5 minutes), so a work entry
+/// whose lock is free and that did not change within `grace` was left by a Pod that is gone.
+fn remove_stale_work(dir: &Path, grace: Duration) -> Result<Vec<String>, ImageCacheError> {
+    let work = dir.join(WORK_DIR);
+    let mut removed = Vec::new();
+    for entry in fs::read_dir(&work).map_err(io("list", &work))? {
+        let entry = entry.map_err(io("list", &work))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        // `<cache name>`, `<cache name>.part` or the Flatcar recipe's directory `<cache name>`.
+        let Some(end) = name.find(".img") else {
+            continue;
+        };
+        let lock = File::create(dir.join(format!(".{}.lock", &name[..end + 4])))
+            .ok()
+            .filter(|f| f.try_lock().is_ok());
+        let path = entry.path();
+        let mut changed = vec![entry.metadata().and_then(|m| m.modified())];
+        if path.is_dir() {
+            changed.extend(
+                fs::read_dir(&path)
+                    .map_err(io("list", &path))?
+                    .flatten()
+                    .map(|e| e.metadata().and_then(|m| m.modified())),
+            );
+        }
+        let idle = changed.into_iter().all(|m| {
+            m.is_ok_and(|t| {
+                SystemTime::now()
+                    .duration_since(t)
+                    .is_ok_and(|age| age >= grace)
+            })
+        });
+        if lock.is_none() || !idle {
+            continue;
+        }
+        if path.is_dir() {
+            fs::remove_dir_all(&path).map_err(io("remove", &path))?;
+        } else {
+            fs::remove_file(&path).map_err(io("remove", &path))?;
+        }
+        tracing::info!(work = %name, "removed an abandoned partial download from the node-image cache");
+        removed.push(format!("{WORK_DIR}/{name}"));
+    }
+    Ok(removed)
 }
 
 #[cfg(test)]

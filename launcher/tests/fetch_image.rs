@@ -537,14 +537,23 @@ fn the_cache_evicts_the_least_recently_used_image_no_launcher_holds() -> Result<
     // A running launcher holds its image with a shared flock (capk_launcher::disk::open_base).
     let held = old("sha256-running.img", 5)?;
     held.lock_shared()?;
+    // A partial download of a Pod gone for hours, one of a Pod backing off right now.
+    std::fs::create_dir(pod.cache.join(".work"))?;
+    old(".work/sha256-abandoned.img.part", 2)?;
+    std::fs::write(pod.cache.join(".work/sha256-retrying.img.part"), b"half")?;
 
     // Room for two images: the new one and one of the three old ones may stay.
     let out = pod.run(&["--url", &url, "--sha256", &sum, "--max-cache-size", "2Mi"])?;
     assert!(out.status.success(), "{}", log(&out));
     assert_eq!(
         pod.cached(),
-        [format!("sha256-{sum}.img"), "sha256-running.img".to_owned()],
-        "the idle ones went, least recently used first; the one in use stayed: {}",
+        [
+            ".work/sha256-retrying.img.part".to_owned(),
+            format!("sha256-{sum}.img"),
+            "sha256-running.img".to_owned()
+        ],
+        "the idle ones and the abandoned part went, least recently used first; the one in use \
+         and the one being retried stayed: {}",
         log(&out)
     );
     Ok(())
