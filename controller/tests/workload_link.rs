@@ -54,6 +54,20 @@ async fn workload_env() -> Result<TestEnv> {
     .await
 }
 
+/// The Secret `demo-kubeconfig` that Cluster API writes once the control plane is up, for the
+/// workload cluster `wc_env`.
+async fn write_workload_kubeconfig(mc: &kube::Client, ns: &str, wc_env: &TestEnv) -> Result<()> {
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "demo-kubeconfig", "labels": {"cluster.x-k8s.io/cluster-name": "demo"}},
+        "type": "cluster.x-k8s.io/secret",
+        "stringData": {"value": std::fs::read_to_string(wc_env.kubeconfig())?},
+    }))?;
+    Api::<Secret>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &secret)
+        .await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn readiness_gate_and_provider_id_follow_the_workload_node() -> Result<()> {
     let ns = "workload-link";
@@ -82,14 +96,7 @@ async fn readiness_gate_and_provider_id_follow_the_workload_node() -> Result<()>
     .await?;
 
     // Cluster API writes <cluster>-kubeconfig once the control plane is up.
-    let secret: Secret = serde_json::from_value(json!({
-        "metadata": {"name": "demo-kubeconfig", "labels": {"cluster.x-k8s.io/cluster-name": "demo"}},
-        "type": "cluster.x-k8s.io/secret",
-        "stringData": {"value": std::fs::read_to_string(wc_env.kubeconfig())?},
-    }))?;
-    Api::<Secret>::namespaced(mc.clone(), ns)
-        .create(&PostParams::default(), &secret)
-        .await?;
+    write_workload_kubeconfig(&mc, ns, &wc_env).await?;
     eventually(30, "gate True from the Ready node", || async {
         let pod = pods.get("demo-cp-0").await?;
         Ok((gate(&pod) == Some(("True".into(), "NodeReady".into()))).then_some(()))
@@ -163,14 +170,7 @@ async fn the_workload_node_gets_the_zone_of_the_machine_pods_node() -> Result<()
         )
         .await?;
     }
-    let secret: Secret = serde_json::from_value(json!({
-        "metadata": {"name": "demo-kubeconfig", "labels": {"cluster.x-k8s.io/cluster-name": "demo"}},
-        "type": "cluster.x-k8s.io/secret",
-        "stringData": {"value": std::fs::read_to_string(wc_env.kubeconfig())?},
-    }))?;
-    Api::<Secret>::namespaced(mc.clone(), ns)
-        .create(&PostParams::default(), &secret)
-        .await?;
+    write_workload_kubeconfig(&mc, ns, &wc_env).await?;
 
     let labels = eventually(30, "the zone on the workload Node", || async {
         let node = nodes.get("demo-cp-0").await?;

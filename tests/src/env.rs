@@ -358,11 +358,9 @@ impl TestEnv {
     }
 }
 
-/// The shipped admission policies (`manifests/admission`, the file release manifests include),
-/// applied as they are.
-pub fn admission_files() -> Result<Vec<PathBuf>> {
-    let dir = repo_root().join("manifests/admission");
-    let mut files: Vec<PathBuf> = fs::read_dir(&dir)
+/// The YAML files of a kustomize directory, sorted, without its `kustomization.yaml`.
+fn manifest_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
         .with_context(|| format!("read {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
@@ -370,6 +368,12 @@ pub fn admission_files() -> Result<Vec<PathBuf>> {
         .collect();
     files.sort();
     Ok(files)
+}
+
+/// The shipped admission policies (`manifests/admission`, the file release manifests include),
+/// applied as they are.
+pub fn admission_files() -> Result<Vec<PathBuf>> {
+    manifest_files(&repo_root().join("manifests/admission"))
 }
 
 /// The CRD files installed: ours (`manifests/crd`) and the pinned Cluster API release's.
@@ -384,14 +388,7 @@ pub fn crd_files() -> Result<Vec<PathBuf>> {
         );
     }
     for dir in [ours, capi] {
-        let mut in_dir: Vec<PathBuf> = fs::read_dir(&dir)
-            .with_context(|| format!("read {}", dir.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
-            .filter(|p| !p.ends_with("kustomization.yaml"))
-            .collect();
-        in_dir.sort();
-        files.extend(in_dir);
+        files.extend(manifest_files(&dir)?);
     }
     Ok(files)
 }
