@@ -143,6 +143,9 @@ pub struct MachineDefaults {
     /// TCG translation cache of machines that may be emulated (`accel` auto or tcg), MiB,
     /// counted in their Pods' memory.
     pub tcg_translation_cache_mib: u32,
+    /// Emulated machines run a host thread per vCPU (`--tcg-threads=multi`) instead of one
+    /// thread for all their vCPUs (the launcher's default).
+    pub tcg_thread_per_vcpu: bool,
 }
 
 impl Default for MachineDefaults {
@@ -160,6 +163,7 @@ impl Default for MachineDefaults {
             node_image_source: NodeImageSource::default(),
             cpu_allocation_ratio: 1,
             tcg_translation_cache_mib: 128,
+            tcg_thread_per_vcpu: false,
         }
     }
 }

@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::accel::AccelChoice;
 use crate::control::ProbeKind;
+use crate::qemu::argv::TcgThreads;
 use crate::qemu::qmp::SimpleCommand;
 use crate::run::{Role, RunConfig};
 use crate::size::ByteSize;
@@ -215,6 +216,24 @@ impl From<AccelArg> for AccelChoice {
     }
 }
 
+/// How TCG runs the vCPUs (`--tcg-threads`).
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum TcgThreadsArg {
+    /// One host thread for every vCPU.
+    Single,
+    /// One host thread per vCPU.
+    Multi,
+}
+
+impl From<TcgThreadsArg> for TcgThreads {
+    fn from(a: TcgThreadsArg) -> Self {
+        match a {
+            TcgThreadsArg::Single => TcgThreads::Single,
+            TcgThreadsArg::Multi => TcgThreads::Multi,
+        }
+    }
+}
+
 /// Role of the machine in its cluster.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum RoleArg {
@@ -313,6 +332,10 @@ pub struct RunArgs {
         value_parser = clap::value_parser!(u32).range(32..=4096)
     )]
     pub tcg_translation_cache_mib: u32,
+    /// How an emulated guest's vCPUs run: `single` (one host thread for all of them, so a VM
+    /// uses at most one host core) or `multi` (a thread per vCPU).
+    #[arg(long, env = "CAPK_TCG_THREADS", value_enum, default_value_t = TcgThreadsArg::Single)]
+    pub tcg_threads: TcgThreadsArg,
     /// DNS servers for the guest (default: the Pod's resolv.conf).
     #[arg(long = "dns", env = "CAPK_DNS_SERVERS", value_delimiter = ',')]
     pub dns_servers: Vec<Ipv4Addr>,
@@ -390,6 +413,7 @@ impl From<RunArgs> for RunConfig {
             ignition: a.ignition,
             accel: a.accel.into(),
             tcg_translation_cache_mib: a.tcg_translation_cache_mib,
+            tcg_threads: a.tcg_threads.into(),
             dns_servers: a.dns_servers,
             dns_search: a.dns_search,
             ntp_servers: a.ntp_servers,

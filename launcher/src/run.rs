@@ -20,7 +20,7 @@ use crate::net::netns::{self, NetnsKind, NetnsUnknown};
 use crate::net::observe::NetlinkError;
 use crate::net::plan::{GuestNaming, PlanError};
 use crate::net::{MacAddr, apply, dhcp, observe, plan, resolv, tap};
-use crate::qemu::argv::{self, DirectKernel, DiskFormat, HostVolume, VmSpec};
+use crate::qemu::argv::{self, DirectKernel, DiskFormat, HostVolume, TcgThreads, VmSpec};
 use crate::qemu::privilege::{self, HandOverError, QemuUser};
 use crate::qemu::qmp::{QapiQmp, Qmp};
 use crate::size::ByteSize;
@@ -95,6 +95,8 @@ pub struct RunConfig {
     pub accel: AccelChoice,
     /// TCG translation cache, MiB.
     pub tcg_translation_cache_mib: u32,
+    /// How TCG runs the vCPUs.
+    pub tcg_threads: TcgThreads,
     /// DNS servers for the guest (empty: the Pod's resolv.conf).
     pub dns_servers: Vec<Ipv4Addr>,
     /// DNS search domains for the guest (empty: the Pod's resolv.conf).
@@ -745,6 +747,7 @@ async fn start_vm(
         name: hostname.into(),
         accel,
         tcg_tb_size_mib: a.tcg_translation_cache_mib,
+        tcg_threads: a.tcg_threads,
         vcpus: a.vcpus,
         memory_mib: v.memory_mib,
         tap_fd,

@@ -135,6 +135,9 @@ pub fn machine_pod(
     if tcg_cache_mib != overhead::DEFAULT_TCG_CACHE_MIB && tcg_cache_mib != 0 {
         args.push(format!("--tcg-translation-cache-mib={tcg_cache_mib}"));
     }
+    if defaults.tcg_thread_per_vcpu && tcg_cache_mib != 0 {
+        args.push("--tcg-threads=multi".to_owned());
+    }
     if let Some(dns) = &spec.dns {
         for s in &dns.servers {
             args.push(format!("--dns={}", s.0));
@@ -566,6 +569,21 @@ mod tests {
             assert_eq!(mem, base + (1024 << 20), "{accel}");
             assert!(args.contains(&flag), "{accel}: {args:?}");
         }
+        // A thread per vCPU is the operator's choice for machines that may be emulated; the
+        // launcher's default (one thread) needs no flag, and KVM machines never get it.
+        let multi = "--tcg-threads=multi".to_owned();
+        assert!(!memory_and_args("auto", &emulated).1.contains(&multi));
+        let per_vcpu = MachineDefaults {
+            tcg_thread_per_vcpu: true,
+            ..MachineDefaults::default()
+        };
+        for accel in ["auto", "tcg"] {
+            assert!(
+                memory_and_args(accel, &per_vcpu).1.contains(&multi),
+                "{accel}"
+            );
+        }
+        assert!(!memory_and_args("kvm", &per_vcpu).1.contains(&multi));
     }
 
     #[test]
