@@ -1765,6 +1765,62 @@ fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result
     Ok(())
 }
 
+/// What the node-image flavor does for emulated control planes reaches kubeadm on the node:
+/// readiness probes of the static Pods every `KUBE_READINESS_PROBE_PERIOD_SECONDS` (10; kubeadm
+/// patches in init and control-plane join) and ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`), each
+/// back to kubeadm's behaviour when a user sets kubeadm's values.
+#[test]
+fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
+    const PATCHES: &str = "/etc/kubernetes/patches";
+    for (vars, period, algorithm) in [
+        (&[][..], "10", "ECDSA-P256"),
+        (
+            &[
+                ("KUBE_READINESS_PROBE_PERIOD_SECONDS", "1"),
+                ("KUBE_ENCRYPTION_ALGORITHM", "RSA-2048"),
+            ][..],
+            "1",
+            "RSA-2048",
+        ),
+    ] {
+        let mut env = vec![("KVM_NODE_IMAGE", NODE_IMAGE)];
+        env.extend_from_slice(vars);
+        let rendered = generate_flavor("cluster-template-node-image.yaml", &env)?;
+        for role in [Role::Init, Role::Join] {
+            let what = format!("{role:?} {vars:?}");
+            let (format, data) = cabpk_bootstrap(&rendered, role)?;
+            let config = boot_ignition(format, &data, role)?;
+            let kubeadm = cloud_config_kubeadm_documents(&config)?;
+            let (kind, cluster) = match role {
+                Role::Init => ("InitConfiguration", Some(&kubeadm["ClusterConfiguration"])),
+                _ => ("JoinConfiguration", None),
+            };
+            assert_eq!(
+                kubeadm[kind]["patches"]["directory"], PATCHES,
+                "{what}: {kind}"
+            );
+            if let Some(cluster) = cluster {
+                assert_eq!(cluster["encryptionAlgorithm"], algorithm, "{what}");
+            }
+            for component in ["etcd", "kube-apiserver", "kube-scheduler"] {
+                let path = format!("{PATCHES}/{component}0+strategic.yaml");
+                let patch: Value = serde_yaml_ng::from_str(&inline_text(
+                    file(&config, &path).with_context(|| format!("{what}: no {path}"))?,
+                )?)?;
+                assert_eq!(
+                    patch,
+                    json!({"spec": {"containers": [{
+                        "name": component,
+                        "readinessProbe": {"periodSeconds": period.parse::<u32>()?},
+                    }]}}),
+                    "{what}: {path}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Every flavor as clusterctl renders it for fixed inputs (and the ClusterClass as `clusterctl
 /// generate yaml` does): a change to a template shows up here for review.
 #[test]
