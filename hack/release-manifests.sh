@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Builds the clusterctl repository layout for this provider:
+# Builds the clusterctl repository layout for this provider (a clusterctl "local repository"):
 #   _output/release/infrastructure-kvm/<version>/{infrastructure-components.yaml,metadata.yaml,
 #   cluster-template*.yaml,clusterclass-*.yaml,vpa.yaml,hosting-rbac.yaml}
 # infrastructure-components.yaml = `kubectl kustomize manifests/default` (CRDs, RBAC, Deployment).
+# _output/release/clusterctl.yaml is the `providers:` entry that makes it the provider `kvm`
+# (README "The user journey"; controller/tests/manifests.rs runs clusterctl through it). Its
+# version `latest` is the newest version directory, as `clusterctl init --infrastructure kvm` takes it.
+# hack/dev/capi.sh copies this version directory into the local MC's repository.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -23,4 +27,12 @@ cp manifests/templates/cluster-template*.yaml manifests/templates/clusterclass-*
 cp manifests/components/vpa/vpa.yaml "$dest/vpa.yaml"
 # For a hosting cluster (KVMCluster.spec.hostingCluster): what its credential may do there.
 cp manifests/hosting/hosting-rbac.yaml "$dest/hosting-rbac.yaml"
+cat >"$OUT/release/clusterctl.yaml" <<EOF
+# clusterctl configuration (~/.config/cluster-api/clusterctl.yaml or --config): the provider kvm
+# from the local repository written by hack/release-manifests.sh. Moved elsewhere, change the path.
+providers:
+  - name: kvm
+    type: InfrastructureProvider
+    url: file://$OUT/release/infrastructure-kvm/latest/infrastructure-components.yaml
+EOF
 echo "$dest"

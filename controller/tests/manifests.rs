@@ -417,6 +417,109 @@ async fn clusterctl_generates_every_flavor_from_the_required_variables_only() ->
     Ok(())
 }
 
+/// The README's journey on a real management cluster: `make release-manifests` writes a
+/// clusterctl local repository and the `providers:` entry naming it (`_output/release/clusterctl.yaml`),
+/// the user puts that entry in `~/.config/cluster-api/clusterctl.yaml`, and from then on clusterctl
+/// knows the provider `kvm`: `clusterctl init --infrastructure kvm` installs the newest version
+/// and `clusterctl generate cluster --infrastructure kvm:<version> [--flavor F]` renders every
+/// flavor from the repository (the topology flavor with its ClusterClass), as `--from` does.
+#[test]
+fn clusterctl_knows_the_provider_kvm_from_the_release_repository() -> Result<()> {
+    let dir = release_dir()?;
+    let version = dir
+        .file_name()
+        .and_then(|v| v.to_str())
+        .context("version directory")?
+        .to_owned();
+    let entry = dir
+        .parent()
+        .and_then(|d| d.parent())
+        .context("release directory")?
+        .join("clusterctl.yaml");
+    let home = tempfile::tempdir()?;
+    let config_dir = home.path().join(".config/cluster-api");
+    std::fs::create_dir_all(&config_dir)?;
+    std::fs::copy(&entry, config_dir.join("clusterctl.yaml"))
+        .with_context(|| format!("copy {}", entry.display()))?;
+    let home_dir = home.path().to_string_lossy().into_owned();
+    let env = [("HOME", home_dir.as_str()), ("KVM_NODE_IMAGE", NODE_IMAGE)];
+
+    // What `clusterctl init --infrastructure kvm` installs: the components of the newest version.
+    let components = docs(&clusterctl(
+        &["generate", "provider", "--infrastructure", "kvm"],
+        &env,
+    )?)?;
+    let shipped = docs(&std::fs::read_to_string(
+        dir.join("infrastructure-components.yaml"),
+    )?)?;
+    assert_eq!(
+        kinds(&components),
+        kinds(&shipped),
+        "clusterctl init --infrastructure kvm would not install the release's components"
+    );
+
+    let infrastructure = format!("kvm:{version}");
+    let mut flavors = Vec::new();
+    for f in std::fs::read_dir(&dir)? {
+        let name = f?.file_name().to_string_lossy().into_owned();
+        if let Some(rest) = name
+            .strip_prefix("cluster-template")
+            .and_then(|r| r.strip_suffix(".yaml"))
+        {
+            flavors.push((name.clone(), rest.trim_start_matches('-').to_owned()));
+        }
+    }
+    flavors.sort();
+    assert!(
+        flavors.len() >= 4,
+        "flavors in {}: {flavors:?}",
+        dir.display()
+    );
+    for (file, flavor) in &flavors {
+        let generate = |source: &[&str], extra: &[&str]| -> Result<String> {
+            let mut args = vec![
+                "generate",
+                "cluster",
+                CLUSTER,
+                "--target-namespace",
+                FLAVOR_NS,
+            ];
+            args.extend(source);
+            args.extend(extra);
+            clusterctl(&args, &env)
+        };
+        let path = dir.join(file).to_string_lossy().into_owned();
+        let from: Vec<&str> = vec!["--from", &path];
+        let mut repository = vec!["--infrastructure", &infrastructure];
+        if !flavor.is_empty() {
+            repository.extend(["--flavor", flavor.as_str()]);
+        }
+        let listing = generate(&repository, &["--list-variables"])?;
+        assert!(
+            required_variables(&listing).contains(&"KUBERNETES_VERSION".to_owned()),
+            "{file}: {listing}"
+        );
+        assert_eq!(listing, generate(&from, &["--list-variables"])?, "{file}");
+
+        let version_args = ["--kubernetes-version", "v1.35.4"];
+        let rendered = docs(&generate(&repository, &version_args)?)?;
+        let mut want = docs(&generate(&from, &version_args)?)?;
+        // From the repository clusterctl adds the ClusterClass a topology Cluster names (it
+        // cannot see the namespace holds one already: no management cluster here).
+        if flavor == "topology" {
+            let mut class = class_objects()?;
+            for o in &mut class {
+                o["metadata"]["namespace"] = json!(FLAVOR_NS);
+            }
+            class.extend(want);
+            want = class;
+        }
+        assert_eq!(kinds(&rendered), kinds(&want), "{file}");
+        assert_eq!(rendered, want, "{file}");
+    }
+    Ok(())
+}
+
 /// A client that authenticates as the controller's ServiceAccount.
 async fn service_account_client(admin: &Client) -> Result<Client> {
     let sa: Api<k8s_openapi::api::core::v1::ServiceAccount> =
