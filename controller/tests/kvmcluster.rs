@@ -138,15 +138,15 @@ async fn kvmcluster_gets_a_service_an_endpoint_and_a_provisioned_status() -> Res
         Ok((condition(&kc, "Paused").map(|c| c.0) == Some("True".into())).then_some(()))
     })
     .await?;
-    let to_nodeport = json!({"spec": {"controlPlaneService": {"type": "NodePort"}}});
+    let annotated = json!({"spec": {"controlPlaneService": {
+        "annotations": {"lb.example/pool": "b"}}}});
     kvmclusters
-        .patch("demo", &PatchParams::default(), &Patch::Merge(&to_nodeport))
+        .patch("demo", &PatchParams::default(), &Patch::Merge(&annotated))
         .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let svc = services.get("demo-apiserver").await?;
-    assert_eq!(
-        svc.spec.unwrap().type_.as_deref(),
-        Some("ClusterIP"),
+    assert!(
+        !svc.annotations().contains_key("lb.example/pool"),
         "paused cluster changed"
     );
 
@@ -158,9 +158,12 @@ async fn kvmcluster_gets_a_service_an_endpoint_and_a_provisioned_status() -> Res
             &Patch::Merge(&json!({"spec": {"paused": false}})),
         )
         .await?;
-    eventually(30, "Service becomes NodePort", || async {
+    eventually(30, "Service gets the annotation", || async {
         let svc = services.get("demo-apiserver").await?;
-        Ok((svc.spec.and_then(|s| s.type_).as_deref() == Some("NodePort")).then_some(()))
+        Ok(svc
+            .annotations()
+            .contains_key("lb.example/pool")
+            .then_some(()))
     })
     .await?;
 
@@ -205,6 +208,96 @@ async fn a_user_set_endpoint_is_kept() -> Result<()> {
     let ep = kc.spec.control_plane_endpoint.unwrap();
     assert_eq!(ep.host.as_deref(), Some("mine.k8s.example.com"));
     assert_eq!(ep.port, Some(443));
+    Ok(())
+}
+
+/// A cluster reachable from outside the management cluster through a node port: its Service is
+/// a NodePort Service with the requested node port (or one the apiserver allocated), and its
+/// control-plane endpoint, from which Cluster API writes the workload kubeconfig's server and
+/// kubeadm the apiserver certificate's SANs, is the external host at that node port. What makes
+/// the endpoint is fixed once the cluster exists.
+#[tokio::test]
+async fn a_node_port_cluster_is_reached_at_its_external_host_and_node_port() -> Result<()> {
+    let ns = "kvmcluster-node-port";
+    let (client, _stop) = setup(ns).await?;
+    let clusters: Api<Cluster> = Api::namespaced(client.clone(), ns);
+    let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
+    let services: Api<Service> = Api::namespaced(client.clone(), ns);
+    for (name, node_port) in [("fixed", json!(31443)), ("allocated", json!(0))] {
+        let cluster: Cluster = serde_json::from_value(json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+            "metadata": {"name": name},
+            "spec": {"infrastructureRef": {
+                "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMCluster", "name": name}},
+        }))?;
+        let cluster = clusters.create(&PostParams::default(), &cluster).await?;
+        let kc: KVMCluster = serde_json::from_value(json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+            "kind": "KVMCluster",
+            "metadata": {"name": name, "ownerReferences": [{
+                "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+                "name": name, "uid": cluster.uid().context("uid")?}]},
+            "spec": {"controlPlaneService": {
+                "type": "NodePort", "nodePort": node_port, "externalHost": "nodes.example.com"}},
+        }))?;
+        kvmclusters.create(&PostParams::default(), &kc).await?;
+    }
+    for name in ["fixed", "allocated"] {
+        let kc = eventually(30, "provisioned", || async {
+            let kc = kvmclusters.get(name).await?;
+            Ok((kc.status.as_ref().and_then(|s| s.ready) == Some(true)).then_some(kc))
+        })
+        .await?;
+        let svc = services.get(&format!("{name}-apiserver")).await?;
+        let spec = svc.spec.context("Service spec")?;
+        assert_eq!(spec.type_.as_deref(), Some("NodePort"), "{name}");
+        let port = &spec.ports.context("ports")?[0];
+        assert_eq!(port.port, 6443, "{name}");
+        let node_port = port.node_port.context("node port")?;
+        if name == "fixed" {
+            assert_eq!(node_port, 31443);
+        }
+        let ep = kc.spec.control_plane_endpoint.context("endpoint")?;
+        assert_eq!(
+            (ep.host.as_deref(), ep.port),
+            (Some("nodes.example.com"), Some(node_port)),
+            "{name}: the endpoint is the external host at the node port"
+        );
+    }
+
+    // The endpoint is fixed, and so is what made it: refused with a message that says why.
+    for (patch, wanted) in [
+        (
+            json!({"spec": {"controlPlaneService": {"type": "ClusterIP", "nodePort": null}}}),
+            "spec.controlPlaneService.type cannot change to or from NodePort",
+        ),
+        (
+            json!({"spec": {"controlPlaneService": {"externalHost": "other.example.com"}}}),
+            "spec.controlPlaneService.externalHost cannot be changed",
+        ),
+        (
+            json!({"spec": {"controlPlaneService": {"nodePort": 31444}}}),
+            "spec.controlPlaneService.nodePort cannot be changed",
+        ),
+    ] {
+        let refused = kvmclusters
+            .patch("fixed", &PatchParams::default(), &Patch::Merge(&patch))
+            .await;
+        match refused {
+            Err(kube::Error::Api(s)) => assert!(s.message.contains(wanted), "{}", s.message),
+            other => panic!("{patch} was not refused: {other:?}"),
+        }
+    }
+    // Swapping NodePort for LoadBalancer would change the port: refused too; annotations may
+    // change (a load balancer's settings).
+    kvmclusters
+        .patch(
+            "fixed",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"controlPlaneService": {
+                "annotations": {"lb.example/pool": "a"}}}})),
+        )
+        .await?;
     Ok(())
 }
 

@@ -350,6 +350,36 @@ async fn invalid_clusters_are_rejected_with_readable_messages() -> Result<()> {
         ),
         (
             cluster(
+                "port-without-node-port",
+                json!({"controlPlaneService": {"type": "LoadBalancer", "nodePort": 31000,
+                    "externalHost": "lb.example.com"}}),
+            ),
+            vec!["nodePort is only for type NodePort"],
+        ),
+        (
+            cluster(
+                "node-port-range",
+                json!({"controlPlaneService": {"type": "NodePort", "nodePort": 6443,
+                    "externalHost": "nodes.example.com"}}),
+            ),
+            vec!["nodePort must be in Kubernetes' node port range 30000-32767"],
+        ),
+        (
+            cluster(
+                "node-port-no-host",
+                json!({"controlPlaneService": {"type": "NodePort"}}),
+            ),
+            vec!["NodePort or LoadBalancer needs spec.controlPlaneService.externalHost"],
+        ),
+        (
+            cluster(
+                "lb-no-host",
+                json!({"controlPlaneService": {"type": "LoadBalancer", "externalHost": ""}}),
+            ),
+            vec!["NodePort or LoadBalancer needs spec.controlPlaneService.externalHost"],
+        ),
+        (
+            cluster(
                 "dup-fd",
                 json!({"failureDomains": [{"name": "zone-a"}, {"name": "zone-a"}]}),
             ),

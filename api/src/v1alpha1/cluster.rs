@@ -49,13 +49,21 @@ use super::shared::{ApiEndpoint, FailureDomain, Initialization};
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
-    )
+    ),
+    // On KVMCluster only, not its template's copy of the spec: a ClusterClass may change a
+    // template (the topology controller's dry run must pass); the cluster it made refuses.
+    validation = Rule::new("self.spec.?controlPlaneService.?type.orValue('ClusterIP') == 'ClusterIP' || self.spec.?controlPlaneService.?externalHost.orValue('') != '' || self.spec.?controlPlaneEndpoint.?host.orValue('') != ''").message("spec.controlPlaneService.type NodePort or LoadBalancer needs spec.controlPlaneService.externalHost: the DNS name or address through which clients outside the management cluster (and the machines) reach the Service; it becomes the control-plane endpoint's host and is in the apiserver's certificate"),
+    validation = Rule::new("(self.spec.?controlPlaneService.?type.orValue('ClusterIP') == 'NodePort') == (oldSelf.spec.?controlPlaneService.?type.orValue('ClusterIP') == 'NodePort')").message("spec.controlPlaneService.type cannot change to or from NodePort: the control-plane endpoint's port (the node port, else 6443) is fixed when the cluster is created; ClusterIP and LoadBalancer may be swapped"),
+    // has() rather than optionals: the cost estimate of an optional's value forgets maxLength.
+    validation = Rule::new("(has(self.spec.controlPlaneService) && has(self.spec.controlPlaneService.externalHost) ? self.spec.controlPlaneService.externalHost : '') == (has(oldSelf.spec.controlPlaneService) && has(oldSelf.spec.controlPlaneService.externalHost) ? oldSelf.spec.controlPlaneService.externalHost : '')").message("spec.controlPlaneService.externalHost cannot be changed: it is the control-plane endpoint's host, named by the workload kubeconfig and the apiserver's certificate"),
+    validation = Rule::new("self.spec.?controlPlaneService.?nodePort.orValue(0) == oldSelf.spec.?controlPlaneService.?nodePort.orValue(0)").message("spec.controlPlaneService.nodePort cannot be changed: it is the control-plane endpoint's port, named by the workload kubeconfig")
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!has(oldSelf.controlPlaneEndpoint) || !has(oldSelf.controlPlaneEndpoint.host) || (has(self.controlPlaneEndpoint) && self.controlPlaneEndpoint == oldSelf.controlPlaneEndpoint)").message("controlPlaneEndpoint cannot be changed once set"))]
 pub struct KVMClusterSpec {
     /// Where the workload cluster's API server is reached. Leave empty and the controller sets it
-    /// to the control-plane Service (or `controlPlaneService.externalHost` when given).
+    /// from the control-plane Service: host `controlPlaneService.externalHost`, else the Service's
+    /// DNS name; port the Service's node port with type NodePort, else 6443.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_plane_endpoint: Option<ApiEndpoint>,
 
@@ -109,23 +117,37 @@ pub struct SecretReference {
     pub name: String,
 }
 
-/// How the control-plane Service is exposed.
+/// How the control-plane Service is exposed. On a KVMCluster, type, externalHost and nodePort
+/// are fixed at creation (they make the control-plane endpoint), except that ClusterIP and
+/// LoadBalancer may be swapped.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.?nodePort.orValue(0) == 0 || self.?type.orValue('ClusterIP') == 'NodePort'").message("nodePort is only for type NodePort"))]
 pub struct ControlPlaneService {
-    /// Service type: ClusterIP (default), NodePort or LoadBalancer.
+    /// Service type: ClusterIP (default: reachable inside the management cluster), NodePort or
+    /// LoadBalancer (both need `externalHost`).
     #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
     pub type_: Option<ServiceType>,
+
+    /// With type NodePort: the port on every management-cluster node, 30000-32767. 0 or absent:
+    /// the management cluster allocates one. The control-plane endpoint's port is this node
+    /// port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self == 0 || (self >= 30000 && self <= 32767)").message("nodePort must be in Kubernetes' node port range 30000-32767, or 0 for one the management cluster allocates"))]
+    pub node_port: Option<i32>,
 
     /// Annotations put on the Service (for example for a load-balancer implementation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub annotations: Option<BTreeMap<String, String>>,
 
-    /// A DNS name that resolves to the Service from outside the management cluster, e.g.
-    /// `mycluster.k8s.example.com`. Used as the endpoint host when the endpoint is empty, and
-    /// added to the API server certificate's SANs by the templates.
+    /// A DNS name or IPv4 address that reaches the Service from outside the management cluster
+    /// (and from the machines: they join through it), e.g. `mycluster.k8s.example.com`, a load
+    /// balancer's address, or with type NodePort a name of the management cluster's nodes. The
+    /// control-plane endpoint's host when the endpoint is empty, so the workload kubeconfig names
+    /// it and kubeadm puts it in the apiserver certificate's SANs. Empty: unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(validation = Rule::new("self.size() <= 253 && self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')").message("externalHost must be a lowercase DNS name such as mycluster.k8s.example.com"))]
+    #[schemars(length(max = 253))]
+    #[x_kube(validation = Rule::new("self == '' || self.size() <= 253 && self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')").message("externalHost must be a lowercase DNS name such as mycluster.k8s.example.com, or an IPv4 address"))]
     pub external_host: Option<String>,
 }
 

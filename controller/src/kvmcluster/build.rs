@@ -44,11 +44,16 @@ pub fn owned_labels(cluster: &str) -> BTreeMap<String, String> {
 /// Service removes both fields from a Service made that way. It lives in `home`.
 pub fn control_plane_service(kc: &KVMCluster, cluster: &str, home: &Home) -> Service {
     let svc_spec = kc.spec.control_plane_service.clone().unwrap_or_default();
-    let type_ = match svc_spec.type_.unwrap_or_default() {
+    let service_type = svc_spec.type_.unwrap_or_default();
+    let type_ = match service_type {
         ServiceType::ClusterIP => "ClusterIP",
         ServiceType::NodePort => "NodePort",
         ServiceType::LoadBalancer => "LoadBalancer",
     };
+    // 0 or absent: the apiserver allocates one (and keeps it on later applies without one).
+    let node_port = svc_spec
+        .node_port
+        .filter(|p| *p != 0 && service_type == ServiceType::NodePort);
     let owner = Owner::cluster(kc);
     let mut labels = owned_labels(cluster);
     labels.extend(owner.labels());
@@ -67,6 +72,7 @@ pub fn control_plane_service(kc: &KVMCluster, cluster: &str, home: &Home) -> Ser
                 name: Some("apiserver".to_owned()),
                 port: API_SERVER_PORT,
                 target_port: Some(IntOrString::Int(API_SERVER_PORT)),
+                node_port,
                 protocol: Some("TCP".to_owned()),
                 ..Default::default()
             }]),
@@ -76,14 +82,17 @@ pub fn control_plane_service(kc: &KVMCluster, cluster: &str, home: &Home) -> Ser
     }
 }
 
-/// The endpoint to record when the user left `spec.controlPlaneEndpoint` empty: the external
-/// host when configured, else the DNS name of the Service in `home` (which the VMs, Pods
-/// there, resolve). `None` keeps the user's value.
+/// The endpoint to record when the user left `spec.controlPlaneEndpoint` empty. Host: the
+/// external host when configured, else the DNS name of the Service in `home` (which the VMs,
+/// Pods there, resolve). Port: with type NodePort and an external host (which then reaches the
+/// nodes), `node_port`, the node port of the applied Service; else the Service's port, 6443.
+/// `None` keeps the user's value, or waits for a node port not known yet.
 pub fn endpoint_to_set(
     kc: &KVMCluster,
     cluster: &str,
     cluster_domain: &str,
     home: &Home,
+    node_port: Option<i32>,
 ) -> Option<ApiEndpoint> {
     if kc
         .spec
@@ -93,21 +102,22 @@ pub fn endpoint_to_set(
     {
         return None;
     }
+    let svc = kc.spec.control_plane_service.clone().unwrap_or_default();
+    let external = svc.external_host.filter(|h| !h.is_empty());
+    let port = match (&external, svc.type_.unwrap_or_default()) {
+        (Some(_), ServiceType::NodePort) => node_port.filter(|p| *p > 0)?,
+        _ => API_SERVER_PORT,
+    };
     let ns = &home.namespace;
-    let host = kc
-        .spec
-        .control_plane_service
-        .as_ref()
-        .and_then(|s| s.external_host.clone())
-        .unwrap_or_else(|| {
-            format!(
-                "{}.{ns}.svc.{cluster_domain}",
-                control_plane_service_name(cluster)
-            )
-        });
+    let host = external.unwrap_or_else(|| {
+        format!(
+            "{}.{ns}.svc.{cluster_domain}",
+            control_plane_service_name(cluster)
+        )
+    });
     Some(ApiEndpoint {
         host: Some(host),
-        port: Some(API_SERVER_PORT),
+        port: Some(port),
     })
 }
 
@@ -234,7 +244,8 @@ mod tests {
             control_plane_service: Some(ControlPlaneService {
                 type_: Some(ServiceType::LoadBalancer),
                 annotations: Some(BTreeMap::from([("lb.example/pool".into(), "a".into())])),
-                external_host: None,
+                external_host: Some("demo.k8s.example.com".into()),
+                node_port: None,
             }),
             ..Default::default()
         });
@@ -249,7 +260,7 @@ mod tests {
     fn endpoint_defaults_to_the_service_dns_name_and_keeps_a_user_value() {
         let kc = kvm_cluster(KVMClusterSpec::default());
         assert_eq!(
-            endpoint_to_set(&kc, "demo", "cluster.local", &management()),
+            endpoint_to_set(&kc, "demo", "cluster.local", &management(), None),
             Some(ApiEndpoint {
                 host: Some("demo-apiserver.team-a.svc.cluster.local".into()),
                 port: Some(6443)
@@ -263,7 +274,7 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(
-            endpoint_to_set(&external, "demo", "cluster.local", &management())
+            endpoint_to_set(&external, "demo", "cluster.local", &management(), None)
                 .and_then(|e| e.host)
                 .as_deref(),
             Some("demo.k8s.example.com")
@@ -276,8 +287,77 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(
-            endpoint_to_set(&user, "demo", "cluster.local", &management()),
+            endpoint_to_set(&user, "demo", "cluster.local", &management(), Some(31000)),
             None
+        );
+    }
+
+    /// NodePort: the Service asks for the requested node port (none: the apiserver allocates
+    /// one), and the endpoint is the external host at the node port the Service got.
+    #[test]
+    fn a_node_port_service_makes_the_endpoint_the_external_host_and_node_port() {
+        let node_port = |port: Option<i32>| {
+            kvm_cluster(KVMClusterSpec {
+                control_plane_service: Some(ControlPlaneService {
+                    type_: Some(ServiceType::NodePort),
+                    external_host: Some("nodes.example.com".into()),
+                    node_port: port,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+        };
+        let requested = node_port(Some(31443));
+        let svc = control_plane_service(&requested, "demo", &management());
+        let spec = svc.spec.unwrap();
+        assert_eq!(spec.type_.as_deref(), Some("NodePort"));
+        assert_eq!(spec.ports.unwrap()[0].node_port, Some(31443));
+        assert_eq!(
+            endpoint_to_set(
+                &requested,
+                "demo",
+                "cluster.local",
+                &management(),
+                Some(31443)
+            ),
+            Some(ApiEndpoint {
+                host: Some("nodes.example.com".into()),
+                port: Some(31443)
+            })
+        );
+        let allocated = node_port(Some(0));
+        let svc = control_plane_service(&allocated, "demo", &management());
+        assert_eq!(svc.spec.unwrap().ports.unwrap()[0].node_port, None);
+        assert_eq!(
+            endpoint_to_set(&allocated, "demo", "cluster.local", &management(), None),
+            None,
+            "no node port known yet: the endpoint waits for it"
+        );
+        assert_eq!(
+            endpoint_to_set(
+                &allocated,
+                "demo",
+                "cluster.local",
+                &management(),
+                Some(30123)
+            )
+            .and_then(|e| e.port),
+            Some(30123)
+        );
+        // An empty external host (a flavor's default) is no external host.
+        let cluster_ip = kvm_cluster(KVMClusterSpec {
+            control_plane_service: Some(ControlPlaneService {
+                external_host: Some(String::new()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        assert_eq!(
+            endpoint_to_set(&cluster_ip, "demo", "cluster.local", &management(), None),
+            Some(ApiEndpoint {
+                host: Some("demo-apiserver.team-a.svc.cluster.local".into()),
+                port: Some(6443)
+            })
         );
     }
 
@@ -303,7 +383,7 @@ mod tests {
         );
         // The VMs resolve the Service where it is.
         assert_eq!(
-            endpoint_to_set(&kc, "demo", "cluster.local", &hosted).and_then(|e| e.host),
+            endpoint_to_set(&kc, "demo", "cluster.local", &hosted, None).and_then(|e| e.host),
             Some("demo-apiserver.tenant-1.svc.cluster.local".into())
         );
     }

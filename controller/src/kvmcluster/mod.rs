@@ -183,7 +183,7 @@ async fn apply(
 
     let service = build::control_plane_service(kc, &cluster_name, &target.home);
     refuse_foreign_service(kc, &target, &service.name_any()).await?;
-    apply_service(&target, &service).await?;
+    let node_port = apply_service(&target, &service).await?;
     let (endpoints, recheck) = sync_endpoints(kc, &cluster_name, &ns, &target, ctx).await?;
 
     if let Some(endpoint) = build::endpoint_to_set(
@@ -191,6 +191,7 @@ async fn apply(
         &cluster_name,
         &ctx.settings.cluster_domain,
         &target.home,
+        node_port,
     ) {
         info!(host = ?endpoint.host, port = ?endpoint.port, "setting controlPlaneEndpoint");
         let patch = json!({"spec": {"controlPlaneEndpoint": endpoint}});
@@ -322,8 +323,9 @@ async fn refuse_foreign_service(kc: &KVMCluster, target: &Target, name: &str) ->
 /// Should another manager hold them, they are removed explicitly: a selector would keep
 /// Kubernetes' controllers writing endpoints for every control-plane Pod, answering or not.
 /// The apply also sets the labels naming the KVMCluster and, outside the management cluster,
-/// drops the owner reference an earlier apply set: adoption is the apply itself.
-async fn apply_service(target: &Target, svc: &Service) -> Result<()> {
+/// drops the owner reference an earlier apply set: adoption is the apply itself. Returns the
+/// Service's node port (type NodePort: requested or allocated).
+async fn apply_service(target: &Target, svc: &Service) -> Result<Option<i32>> {
     let name = svc.name_any();
     let services: Api<Service> = target.api();
     let applied = services
@@ -344,7 +346,10 @@ async fn apply_service(target: &Target, svc: &Service) -> Result<()> {
         let patch = json!({"spec": {"selector": null, "publishNotReadyAddresses": null}});
         report::merge_patch(&services, &applied, "Service", &patch).await?;
     }
-    Ok(())
+    Ok(spec
+        .and_then(|s| s.ports.as_ref())
+        .and_then(|p| p.first())
+        .and_then(|p| p.node_port))
 }
 
 /// The control-plane Service's endpoints: probes every control-plane machine's apiserver, writes
