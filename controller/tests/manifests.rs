@@ -869,11 +869,23 @@ fn run_with_input(bin: &std::path::Path, args: &[&str], input: &[u8]) -> Result<
 /// objects, made by CABPK's own code (`cabpk-render`; the KVMCluster's endpoint is the
 /// control-plane Service's name).
 fn cabpk_bootstrap(objects: &str, role: Role) -> Result<(BootstrapFormat, String)> {
+    cabpk_bootstrap_at(
+        objects,
+        role,
+        &format!("{CLUSTER}-apiserver.{FLAVOR_NS}.svc:6443"),
+    )
+}
+
+/// [`cabpk_bootstrap`] with the Cluster's control-plane endpoint `endpoint` (HOST:PORT).
+fn cabpk_bootstrap_at(
+    objects: &str,
+    role: Role,
+    endpoint: &str,
+) -> Result<(BootstrapFormat, String)> {
     let bin = capk_tests::component("cabpk-render", "make test-deps")?;
-    let endpoint = format!("{CLUSTER}-apiserver.{FLAVOR_NS}.svc:6443");
     let out = run_with_input(
         &bin,
-        &["bootstrap", "--role", role.arg(), "--endpoint", &endpoint],
+        &["bootstrap", "--role", role.arg(), "--endpoint", endpoint],
         objects.as_bytes(),
     )?;
     let secret: Value = serde_json::from_slice(&out)?;
@@ -1227,6 +1239,94 @@ fn sysext_mirror_and_timeout_variables_reach_the_node() -> Result<()> {
         }
         assert_timeouts(&kubeadm, role, &want);
     }
+    Ok(())
+}
+
+/// A cluster reachable from outside: the flavors' control-plane Service variables make a
+/// KVMCluster the real CRD accepts, whose endpoint (as the controller sets it) is the external
+/// host at the node port; CABPK gives kubeadm that endpoint, which kubeadm puts in the
+/// apiserver certificate's SANs and Cluster API into the workload kubeconfig.
+#[tokio::test]
+async fn control_plane_service_variables_make_an_endpoint_outside_the_management_cluster()
+-> Result<()> {
+    let client = TestEnv::shared().client().await?;
+    create_namespace(&client, FLAVOR_NS).await?;
+    for flavor in [
+        "cluster-template.yaml",
+        "cluster-template-node-image.yaml",
+        "cluster-template-ignition.yaml",
+    ] {
+        let rendered = generate_flavor(
+            flavor,
+            &[
+                ("KVM_NODE_IMAGE", NODE_IMAGE),
+                ("CONTROL_PLANE_SERVICE_TYPE", "NodePort"),
+                ("CONTROL_PLANE_ENDPOINT_HOST", "nodes.example.com"),
+                ("CONTROL_PLANE_NODE_PORT", "31443"),
+            ],
+        )?;
+        let objs = docs(&rendered)?;
+        let kc = objs
+            .iter()
+            .find(|o| o["kind"] == "KVMCluster")
+            .context("KVMCluster")?;
+        apply(&client, kc, true)
+            .await
+            .with_context(|| flavor.to_owned())?;
+        let kc: KVMCluster = serde_json::from_value(kc.clone())?;
+        let home = capk_controller::ownership::Home {
+            namespace: FLAVOR_NS.to_owned(),
+            management: true,
+        };
+        let endpoint = capk_controller::kvmcluster::build::endpoint_to_set(
+            &kc,
+            CLUSTER,
+            "cluster.local",
+            &home,
+            Some(31443),
+        )
+        .context("the controller sets the endpoint")?;
+        assert_eq!(
+            (endpoint.host.as_deref(), endpoint.port),
+            (Some("nodes.example.com"), Some(31443)),
+            "{flavor}"
+        );
+        let (format, data) = cabpk_bootstrap_at(&rendered, Role::Init, "nodes.example.com:31443")?;
+        let config = boot_ignition(format, &data, Role::Init)?;
+        let kubeadm = match format {
+            BootstrapFormat::CloudConfig => cloud_config_kubeadm_documents(&config)?,
+            BootstrapFormat::Ignition => kubeadm_documents(&config)?,
+        };
+        assert_eq!(
+            kubeadm["ClusterConfiguration"]["controlPlaneEndpoint"], "nodes.example.com:31443",
+            "{flavor}"
+        );
+    }
+    // The default: ClusterIP, and the endpoint the Service's name inside the management cluster.
+    let rendered = generate_flavor("cluster-template.yaml", &[])?;
+    let objs = docs(&rendered)?;
+    let kc = objs
+        .iter()
+        .find(|o| o["kind"] == "KVMCluster")
+        .context("KVMCluster")?;
+    assert_eq!(kc["spec"]["controlPlaneService"]["type"], "ClusterIP");
+    let kc: KVMCluster = serde_json::from_value(kc.clone())?;
+    let home = capk_controller::ownership::Home {
+        namespace: FLAVOR_NS.to_owned(),
+        management: true,
+    };
+    assert_eq!(
+        capk_controller::kvmcluster::build::endpoint_to_set(
+            &kc,
+            CLUSTER,
+            "cluster.local",
+            &home,
+            None
+        )
+        .and_then(|e| e.host)
+        .as_deref(),
+        Some("demo-apiserver.flavors.svc.cluster.local")
+    );
     Ok(())
 }
 
