@@ -3,6 +3,7 @@
 use std::io::{Read, Write};
 
 use anyhow::Context;
+use capk_api::v1alpha1::ServiceType;
 use capk_bootstrap::{BootstrapFormat, MachineFacts};
 use capk_controller::{
     leader::LEASE_NAME,
@@ -133,6 +134,15 @@ struct Cli {
     /// Allow machine Pods to use the `system-` PriorityClasses.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     allow_system_priority_classes: bool,
+    /// Control-plane Service types KVMClusters may ask for besides ClusterIP, comma-separated:
+    /// NodePort, LoadBalancer. Empty (default): ClusterIP only.
+    #[arg(
+        long,
+        env = "CAPK_ALLOWED_CONTROL_PLANE_SERVICE_TYPES",
+        value_delimiter = ',',
+        value_parser = service_type
+    )]
+    allowed_control_plane_service_types: Vec<Option<ServiceType>>,
     /// Reconciles that run at once, per kind.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     concurrency: u16,
@@ -185,6 +195,19 @@ fn pinned_flatcar_version(s: &str) -> Result<String, String> {
             "{s:?} is not a Flatcar release such as 4230.2.3 (pin one: machines made later \
              boot what their peers boot; 'current' is not accepted)"
         ))
+    }
+}
+
+/// A Service type of `--allowed-control-plane-service-types`; `None` for an empty element.
+fn service_type(s: &str) -> Result<Option<ServiceType>, String> {
+    match s.trim() {
+        "" => Ok(None),
+        "ClusterIP" => Ok(Some(ServiceType::ClusterIP)),
+        "NodePort" => Ok(Some(ServiceType::NodePort)),
+        "LoadBalancer" => Ok(Some(ServiceType::LoadBalancer)),
+        other => Err(format!(
+            "{other:?} is not a Service type: NodePort or LoadBalancer (ClusterIP is always allowed)"
+        )),
     }
 }
 
@@ -279,6 +302,11 @@ async fn main() -> anyhow::Result<()> {
                 .collect(),
             allow_tolerate_all_taints: cli.allow_tolerate_all_taints,
             allow_system_priority_classes: cli.allow_system_priority_classes,
+            control_plane_service_types: cli
+                .allowed_control_plane_service_types
+                .into_iter()
+                .flatten()
+                .collect(),
         },
     };
     // Kubernetes stops Pods with SIGTERM; a terminal sends SIGINT.

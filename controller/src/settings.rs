@@ -2,6 +2,8 @@
 //! to watch, the cluster domain, and the defaults of machine Pods. Plain values: the binary's
 //! edge (clap) fills them, the reconcilers read them.
 
+use capk_api::v1alpha1::ServiceType;
+
 /// Settings from the command line.
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -50,6 +52,11 @@ pub struct TenantPolicy {
     /// Whether the `system-` PriorityClasses (`system-node-critical`, ...) are allowed: they
     /// let a machine Pod preempt the cluster's own critical Pods.
     pub allow_system_priority_classes: bool,
+    /// Control-plane Service types a KVMCluster may ask for besides ClusterIP (always allowed):
+    /// NodePort opens a port of the shared node-port range on every management-cluster node,
+    /// LoadBalancer takes an address (perhaps a paid, public one) from the load-balancer
+    /// implementation. Empty (the default): ClusterIP only.
+    pub control_plane_service_types: Vec<ServiceType>,
 }
 
 impl Default for TenantPolicy {
@@ -59,11 +66,17 @@ impl Default for TenantPolicy {
             etcd_host_path_prefixes: vec![DEFAULT_ETCD_HOST_PATH_PREFIX.into()],
             allow_tolerate_all_taints: false,
             allow_system_priority_classes: false,
+            control_plane_service_types: Vec::new(),
         }
     }
 }
 
 impl TenantPolicy {
+    /// Whether a KVMCluster's control-plane Service may be of type `t`.
+    pub fn allows_service_type(&self, t: ServiceType) -> bool {
+        t == ServiceType::ClusterIP || self.control_plane_service_types.contains(&t)
+    }
+
     /// Whether `path` is one of `prefixes` or below one, element by element (`/srv/data` does
     /// not cover `/srv/database`). `path` must already be absolute without `..` elements.
     pub fn allows(prefixes: &[String], path: &str) -> bool {

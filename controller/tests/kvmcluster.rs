@@ -17,7 +17,7 @@ use kube::{
     api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
 };
 use serde_json::json;
-use support::{create_namespace, eventually, start_controller};
+use support::{create_namespace, eventually, start_controller, start_controller_with};
 
 async fn setup(ns: &str) -> Result<(Client, tokio::sync::oneshot::Sender<()>)> {
     let client = TestEnv::shared().client().await?;
@@ -219,7 +219,16 @@ async fn a_user_set_endpoint_is_kept() -> Result<()> {
 #[tokio::test]
 async fn a_node_port_cluster_is_reached_at_its_external_host_and_node_port() -> Result<()> {
     let ns = "kvmcluster-node-port";
-    let (client, _stop) = setup(ns).await?;
+    let client = TestEnv::shared().client().await?;
+    create_namespace(&client, ns).await?;
+    // An operator who allows NodePort (`--allowed-control-plane-service-types=NodePort`).
+    let mut settings = capk_controller::Settings {
+        namespace: Some(ns.to_owned()),
+        ..Default::default()
+    };
+    settings.tenant_policy.control_plane_service_types =
+        vec![capk_api::v1alpha1::ServiceType::NodePort];
+    let _stop = start_controller_with(client.clone(), settings);
     let clusters: Api<Cluster> = Api::namespaced(client.clone(), ns);
     let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
     let services: Api<Service> = Api::namespaced(client.clone(), ns);
@@ -298,6 +307,68 @@ async fn a_node_port_cluster_is_reached_at_its_external_host_and_node_port() -> 
                 "annotations": {"lb.example/pool": "a"}}}})),
         )
         .await?;
+    Ok(())
+}
+
+/// As shipped, the operator allows ClusterIP only: a NodePort KVMCluster gets no Service and no
+/// endpoint, and its `Ready` condition and a Warning Event say what is allowed and which flag
+/// allows more.
+#[tokio::test]
+async fn a_service_type_the_operator_does_not_allow_is_refused() -> Result<()> {
+    let ns = "kvmcluster-refused-type";
+    let (client, _stop) = setup(ns).await?;
+    let clusters: Api<Cluster> = Api::namespaced(client.clone(), ns);
+    let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
+    let services: Api<Service> = Api::namespaced(client.clone(), ns);
+    let cluster: Cluster = serde_json::from_value(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+        "metadata": {"name": "open"},
+        "spec": {"infrastructureRef": {
+            "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMCluster", "name": "open"}},
+    }))?;
+    let cluster = clusters.create(&PostParams::default(), &cluster).await?;
+    let kc: KVMCluster = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+        "kind": "KVMCluster",
+        "metadata": {"name": "open", "ownerReferences": [{
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+            "name": "open", "uid": cluster.uid().context("uid")?}]},
+        "spec": {"controlPlaneService": {"type": "NodePort", "externalHost": "nodes.example.com"}},
+    }))?;
+    kvmclusters.create(&PostParams::default(), &kc).await?;
+    let message = eventually(30, "Ready=False SpecInvalid", || async {
+        let kc = kvmclusters.get("open").await?;
+        let ready = kc
+            .status
+            .and_then(|s| s.conditions)
+            .and_then(|cs| cs.into_iter().find(|c| c.type_ == "Ready"));
+        Ok(ready
+            .filter(|c| c.status == "False" && c.reason == "SpecInvalid")
+            .map(|c| c.message))
+    })
+    .await?;
+    assert!(
+        message.contains("NodePort is not allowed")
+            && message.contains("--allowed-control-plane-service-types"),
+        "{message}"
+    );
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
+    eventually(30, "Warning Event SpecInvalid", || async {
+        let found = events
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("SpecInvalid")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("open")
+            });
+        Ok(found.then_some(()))
+    })
+    .await?;
+    assert!(services.get_opt("open-apiserver").await?.is_none());
+    let kc = kvmclusters.get("open").await?;
+    assert_eq!(kc.spec.control_plane_endpoint, None);
     Ok(())
 }
 

@@ -227,12 +227,14 @@ fn clusterctl_processes_the_components_with_no_variables_set() -> Result<()> {
         "CAPK_NAMESPACE",
         "CAPK_DEFAULT_NODE_IMAGE",
         "CAPK_ALLOWED_HOST_VOLUME_PATHS",
+        "CAPK_ALLOWED_CONTROL_PLANE_SERVICE_TYPES",
     ] {
         let value = env(name).with_context(|| format!("env {name}"))?;
         assert!(value.is_null() || value == "", "{name}={value}");
     }
     // The operator security settings as shipped: no host volumes (above), etcd data under
-    // /var/lib/capk/etcd only, no key-less tolerations, no system PriorityClasses.
+    // /var/lib/capk/etcd only, no key-less tolerations, no system PriorityClasses (and no
+    // control-plane Service type but ClusterIP, above).
     let args: Vec<String> = serde_json::from_value(manager["args"].clone())?;
     for shipped in [
         "--allowed-etcd-host-paths=/var/lib/capk/etcd",

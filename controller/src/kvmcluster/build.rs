@@ -20,6 +20,7 @@ use kube::Resource;
 use crate::{
     conditions::{self, DesiredCondition},
     ownership::{Home, Owner},
+    settings::TenantPolicy,
 };
 
 /// Labels on every object the controller creates for a cluster (to which each adds the labels
@@ -121,6 +122,36 @@ pub fn endpoint_to_set(
     })
 }
 
+/// Reason of `Ready` when the spec asks for what the operator does not allow.
+pub const REASON_SPEC_INVALID: &str = "SpecInvalid";
+
+/// The `Ready` condition refusing `kc` when its control-plane Service type is one the
+/// operator's policy does not allow (`--allowed-control-plane-service-types`); `None` when it
+/// is allowed.
+pub fn refused_service_type(kc: &KVMCluster, policy: &TenantPolicy) -> Option<DesiredCondition> {
+    let t = kc
+        .spec
+        .control_plane_service
+        .as_ref()
+        .and_then(|s| s.type_)
+        .unwrap_or_default();
+    if policy.allows_service_type(t) {
+        return None;
+    }
+    let allowed: Vec<String> = std::iter::once(ServiceType::ClusterIP)
+        .chain(policy.control_plane_service_types.iter().copied())
+        .map(|t| format!("{t:?}"))
+        .collect();
+    Some(DesiredCondition::falsy(
+        CONDITION_READY,
+        REASON_SPEC_INVALID,
+        format!(
+            "spec.controlPlaneService.type {t:?} is not allowed on this management cluster (allowed: {}); its operator allows more with the controller flag --allowed-control-plane-service-types (CAPK_ALLOWED_CONTROL_PLANE_SERVICE_TYPES at clusterctl init)",
+            allowed.join(", ")
+        ),
+    ))
+}
+
 /// Why the cluster is not provisioned yet, or that it is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ClusterState {
@@ -135,6 +166,9 @@ pub enum ClusterState {
         /// The `HostingClusterAvailable` condition: where the objects live.
         hosting: DesiredCondition,
     },
+    /// The spec asks for what the operator does not allow (the `Ready` condition says what);
+    /// nothing is applied.
+    SpecInvalid(DesiredCondition),
     /// The cluster where the objects live cannot be used now (the `HostingClusterAvailable`
     /// condition says why). What was last seen stands: a provisioned cluster stays provisioned
     /// and Ready, the VMs run on untouched.
@@ -162,6 +196,7 @@ pub fn status(kc: &KVMCluster, state: &ClusterState, now: Timestamp) -> KVMClust
             "waiting for Cluster API to set a Cluster as owner of this KVMCluster",
         )),
         ClusterState::Paused => {}
+        ClusterState::SpecInvalid(why) => desired.push(why.clone()),
         ClusterState::HostingUnavailable(hosting) => {
             desired.push(hosting.clone());
             let provisioned = current
@@ -358,6 +393,56 @@ mod tests {
                 host: Some("demo-apiserver.team-a.svc.cluster.local".into()),
                 port: Some(6443)
             })
+        );
+    }
+
+    /// ClusterIP always; NodePort and LoadBalancer only when the operator lists them, else a
+    /// `Ready` reason that names what is allowed and the flag that allows more.
+    #[test]
+    fn service_types_beyond_cluster_ip_are_the_operators_decision() {
+        let of = |t: ServiceType| {
+            kvm_cluster(KVMClusterSpec {
+                control_plane_service: Some(ControlPlaneService {
+                    type_: Some(t),
+                    external_host: Some("demo.example.com".into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+        };
+        let shipped = TenantPolicy::default();
+        assert_eq!(
+            refused_service_type(&kvm_cluster(KVMClusterSpec::default()), &shipped),
+            None
+        );
+        assert_eq!(
+            refused_service_type(&of(ServiceType::ClusterIP), &shipped),
+            None
+        );
+        let refused = refused_service_type(&of(ServiceType::NodePort), &shipped).unwrap();
+        assert_eq!(refused.reason, "SpecInvalid");
+        assert!(
+            refused.message.contains("NodePort is not allowed")
+                && refused.message.contains("allowed: ClusterIP)")
+                && refused
+                    .message
+                    .contains("--allowed-control-plane-service-types"),
+            "{}",
+            refused.message
+        );
+        let node_port = TenantPolicy {
+            control_plane_service_types: vec![ServiceType::NodePort],
+            ..TenantPolicy::default()
+        };
+        assert_eq!(
+            refused_service_type(&of(ServiceType::NodePort), &node_port),
+            None
+        );
+        assert!(
+            refused_service_type(&of(ServiceType::LoadBalancer), &node_port)
+                .unwrap()
+                .message
+                .contains("allowed: ClusterIP, NodePort)")
         );
     }
 

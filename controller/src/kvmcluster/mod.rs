@@ -164,6 +164,29 @@ async fn apply(
     };
     let cluster_name = cluster.name_any();
     let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
+    // Validate (pure) before anything is applied: a refused Service type changes nothing, not
+    // even a Service made before the operator narrowed the policy.
+    if let Some(refused) = build::refused_service_type(kc, &ctx.settings.tenant_policy) {
+        let shown = kc
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_deref())
+            .and_then(|cs| crate::conditions::find(cs, refused.type_))
+            .is_some_and(|c| c.reason == refused.reason && c.message == refused.message);
+        if !shown {
+            let note = refused.message.clone();
+            report::publish(
+                ctx,
+                kc,
+                EventType::Warning,
+                build::REASON_SPEC_INVALID,
+                note,
+            )
+            .await;
+        }
+        write_status(api, kc, &ClusterState::SpecInvalid(refused)).await?;
+        return Ok(Action::await_change());
+    }
     // The caches this reconcile reads (the hosting kubeconfig Secret among them) have listed.
     ctx.caches.ready().await;
     retain_hosting_links(ctx, None);

@@ -704,6 +704,7 @@ mod tests {
                 etcd_host_path_prefixes: vec!["/".into()],
                 allow_tolerate_all_taints: true,
                 allow_system_priority_classes: true,
+                ..TenantPolicy::default()
             };
             let valid = validate(&km, &placement, &defaults, &policy)
                 .unwrap_or_else(|e| panic!("{extra}: {e}"));

@@ -32,6 +32,21 @@ pub async fn create_namespace(client: &Client, ns: &str) -> Result<()> {
 
 /// Runs the controller, watching `ns` only, until the returned sender is dropped.
 pub fn start_controller(client: Client, ns: &str) -> tokio::sync::oneshot::Sender<()> {
+    start_controller_with(
+        client,
+        capk_controller::Settings {
+            namespace: Some(ns.to_owned()),
+            ..Default::default()
+        },
+    )
+}
+
+/// [`start_controller`] with the operator's `settings` (which name the namespace to watch).
+#[allow(dead_code)] // not every test binary changes the operator's settings
+pub fn start_controller_with(
+    client: Client,
+    settings: capk_controller::Settings,
+) -> tokio::sync::oneshot::Sender<()> {
     // `CAPK_TEST_LOG=capk_controller=debug cargo test ...` shows the controller's logs.
     if let Ok(filter) = std::env::var("CAPK_TEST_LOG") {
         let _ = tracing_subscriber::fmt()
@@ -40,10 +55,6 @@ pub fn start_controller(client: Client, ns: &str) -> tokio::sync::oneshot::Sende
             .try_init();
     }
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let settings = capk_controller::Settings {
-        namespace: Some(ns.to_owned()),
-        ..Default::default()
-    };
     tokio::spawn(capk_controller::run(client, settings, async {
         let _ = rx.await;
     }));
