@@ -50,7 +50,7 @@ node-image: ## Kubernetes node image (images/node): _output/node-image/node.qcow
 	bash images/node/build.sh
 
 test-node-image: node-image ## Boot the node image under QEMU: Ignition, preloaded images, kubeadm init with no registry
-	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture
+	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture --skip bench_
 
 bench-idle-node: node-image ## An idle control plane of the node-image flavor under TCG: QEMU's host CPU over 60 s, the guest's split (flavor variables from the environment; CAPK_BENCH_PERF=1 samples QEMU)
 	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture --exact bench_idle_control_plane

@@ -651,18 +651,19 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
 }
 
 // ---------------------------------------------------------------------------------------------
-// What an idle emulated control plane costs (`make bench-idle-node`): the node-image flavor as
-// `clusterctl generate cluster` renders it (flavor variables from the environment, as clusterctl
-// takes them), its first control plane's bootstrap data made by CABPK's own code (`cabpk-render`)
-// and converted like the controller does, booted by the launcher on the node image. Once kubeadm
-// init is done, the flavor's CNI applied and every kube-system Pod ready, the guest waits
-// CAPK_BENCH_SETTLE_SECONDS (30) and then measures CAPK_BENCH_IDLE_SECONDS (60) while the test
-// reads QEMU's host CPU over the same window. The guest prints its own split: CPU by process
-// name, user/system/irq time, interrupts and context switches per second. With
-// CAPK_BENCH_PERF=1 the test also samples QEMU with `perf` during the window.
+// What an idle emulated control plane costs (`make bench-idle-node`): the node-image flavor (or
+// the flavor file CAPK_BENCH_FLAVOR names) as `clusterctl generate cluster` renders it, with
+// flavor variables from the environment as clusterctl takes them; its first control plane's
+// bootstrap data made by CABPK's own code (`cabpk-render`) and converted like the controller
+// does; booted by the launcher on the node image. Once kubeadm init is done, the flavor's CNI
+// applied and every kube-system Pod ready, the guest waits CAPK_BENCH_SETTLE_SECONDS (30) and
+// then measures CAPK_BENCH_IDLE_SECONDS (60) while the test reads QEMU's host CPU over the same
+// window. The guest prints its own split: CPU by process name, user/system/irq time, interrupts
+// and context switches per second. With CAPK_BENCH_PERF=1 the test also samples QEMU with
+// `perf` during the window.
 
-/// The guest's side of the idle benchmark (`CAPK-NODE idle-…` console lines). `@SETTLE@` and `@WINDOW@`
-/// are replaced by seconds. Short-lived processes (exec'd by probes, say) are not in the
+/// The guest's side of the idle benchmark (`CAPK-NODE idle-…` console lines). `@SETTLE@` and
+/// `@WINDOW@` are replaced by seconds. Short-lived processes (exec'd by probes, say) are not in the
 /// per-process table; `unaccounted` is the busy time the table misses.
 const IDLE_SCRIPT: &str = r#"#!/bin/bash
 exec >/dev/console 2>&1
@@ -672,6 +673,13 @@ up() { cut -d' ' -f1 /proc/uptime; }
 # The flavor's bootstrap is cloud-config: kubeadm runs in the converted runcmd unit.
 if [ ! -e /run/cluster-api/bootstrap-success.complete ]; then
   journalctl -b -u capk-runcmd.service -o cat | grep -vi token | tail -30 | sed 's/^/CAPK-NODE idle-kubeadm| /'
+  # The node image has no crictl: the containers' logs are files.
+  ls /var/log/pods/*/* 2>&1 | sed 's/^/CAPK-NODE idle-kubeadm| logs /'
+  for c in etcd kube-apiserver; do
+    for f in /var/log/pods/kube-system_$c-*/$c/*.log; do
+      tail -n 25 "$f" 2>&1 | grep -vi token | cut -c1-300 | sed "s/^/CAPK-NODE idle-kubeadm| $c /"
+    done
+  done
   r "failed kubeadm init: $(systemctl show -p Result --value capk-runcmd.service)"
   exit 0
 fi
@@ -689,6 +697,8 @@ for _ in $(seq 360); do
 done
 kc get pods -A --no-headers 2>&1 | awk '{print "CAPK-NODE idle-pod " $1 "/" $2 " " $3 " " $4 " restarts=" $5}'
 r "ready node=$ready pods=$pods waiting=$waiting uptime=$(up)"
+# The progress report runs `top`, which costs seconds under TCG: not in the window.
+systemctl stop capk-bench-progress.service
 sleep @SETTLE@
 # pid, name, utime+stime in ticks of every process.
 procs() {
@@ -724,6 +734,14 @@ r "loadavg $(cut -d' ' -f1-3 /proc/loadavg)"
 r "done"
 "#;
 
+/// Once a minute while the benchmark's guest runs: its load and busiest processes.
+const PROGRESS_SCRIPT: &str = r#"#!/bin/bash
+while sleep 60; do
+  top=$(top -b -n 1 -w 200 | sed -n 8,11p | awk '{printf "%s:%s%% ", $12, $9}')
+  echo "CAPK-NODE progress uptime=$(cut -d' ' -f1 /proc/uptime) load=$(cut -d' ' -f1-3 /proc/loadavg) $top" >/dev/console
+done
+"#;
+
 /// `name` from the environment, else `default` (the flavor variables the benchmark sets unless
 /// the caller did).
 fn var_or(name: &str, default: &str) -> String {
@@ -749,7 +767,10 @@ fn flavor_control_plane(settle: u64, window: u64) -> (Vec<u8>, String, String) {
     let mut clusterctl = Command::new(repo_root().join("_output/bin/clusterctl"));
     clusterctl
         .args(["generate", "cluster", "idle", "--from"])
-        .arg(repo_root().join("manifests/templates/cluster-template-node-image.yaml"))
+        .arg(std::env::var_os("CAPK_BENCH_FLAVOR").map_or_else(
+            || repo_root().join("manifests/templates/cluster-template-node-image.yaml"),
+            PathBuf::from,
+        ))
         .args([
             "--kubernetes-version",
             "v1.35.4",
@@ -816,6 +837,11 @@ fn flavor_control_plane(settle: u64, window: u64) -> (Vec<u8>, String, String) {
     for (path, mode, body) in [
         ("/etc/capk-bench/idle.sh", 0o755, script.as_bytes()),
         ("/etc/capk-bench/cni.yaml", 0o644, cni.as_bytes()),
+        (
+            "/etc/capk-bench/progress.sh",
+            0o755,
+            PROGRESS_SCRIPT.as_bytes(),
+        ),
     ] {
         files.push(serde_json::json!({
             "path": path,
@@ -823,16 +849,22 @@ fn flavor_control_plane(settle: u64, window: u64) -> (Vec<u8>, String, String) {
             "contents": {"source": capk_bootstrap::content::data_url(body)},
         }));
     }
-    config["systemd"]["units"]
-        .as_array_mut()
-        .expect("units")
-        .push(serde_json::json!({
-            "name": "capk-bench-idle.service",
-            "enabled": true,
-            "contents": "[Unit]\nDescription=CAPK idle benchmark\nAfter=capk-runcmd.service\n\n\
-                [Service]\nType=oneshot\nExecStart=/bin/bash /etc/capk-bench/idle.sh\n\n\
-                [Install]\nWantedBy=multi-user.target\n",
-        }));
+    let units = config["systemd"]["units"].as_array_mut().expect("units");
+    // Where a slow boot spends its time: once a minute, the load and the busiest processes.
+    units.push(serde_json::json!({
+        "name": "capk-bench-progress.service",
+        "enabled": true,
+        "contents": "[Unit]\nDescription=CAPK idle benchmark progress\n\n\
+            [Service]\nExecStart=/bin/bash /etc/capk-bench/progress.sh\n\n\
+            [Install]\nWantedBy=multi-user.target\n",
+    }));
+    units.push(serde_json::json!({
+        "name": "capk-bench-idle.service",
+        "enabled": true,
+        "contents": "[Unit]\nDescription=CAPK idle benchmark\nAfter=capk-runcmd.service\n\n\
+            [Service]\nType=oneshot\nExecStart=/bin/bash /etc/capk-bench/idle.sh\n\n\
+            [Install]\nWantedBy=multi-user.target\n",
+    }));
     (
         serde_json::to_vec(&config).unwrap(),
         var_or("CONTROL_PLANE_MACHINE_CPUS", "2"),
