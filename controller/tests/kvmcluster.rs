@@ -182,24 +182,14 @@ async fn kvmcluster_gets_a_service_an_endpoint_and_a_provisioned_status() -> Res
 async fn a_user_set_endpoint_is_kept() -> Result<()> {
     let ns = "kvmcluster-user-endpoint";
     let (client, _stop) = setup(ns).await?;
-    let clusters: Api<Cluster> = Api::namespaced(client.clone(), ns);
     let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
-    let cluster: Cluster = serde_json::from_value(json!({
-        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-        "metadata": {"name": "mine"},
-        "spec": {"infrastructureRef": {
-            "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMCluster", "name": "mine"}},
-    }))?;
-    let cluster = clusters.create(&PostParams::default(), &cluster).await?;
-    let kc: KVMCluster = serde_json::from_value(json!({
-        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
-        "kind": "KVMCluster",
-        "metadata": {"name": "mine", "ownerReferences": [{
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-            "name": "mine", "uid": cluster.uid().context("uid")?}]},
-        "spec": {"controlPlaneEndpoint": {"host": "mine.k8s.example.com", "port": 443}},
-    }))?;
-    kvmclusters.create(&PostParams::default(), &kc).await?;
+    owned_kvmcluster_with(
+        &client,
+        ns,
+        "mine",
+        json!({"controlPlaneEndpoint": {"host": "mine.k8s.example.com", "port": 443}}),
+    )
+    .await?;
     let kc = eventually(30, "provisioned", || async {
         let kc = kvmclusters.get("mine").await?;
         Ok((kc.status.as_ref().and_then(|s| s.ready) == Some(true)).then_some(kc))
@@ -229,27 +219,12 @@ async fn a_node_port_cluster_is_reached_at_its_external_host_and_node_port() -> 
     settings.tenant_policy.control_plane_service_types =
         vec![capk_api::v1alpha1::ServiceType::NodePort];
     let _stop = start_controller_with(client.clone(), settings);
-    let clusters: Api<Cluster> = Api::namespaced(client.clone(), ns);
     let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
     let services: Api<Service> = Api::namespaced(client.clone(), ns);
-    for (name, node_port) in [("fixed", json!(31443)), ("allocated", json!(0))] {
-        let cluster: Cluster = serde_json::from_value(json!({
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-            "metadata": {"name": name},
-            "spec": {"infrastructureRef": {
-                "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMCluster", "name": name}},
-        }))?;
-        let cluster = clusters.create(&PostParams::default(), &cluster).await?;
-        let kc: KVMCluster = serde_json::from_value(json!({
-            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
-            "kind": "KVMCluster",
-            "metadata": {"name": name, "ownerReferences": [{
-                "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-                "name": name, "uid": cluster.uid().context("uid")?}]},
-            "spec": {"controlPlaneService": {
-                "type": "NodePort", "nodePort": node_port, "externalHost": "nodes.example.com"}},
-        }))?;
-        kvmclusters.create(&PostParams::default(), &kc).await?;
+    for (name, node_port) in [("fixed", 31443), ("allocated", 0)] {
+        let spec = json!({"controlPlaneService": {
+            "type": "NodePort", "nodePort": node_port, "externalHost": "nodes.example.com"}});
+        owned_kvmcluster_with(&client, ns, name, spec).await?;
     }
     for name in ["fixed", "allocated"] {
         let kc = eventually(30, "provisioned", || async {
@@ -317,25 +292,11 @@ async fn a_node_port_cluster_is_reached_at_its_external_host_and_node_port() -> 
 async fn a_service_type_the_operator_does_not_allow_is_refused() -> Result<()> {
     let ns = "kvmcluster-refused-type";
     let (client, _stop) = setup(ns).await?;
-    let clusters: Api<Cluster> = Api::namespaced(client.clone(), ns);
     let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
     let services: Api<Service> = Api::namespaced(client.clone(), ns);
-    let cluster: Cluster = serde_json::from_value(json!({
-        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-        "metadata": {"name": "open"},
-        "spec": {"infrastructureRef": {
-            "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "KVMCluster", "name": "open"}},
-    }))?;
-    let cluster = clusters.create(&PostParams::default(), &cluster).await?;
-    let kc: KVMCluster = serde_json::from_value(json!({
-        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
-        "kind": "KVMCluster",
-        "metadata": {"name": "open", "ownerReferences": [{
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-            "name": "open", "uid": cluster.uid().context("uid")?}]},
-        "spec": {"controlPlaneService": {"type": "NodePort", "externalHost": "nodes.example.com"}},
-    }))?;
-    kvmclusters.create(&PostParams::default(), &kc).await?;
+    let spec = json!({"controlPlaneService": {
+        "type": "NodePort", "externalHost": "nodes.example.com"}});
+    owned_kvmcluster_with(&client, ns, "open", spec).await?;
     let message = eventually(30, "Ready=False SpecInvalid", || async {
         let kc = kvmclusters.get("open").await?;
         let ready = kc
@@ -506,6 +467,16 @@ impl Drop for StandInApiServer {
 
 /// A Cluster `name` and its KVMCluster, owned as Cluster API sets it.
 async fn owned_kvmcluster(client: &Client, ns: &str, name: &str) -> Result<KVMCluster> {
+    owned_kvmcluster_with(client, ns, name, json!({})).await
+}
+
+/// [`owned_kvmcluster`] with the KVMCluster's `spec`.
+async fn owned_kvmcluster_with(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> Result<KVMCluster> {
     let cluster: Cluster = serde_json::from_value(json!({
         "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
         "metadata": {"name": name},
@@ -520,7 +491,7 @@ async fn owned_kvmcluster(client: &Client, ns: &str, name: &str) -> Result<KVMCl
         "metadata": {"name": name, "ownerReferences": [{
             "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
             "name": name, "uid": cluster.uid().context("uid")?}]},
-        "spec": {},
+        "spec": spec,
     }))?;
     Ok(Api::<KVMCluster>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &kc)
