@@ -256,6 +256,10 @@ async fn a_node_port_cluster_is_reached_at_its_external_host_and_node_port() -> 
             "spec.controlPlaneService.type cannot change to or from NodePort",
         ),
         (
+            json!({"spec": {"controlPlaneService": {"type": "LoadBalancer", "nodePort": null}}}),
+            "spec.controlPlaneService.type cannot change to or from NodePort",
+        ),
+        (
             json!({"spec": {"controlPlaneService": {"externalHost": "other.example.com"}}}),
             "spec.controlPlaneService.externalHost cannot be changed",
         ),
@@ -272,8 +276,7 @@ async fn a_node_port_cluster_is_reached_at_its_external_host_and_node_port() -> 
             other => panic!("{patch} was not refused: {other:?}"),
         }
     }
-    // Swapping NodePort for LoadBalancer would change the port: refused too; annotations may
-    // change (a load balancer's settings).
+    // Annotations may change (a load balancer's settings).
     kvmclusters
         .patch(
             "fixed",
