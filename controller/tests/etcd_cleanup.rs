@@ -269,9 +269,12 @@ async fn a_failed_cleanup_pod_is_reported_and_made_again() -> Result<()> {
         second.annotations()["infrastructure.cluster.x-k8s.io/etcd-cleanup-attempt"],
         "2"
     );
-    let km = kms.get("demo-cp-1").await?;
-    let (reason, message) = ready(&km).context("Ready")?;
-    assert_eq!(reason, "RemovingEtcdData");
+    // The status write follows the new Pod: wait for it rather than read it once.
+    let (_, message) = eventually(30, "Ready says the etcd data is being removed", || async {
+        Ok(kms.get_opt("demo-cp-1").await?.as_ref().and_then(ready))
+            .map(|r| r.filter(|r| r.0 == "RemovingEtcdData"))
+    })
+    .await?;
     assert!(message.contains("attempt 1 to remove"), "{message}");
     finish(&pods, name, 0).await?;
     eventually(30, "KVMMachine and cleanup Pod gone", || async {
