@@ -154,6 +154,19 @@ impl Drop for Topology {
     }
 }
 
+/// Shell lines for a failed `kubeadm init`: the static Pods' log files (the node image has no
+/// crictl) and the etcd and apiserver logs' tails, each line after `prefix` on the console.
+fn static_pod_logs(prefix: &str) -> String {
+    format!(
+        r#"ls /var/log/pods/*/* 2>&1 | sed 's/^/{prefix}logs /'
+  for c in etcd kube-apiserver; do
+    for f in /var/log/pods/kube-system_$c-*/$c/*.log; do
+      tail -n 25 "$f" 2>&1 | grep -vi token | cut -c1-300 | sed "s/^/{prefix}$c /"
+    done
+  done"#
+    )
+}
+
 /// The guest's report: after `kubeadm.service` it prints what the test checks to the console, one
 /// fact per `CAPK-NODE` line. It never prints kubeadm's output unfiltered (kubeadm init prints a
 /// join token).
@@ -187,12 +200,7 @@ for p in $(kc -n kube-system get pods --no-headers -o custom-columns=N:.metadata
 if [ "$(systemctl show -p Result --value kubeadm.service)" != success ]; then
   journalctl -b -u kubeadm.service -o cat | grep -vi token | tail -40 | sed 's/^/CAPK-NODE kubeadm| /'
   # What the control plane's containers did (their logs hold no bootstrap token), and the load.
-  crictl ps -a 2>&1 | sed 's/^/CAPK-NODE crictl| /'
-  for c in etcd kube-apiserver; do
-    for id in $(crictl ps -a -q --name "^$c\$" 2>/dev/null | head -2); do
-      crictl logs --tail 25 "$id" 2>&1 | grep -vi token | sed "s/^/CAPK-NODE $c| /"
-    done
-  done
+  @STATIC_POD_LOGS@
   top -b -n 1 | head -20 | sed 's/^/CAPK-NODE top| /'
   journalctl -b -u kubelet.service -o cat | grep -vi token | tail -15 | sed 's/^/CAPK-NODE kubelet| /'
 fi
@@ -268,7 +276,11 @@ fn machine_ignition() -> Vec<u8> {
         .push(serde_json::json!({
             "path": "/etc/capk-test/report.sh",
             "mode": 0o755,
-            "contents": {"source": capk_bootstrap::content::data_url(REPORT_SCRIPT.as_bytes())},
+            "contents": {"source": capk_bootstrap::content::data_url(
+                REPORT_SCRIPT
+                    .replace("@STATIC_POD_LOGS@", &static_pod_logs("CAPK-NODE kubeadm| "))
+                    .as_bytes()
+            )},
         }));
     config["systemd"]["units"]
         .as_array_mut()
@@ -673,13 +685,7 @@ up() { cut -d' ' -f1 /proc/uptime; }
 # The flavor's bootstrap is cloud-config: kubeadm runs in the converted runcmd unit.
 if [ ! -e /run/cluster-api/bootstrap-success.complete ]; then
   journalctl -b -u capk-runcmd.service -o cat | grep -vi token | tail -30 | sed 's/^/CAPK-NODE idle-kubeadm| /'
-  # The node image has no crictl: the containers' logs are files.
-  ls /var/log/pods/*/* 2>&1 | sed 's/^/CAPK-NODE idle-kubeadm| logs /'
-  for c in etcd kube-apiserver; do
-    for f in /var/log/pods/kube-system_$c-*/$c/*.log; do
-      tail -n 25 "$f" 2>&1 | grep -vi token | cut -c1-300 | sed "s/^/CAPK-NODE idle-kubeadm| $c /"
-    done
-  done
+  @STATIC_POD_LOGS@
   r "failed kubeadm init: $(systemctl show -p Result --value capk-runcmd.service)"
   exit 0
 fi
@@ -831,6 +837,10 @@ fn flavor_control_plane(settle: u64, window: u64) -> (Vec<u8>, String, String) {
         .json;
     let mut config: serde_json::Value = serde_json::from_slice(&json).unwrap();
     let script = IDLE_SCRIPT
+        .replace(
+            "@STATIC_POD_LOGS@",
+            &static_pod_logs("CAPK-NODE idle-kubeadm| "),
+        )
         .replace("@SETTLE@", &settle.to_string())
         .replace("@WINDOW@", &window.to_string());
     let files = config["storage"]["files"].as_array_mut().expect("files");
