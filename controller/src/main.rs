@@ -87,14 +87,15 @@ struct Cli {
     /// Kubernetes nodes under TCG need about 1024 (management clusters without KVM).
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(32..=4096))]
     tcg_translation_cache_mib: u32,
-    /// How emulated machines run their vCPUs: `single`, one host thread takes turns with all of
-    /// them (a VM uses at most one core; an idle node costs least on small hosts); `multi`, a
-    /// thread per vCPU (parallel guests on hosts with cores to spare).
+    /// How emulated machines run their vCPUs: `multi`, a thread per vCPU (QEMU's default; a
+    /// 2-vCPU control plane needs both cores to finish `kubeadm init` in time); `single`, one host
+    /// thread takes turns with all of them (a VM uses at most one core and waits on no lock held
+    /// by a preempted vCPU thread).
     #[arg(
         long,
-        default_value = "single",
+        default_value = "multi",
         action = clap::ArgAction::Set,
-        value_parser = PossibleValuesParser::new(["single", "multi"]).map(|s| s == "multi"),
+        value_parser = PossibleValuesParser::new(["single", "multi"]).map(|s| s == "single"),
     )]
     tcg_threads: bool,
     /// How KVMMachines with `spec.image.containerImage` get their disk: `host-cache`, an init
@@ -284,7 +285,7 @@ async fn main() -> anyhow::Result<()> {
             require_control_plane_anti_affinity: cli.require_control_plane_anti_affinity,
             cpu_allocation_ratio: cli.cpu_allocation_ratio,
             tcg_translation_cache_mib: cli.tcg_translation_cache_mib,
-            tcg_thread_per_vcpu: cli.tcg_threads,
+            tcg_single_thread: cli.tcg_threads,
             node_image_source: cli.node_image_source,
             ..Default::default()
         },

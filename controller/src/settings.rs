@@ -156,9 +156,9 @@ pub struct MachineDefaults {
     /// TCG translation cache of machines that may be emulated (`accel` auto or tcg), MiB,
     /// counted in their Pods' memory.
     pub tcg_translation_cache_mib: u32,
-    /// Emulated machines run a host thread per vCPU (`--tcg-threads=multi`) instead of one
-    /// thread for all their vCPUs (the launcher's default).
-    pub tcg_thread_per_vcpu: bool,
+    /// Emulated machines run one host thread for all their vCPUs (`--tcg-threads=single`)
+    /// instead of a thread per vCPU (the launcher's default).
+    pub tcg_single_thread: bool,
 }
 
 impl Default for MachineDefaults {
@@ -176,7 +176,7 @@ impl Default for MachineDefaults {
             node_image_source: NodeImageSource::default(),
             cpu_allocation_ratio: 1,
             tcg_translation_cache_mib: 128,
-            tcg_thread_per_vcpu: false,
+            tcg_single_thread: false,
         }
     }
 }

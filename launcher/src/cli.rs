@@ -332,9 +332,9 @@ pub struct RunArgs {
         value_parser = clap::value_parser!(u32).range(32..=4096)
     )]
     pub tcg_translation_cache_mib: u32,
-    /// How an emulated guest's vCPUs run: `single` (one host thread for all of them, so a VM
-    /// uses at most one host core) or `multi` (a thread per vCPU).
-    #[arg(long, env = "CAPK_TCG_THREADS", value_enum, default_value_t = TcgThreadsArg::Single)]
+    /// How an emulated guest's vCPUs run: `multi` (a thread per vCPU, QEMU's default) or
+    /// `single` (one host thread for all of them, so a VM uses at most one host core).
+    #[arg(long, env = "CAPK_TCG_THREADS", value_enum, default_value_t = TcgThreadsArg::Multi)]
     pub tcg_threads: TcgThreadsArg,
     /// DNS servers for the guest (default: the Pod's resolv.conf).
     #[arg(long = "dns", env = "CAPK_DNS_SERVERS", value_delimiter = ',')]

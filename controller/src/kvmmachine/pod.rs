@@ -135,8 +135,8 @@ pub fn machine_pod(
     if tcg_cache_mib != overhead::DEFAULT_TCG_CACHE_MIB && tcg_cache_mib != 0 {
         args.push(format!("--tcg-translation-cache-mib={tcg_cache_mib}"));
     }
-    if defaults.tcg_thread_per_vcpu && tcg_cache_mib != 0 {
-        args.push("--tcg-threads=multi".to_owned());
+    if defaults.tcg_single_thread && tcg_cache_mib != 0 {
+        args.push("--tcg-threads=single".to_owned());
     }
     if let Some(dns) = &spec.dns {
         for s in &dns.servers {
@@ -569,21 +569,21 @@ mod tests {
             assert_eq!(mem, base + (1024 << 20), "{accel}");
             assert!(args.contains(&flag), "{accel}: {args:?}");
         }
-        // A thread per vCPU is the operator's choice for machines that may be emulated; the
-        // launcher's default (one thread) needs no flag, and KVM machines never get it.
-        let multi = "--tcg-threads=multi".to_owned();
-        assert!(!memory_and_args("auto", &emulated).1.contains(&multi));
-        let per_vcpu = MachineDefaults {
-            tcg_thread_per_vcpu: true,
+        // One thread for all vCPUs is the operator's choice for machines that may be emulated;
+        // the launcher's default (a thread per vCPU) needs no flag, and KVM machines never get it.
+        let single = "--tcg-threads=single".to_owned();
+        assert!(!memory_and_args("auto", &emulated).1.contains(&single));
+        let one_thread = MachineDefaults {
+            tcg_single_thread: true,
             ..MachineDefaults::default()
         };
         for accel in ["auto", "tcg"] {
             assert!(
-                memory_and_args(accel, &per_vcpu).1.contains(&multi),
+                memory_and_args(accel, &one_thread).1.contains(&single),
                 "{accel}"
             );
         }
-        assert!(!memory_and_args("kvm", &per_vcpu).1.contains(&multi));
+        assert!(!memory_and_args("kvm", &one_thread).1.contains(&single));
     }
 
     #[test]

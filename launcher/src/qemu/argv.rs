@@ -136,10 +136,10 @@ pub struct DirectKernel {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum TcgThreads {
     /// One host thread takes turns running every vCPU: a VM never uses more than one host core,
-    /// and no vCPU waits on a lock another vCPU's preempted thread holds. Measured cheaper for
-    /// an idle Kubernetes node on a busy 2-core host (README, "What an emulated node costs").
+    /// and no vCPU waits on a lock another vCPU's preempted thread holds (README, "What an
+    /// emulated node costs"); a 2-vCPU control plane then boots too slowly for kubeadm.
     Single,
-    /// One host thread per vCPU (QEMU's default on x86): parallel guests on idle hosts.
+    /// One host thread per vCPU (QEMU's default on x86, and the launcher's).
     Multi,
 }
 
