@@ -92,12 +92,12 @@ struct Cli {
     /// thread takes turns with all of them (a VM uses at most one core and waits on no lock held
     /// by a preempted vCPU thread).
     #[arg(
-        long,
+        long = "tcg-threads",
         default_value = "multi",
         action = clap::ArgAction::Set,
         value_parser = PossibleValuesParser::new(["single", "multi"]).map(|s| s == "single"),
     )]
-    tcg_threads: bool,
+    tcg_single_thread: bool,
     /// How KVMMachines with `spec.image.containerImage` get their disk: `host-cache`, an init
     /// container copies it once per MC node into /var/lib/capk/images (any container runtime);
     /// `image-volume`, a Kubernetes image volume, no copy (ImageVolume: Kubernetes 1.33+,
@@ -285,7 +285,7 @@ async fn main() -> anyhow::Result<()> {
             require_control_plane_anti_affinity: cli.require_control_plane_anti_affinity,
             cpu_allocation_ratio: cli.cpu_allocation_ratio,
             tcg_translation_cache_mib: cli.tcg_translation_cache_mib,
-            tcg_single_thread: cli.tcg_threads,
+            tcg_single_thread: cli.tcg_single_thread,
             node_image_source: cli.node_image_source,
             ..Default::default()
         },
