@@ -19,9 +19,10 @@ test-deps: ## Build/prepare what the tests need (upstream binaries, test guest);
 test: test-deps ## Run every test (unit, integration against a real kube-apiserver, launcher)
 	$(CARGO) test --workspace --no-fail-fast
 
-lint: ## cargo fmt --check and clippy with warnings denied
+lint: ## cargo fmt --check, clippy with warnings denied, shellcheck over every shell script
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	bash hack/lint-shell.sh
 
 fmt: ## Format the code
 	$(CARGO) fmt --all

@@ -16,11 +16,10 @@
 # pins every dependency) with the one import line removed. A binary whose stamp (version + flags) matches is not rebuilt; Go's module
 # and build caches make a rebuild after `git clean` a link step.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 # shellcheck source=versions.env
 source "$ROOT/hack/versions.env"
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
-BIN=$OUT/bin
 mkdir -p "$BIN"
 export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
 
@@ -40,13 +39,13 @@ declare -A LDFLAGS=(
 build_flanneld() {
   local dir src=$OUT/src/flannel-$FLANNEL_VERSION
   dir=$(go mod download -json "github.com/flannel-io/flannel@$FLANNEL_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
-  [[ -f $dir/main.go ]] || { echo "build-addons: go mod download of flannel $FLANNEL_VERSION gave no source" >&2; exit 1; }
+  [[ -f $dir/main.go ]] || die "go mod download of flannel $FLANNEL_VERSION gave no source"
   rm -rf "$src"
   mkdir -p "$(dirname "$src")"
   cp -r "$dir" "$src"
   chmod -R u+w "$src"
   grep -q '"github.com/flannel-io/flannel/pkg/backend/tencentvpc"' "$src/main.go" ||
-    { echo "build-addons: flannel $FLANNEL_VERSION main.go no longer imports the tencentvpc backend; drop the workaround" >&2; exit 1; }
+    die "flannel $FLANNEL_VERSION main.go no longer imports the tencentvpc backend; drop the workaround"
   sed -i '/"github.com\/flannel-io\/flannel\/pkg\/backend\/tencentvpc"/d' "$src/main.go"
   # CGO as upstream builds it (the udp backend is C); the image's Debian base has the glibc it links.
   (cd "$src" && CGO_ENABLED=1 go build -trimpath -ldflags "-s -w ${LDFLAGS[flanneld]}" -o "$1" .)
@@ -54,17 +53,17 @@ build_flanneld() {
 
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(coredns flanneld flannel-cni-plugin)
-command -v go >/dev/null || { echo "build-addons: 'go' not found; install Go (Debian: apt-get install golang)" >&2; exit 1; }
+require go:golang
 
 for t in "${targets[@]}"; do
-  [[ -n ${PKG[$t]:-} ]] || { echo "build-addons: unknown binary '$t' (known: ${!PKG[*]})" >&2; exit 2; }
+  [[ -n ${PKG[$t]:-} ]] || { log "unknown binary '$t' (known: ${!PKG[*]})"; exit 2; }
   stamp="${PKG[$t]} -s -w ${LDFLAGS[$t]}"
   if [[ -x $BIN/$t && -f $BIN/.$t.version && $(cat "$BIN/.$t.version") == "$stamp" ]]; then
-    echo "build-addons: $t already built (${PKG[$t]})"
+    log "$t already built (${PKG[$t]})"
     continue
   fi
   start=$SECONDS
-  echo "build-addons: building $t (${PKG[$t]})"
+  log "building $t (${PKG[$t]})"
   gobin=$(mktemp -d "$OUT/.gobin.XXXXXX")
   if [[ $t == flanneld ]]; then
     build_flanneld "$gobin/flanneld"
@@ -72,9 +71,9 @@ for t in "${targets[@]}"; do
     GOBIN=$gobin go install -trimpath -ldflags "-s -w ${LDFLAGS[$t]}" "${PKG[$t]}"
   fi
   built=("$gobin"/*)
-  [[ ${#built[@]} == 1 && -x ${built[0]} ]] || { rm -rf "$gobin"; echo "build-addons: go install of ${PKG[$t]} gave ${built[*]}" >&2; exit 1; }
+  [[ ${#built[@]} == 1 && -x ${built[0]} ]] || { rm -rf "$gobin"; die "go install of ${PKG[$t]} gave ${built[*]}"; }
   mv "${built[0]}" "$BIN/$t"
   rm -rf "$gobin"
   echo "$stamp" >"$BIN/.$t.version"
-  echo "build-addons: $t built in $((SECONDS - start))s"
+  log "$t built in $((SECONDS - start))s"
 done

@@ -7,17 +7,13 @@
 # binary whose stamp matches the pinned version and the source's hash is kept.
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 # shellcheck source=versions.env
 source "$ROOT/hack/versions.env"
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
-BIN=$OUT/bin
 SRC=$ROOT/hack/cabpk-render/main.go
 WRAP=$OUT/src/cabpk-render-$CAPI_VERSION
 STAMP=$BIN/.cabpk-render.version
-
-log() { echo "build-cabpk-render: $*"; }
-die() { echo "build-cabpk-render: $*" >&2; exit 1; }
 
 want="$CAPI_VERSION $(sha256sum "$SRC" | cut -c1-16)"
 if [[ -x $BIN/cabpk-render && -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
@@ -25,25 +21,15 @@ if [[ -x $BIN/cabpk-render && -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
   exit 0
 fi
 
-command -v go >/dev/null || die "'go' not found; install Go (Debian: apt-get install golang)"
+require go:golang
 export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
 mkdir -p "$BIN" "$WRAP"
 if [[ ! -f $WRAP/go.sum ]]; then
   log "preparing the module for Cluster API $CAPI_VERSION"
-  modfile=$(cd "$WRAP" && go mod download -json "sigs.k8s.io/cluster-api@$CAPI_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
-  [[ -f $modfile ]] || die "download of sigs.k8s.io/cluster-api@$CAPI_VERSION failed"
-  {
-    echo "module capk.local/cabpk-render"
-    echo
-    grep -E '^go [0-9]' "$modfile"
-    echo
-    echo "require sigs.k8s.io/cluster-api $CAPI_VERSION"
-    echo "require sigs.k8s.io/cluster-api/api $CAPI_VERSION"
-    echo
-    # The upstream module replaces its ./api with the local directory; a dependent module needs
-    # the published one (as in hack/build-capi.sh).
-    grep -E '^replace [^ ]+ => \./' "$modfile" | awk -v v="$CAPI_VERSION" '{print "replace " $2 " => " $2 " " v}'
-  } >"$WRAP/go.mod"
+  # The upstream module replaces its ./api with the local directory; the wrapper takes the
+  # published one.
+  go_wrapper_module "$WRAP" capk.local/cabpk-render "$CAPI_VERSION" \
+    "sigs.k8s.io/cluster-api@$CAPI_VERSION" "sigs.k8s.io/cluster-api/api@$CAPI_VERSION"
   cp "$SRC" "$WRAP/main.go"
   (cd "$WRAP" && go mod tidy >/dev/null)
 fi

@@ -4,7 +4,8 @@
 #   hack/build-capi.sh [clusterctl] [capi-manager] [kubeadm-bootstrap-manager] [kubeadm-control-plane-manager]
 #   (default: all four)
 #
-# Technique (REFERENCE.md §7), as hack/build-upstream.sh does for Kubernetes: a throwaway wrapper
+# Technique, as hack/build-upstream.sh does for Kubernetes (`go install pkg@version` refuses a
+# module with replace directives; hack/lib/common.sh go_wrapper_module): a throwaway wrapper
 # module requires sigs.k8s.io/cluster-api at $CAPI_VERSION (hack/versions.env). That module's own
 # go.mod replaces sigs.k8s.io/cluster-api/api with ./api, which a dependent module does not
 # inherit, so the wrapper replaces it with the published sigs.k8s.io/cluster-api/api of the same
@@ -14,18 +15,14 @@
 # rebuild after `git clean` a link step.
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 # shellcheck source=versions.env
 source "$ROOT/hack/versions.env"
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
-BIN=$OUT/bin
 WRAP=$OUT/src/capi-wrapper-$CAPI_VERSION
 mkdir -p "$BIN"
 
 export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
-
-log() { echo "build-capi: $*"; }
-die() { echo "build-capi: $*" >&2; exit 1; }
 
 # Package path of each binary (the Makefile targets of CAPI itself: manager-core,
 # manager-kubeadm-bootstrap, manager-kubeadm-control-plane, clusterctl).
@@ -46,30 +43,18 @@ targets=("$@")
 
 todo=()
 for t in "${targets[@]}"; do
-  [[ -n ${PKG[$t]:-} ]] || { echo "build-capi: unknown binary '$t' (known: ${ALL[*]})" >&2; exit 2; }
+  [[ -n ${PKG[$t]:-} ]] || { log "unknown binary '$t' (known: ${ALL[*]})"; exit 2; }
   if stamp_ok "$t" "$CAPI_VERSION"; then log "$t $CAPI_VERSION already built"; else todo+=("$t"); fi
 done
 [[ ${#todo[@]} -gt 0 ]] || exit 0
 
-command -v go >/dev/null || die "'go' not found; install Go (Debian: apt-get install golang)"
+require go:golang
 
 prepare_wrapper() {
   log "preparing wrapper module for Cluster API $CAPI_VERSION"
   rm -rf "$WRAP"; mkdir -p "$WRAP"
-  local modfile
-  modfile=$(cd "$WRAP" && go mod download -json "sigs.k8s.io/cluster-api@$CAPI_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
-  [[ -f $modfile ]] || die "download of sigs.k8s.io/cluster-api@$CAPI_VERSION failed"
-  {
-    echo "module capk.local/capi-wrapper"
-    echo
-    grep -E '^go [0-9]' "$modfile"
-    echo
-    echo "require sigs.k8s.io/cluster-api $CAPI_VERSION"
-    echo "require sigs.k8s.io/cluster-api/api $CAPI_VERSION"
-    echo
-    # Every local (./path) replace of the upstream module becomes the published module.
-    grep -E '^replace [^ ]+ => \./' "$modfile" | awk -v v="$CAPI_VERSION" '{print "replace " $2 " => " $2 " " v}'
-  } >"$WRAP/go.mod"
+  go_wrapper_module "$WRAP" capk.local/capi-wrapper "$CAPI_VERSION" \
+    "sigs.k8s.io/cluster-api@$CAPI_VERSION" "sigs.k8s.io/cluster-api/api@$CAPI_VERSION"
   # Main packages cannot be imported; their setup packages pull in the same dependency graph.
   printf 'package main\n\nimport (\n\t_ "sigs.k8s.io/cluster-api/cmd/clusterctl/cmd"\n\t_ "sigs.k8s.io/cluster-api/core/setup"\n\t_ "sigs.k8s.io/cluster-api/bootstrap/kubeadm/setup"\n\t_ "sigs.k8s.io/cluster-api/controlplane/kubeadm/setup"\n)\n\nfunc main() {}\n' >"$WRAP/tools.go"
   (cd "$WRAP" && go mod tidy >/dev/null)

@@ -18,18 +18,14 @@
 # this release. A binary whose stamp (_output/bin/.NAME.version) matches is not rebuilt.
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 # shellcheck source=versions.env
 source "$ROOT/hack/versions.env"
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
-BIN=$OUT/bin
 SRC=$OUT/src/cert-manager-$CERT_MANAGER_VERSION
 mkdir -p "$BIN"
 
 export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
-
-log() { echo "build-cert-manager: $*"; }
-die() { echo "build-cert-manager: $*" >&2; exit 1; }
 
 stamp_ok() { # binary version
   [[ -x $BIN/$1 && -f $BIN/.$1.version && $(cat "$BIN/.$1.version") == "$2" ]]
@@ -47,7 +43,7 @@ if [[ ${#todo[@]} -eq 0 && $need_helm == false ]]; then
   exit 0
 fi
 
-command -v go >/dev/null || die "'go' not found; install Go (Debian: apt-get install golang)"
+require go:golang
 
 if [[ ${#todo[@]} -gt 0 ]]; then
   if [[ ! -f $SRC/.complete ]]; then

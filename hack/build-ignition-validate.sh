@@ -4,20 +4,19 @@
 # they generate through it. Idempotent: a binary whose stamp matches the pinned version is kept.
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 # Pinned here rather than in versions.env: only this script and its test use it.
 IGNITION_MODULE=github.com/coreos/ignition/v2
 IGNITION_VERSION=${IGNITION_VERSION:-v2.26.0}
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
-BIN=$OUT/bin
 STAMP=$BIN/.ignition-validate.version
 
 if [[ -x $BIN/ignition-validate && -f $STAMP && $(cat "$STAMP") == "$IGNITION_VERSION" ]]; then
-  echo "build-ignition-validate: ignition-validate $IGNITION_VERSION already built"
+  log "ignition-validate $IGNITION_VERSION already built"
   exit 0
 fi
 
-command -v go >/dev/null || { echo "build-ignition-validate: 'go' not found; install Go (Debian: apt-get install golang)" >&2; exit 1; }
+require go:golang
 
 export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
 WRAP=$OUT/src/ignition-validate-$IGNITION_VERSION
@@ -25,11 +24,11 @@ mkdir -p "$BIN" "$WRAP"
 # A throwaway main module pins the exact version (go install pkg@version would too, but a wrapper
 # keeps go.sum next to the build for inspection and works the same way as build-upstream.sh).
 if [[ ! -f $WRAP/go.sum ]]; then
-  printf 'module capk.local/ignition-validate\n\ngo 1.24\n\nrequire %s %s\n' "$IGNITION_MODULE" "$IGNITION_VERSION" >"$WRAP/go.mod"
+  go_wrapper_module "$WRAP" capk.local/ignition-validate "$IGNITION_VERSION" "$IGNITION_MODULE@$IGNITION_VERSION"
   printf 'package main\n\nimport _ "%s/validate"\n\nfunc main() {}\n' "$IGNITION_MODULE" >"$WRAP/tools.go"
   (cd "$WRAP" && go mod tidy >/dev/null)
 fi
-echo "build-ignition-validate: building ignition-validate $IGNITION_VERSION"
+log "building ignition-validate $IGNITION_VERSION"
 (cd "$WRAP" && go build -trimpath -o "$BIN/ignition-validate.tmp" \
   -ldflags "-X $IGNITION_MODULE/internal/version.Raw=$IGNITION_VERSION" "$IGNITION_MODULE/validate")
 mv "$BIN/ignition-validate.tmp" "$BIN/ignition-validate"

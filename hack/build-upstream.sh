@@ -3,17 +3,19 @@
 #
 #   hack/build-upstream.sh [kube-apiserver] [kubectl] [etcd] ...   (default: the test set)
 #
-# Technique (REFERENCE.md §7): a throwaway wrapper module requires k8s.io/kubernetes and replaces
-# every staging module (read from that version's own go.mod) with its published v0.Y.Z. Version
-# ldflags make the binaries report their real version. A binary whose stamp matches the pinned
+# Technique (`go install pkg@version` refuses k8s.io/kubernetes: its go.mod has replace directives):
+# a throwaway wrapper module (hack/lib/common.sh go_wrapper_module) requires k8s.io/kubernetes and
+# replaces every staging module (read from that version's own go.mod, about 31) with its published
+# v0.Y.Z. Version ldflags (gitVersion, gitMajor, ... on k8s.io/component-base/version and
+# k8s.io/client-go/pkg/version) make the binaries report their real version: without them they say
+# v0.0.0-master, which clusterctl and kubeadm reject. A binary whose stamp matches the pinned
 # version is not rebuilt; GOMODCACHE/GOCACHE make a rebuild after `git clean` a link step.
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 # shellcheck source=versions.env
 source "$ROOT/hack/versions.env"
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
-BIN=$OUT/bin
 WRAP=$OUT/src/k8s-wrapper-$KUBERNETES_VERSION
 mkdir -p "$BIN"
 
@@ -40,30 +42,20 @@ stamp_ok() { # binary version
 
 todo=()
 for t in "${targets[@]}"; do
-  [[ -n ${PKG[$t]:-} ]] || { echo "build-upstream: unknown binary '$t' (known: ${!PKG[*]})" >&2; exit 2; }
+  [[ -n ${PKG[$t]:-} ]] || { log "unknown binary '$t' (known: ${!PKG[*]})"; exit 2; }
   want=$KUBERNETES_VERSION; [[ $t == etcd ]] && want=$ETCD_VERSION
-  if stamp_ok "$t" "$want"; then echo "build-upstream: $t $want already built"; else todo+=("$t"); fi
+  if stamp_ok "$t" "$want"; then log "$t $want already built"; else todo+=("$t"); fi
 done
 [[ ${#todo[@]} -gt 0 ]] || exit 0
 
-command -v go >/dev/null || { echo "build-upstream: 'go' not found; install Go (Debian: apt-get install golang) " >&2; exit 1; }
+require go:golang
 
 if [[ ! -f $WRAP/go.sum ]]; then
-  echo "build-upstream: preparing wrapper module for Kubernetes $KUBERNETES_VERSION"
+  log "preparing wrapper module for Kubernetes $KUBERNETES_VERSION"
   rm -rf "$WRAP"; mkdir -p "$WRAP"
-  modfile=$(cd "$WRAP" && go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",/\1/p')
-  staging_version="v0.${KUBERNETES_VERSION#v1.}"
-  {
-    echo "module capk.local/k8s-wrapper"
-    echo
-    grep -E '^go [0-9]' "$modfile"
-    echo
-    echo "require k8s.io/kubernetes $KUBERNETES_VERSION"
-    echo "require go.etcd.io/etcd/server/v3 $ETCD_VERSION"
-    echo
-    grep -E '^\s*k8s\.io/[a-z0-9-]+ => \./staging/' "$modfile" |
-      awk -v v="$staging_version" '{print "replace " $1 " => " $1 " " v}'
-  } >"$WRAP/go.mod"
+  # The staging modules (k8s.io/api => ./staging/src/k8s.io/api, …) are published as v0.X.Y.
+  go_wrapper_module "$WRAP" capk.local/k8s-wrapper "v0.${KUBERNETES_VERSION#v1.}" \
+    "k8s.io/kubernetes@$KUBERNETES_VERSION" "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
   printf 'package main\n\nimport (\n\t_ "k8s.io/kubernetes/cmd/kube-apiserver/app"\n\t_ "go.etcd.io/etcd/server/v3/embed"\n)\n\nfunc main() {}\n' >"$WRAP/tools.go"
   (cd "$WRAP" && go mod tidy >/dev/null)
 fi
@@ -80,7 +72,7 @@ done
 
 for t in "${todo[@]}"; do
   start=$SECONDS
-  echo "build-upstream: building $t (${PKG[$t]})"
+  log "building $t (${PKG[$t]})"
   if [[ $t == etcd ]]; then
     (cd "$WRAP" && go build -trimpath -o "$BIN/$t" "${PKG[$t]}")
     echo "$ETCD_VERSION" >"$BIN/.$t.version"
@@ -88,5 +80,5 @@ for t in "${todo[@]}"; do
     (cd "$WRAP" && go build -trimpath -ldflags "-s -w $kube_ldflags" -o "$BIN/$t" "${PKG[$t]}")
     echo "$KUBERNETES_VERSION" >"$BIN/.$t.version"
   fi
-  echo "build-upstream: $t built in $((SECONDS - start))s"
+  log "$t built in $((SECONDS - start))s"
 done

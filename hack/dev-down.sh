@@ -37,7 +37,7 @@ if pid_alive containerd && ctr --address "$CONTAINERD_SOCK" version >/dev/null 2
   done
   n=0
   for id in $(ctr_k8s containers ls -q 2>/dev/null); do
-    ctr_k8s containers delete "$id" >/dev/null 2>&1 && n=$((n + 1)) || log "could not delete container $id"
+    if ctr_k8s containers delete "$id" >/dev/null 2>&1; then n=$((n + 1)); else log "could not delete container $id"; fi
   done
   log "removed $n containers"
 fi
@@ -134,10 +134,11 @@ done
 # (not under --root-dir) and runc's/the shims' state. Removed only when nothing else is in them.
 ((MC == 2)) || rm -f /var/lib/kubelet/device-plugins/kubelet.sock
 for d in /var/lib/kubelet/device-plugins /var/lib/kubelet /run/containerd/runc/k8s.io /run/containerd/runc /run/containerd/s /run/containerd; do
-  [[ -d $d ]] && rmdir "$d" 2>/dev/null || true
+  if [[ -d $d ]]; then rmdir "$d" 2>/dev/null || true; fi
 done
 
 # Nothing of ours may be left running.
+# shellcheck disable=SC2009 # ps: the whole command line is shown and matched as fixed strings
 left=$(ps -eo pid=,args= | grep -F -e "$DEV/" -e "$CONTAINERD_SOCK" | grep -v -e grep -e "hack/dev-down.sh" || true)
 if [[ -n $left ]]; then
   log "processes left behind:"

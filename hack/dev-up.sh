@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The local management cluster: one node, no Docker, no registry (issue 6; REFERENCE.md §7).
+# The local management cluster: one node, no Docker, no registry (issue 6; README.md "A local
+# management cluster").
 #
 #   make dev-up      (or: bash hack/dev-up.sh)        then: export KUBECONFIG=_output/dev/admin.kubeconfig
 #   make dev-down    stops everything this started
@@ -41,7 +42,7 @@ if ((MC == 2)); then
   # The second management cluster's node: an address of its own on the first's bridge, whose
   # firewall chains already keep pod traffic on this machine (10.240.1.0/24 is in the cluster
   # range they guard), and its `kubernetes` Service sent to its apiserver (no kube-proxy here).
-  ip link show "$BRIDGE" >/dev/null 2>&1 && iptables -w -S "$FW_CHAIN_FORWARD" >/dev/null 2>&1 ||
+  { ip link show "$BRIDGE" >/dev/null 2>&1 && iptables -w -S "$FW_CHAIN_FORWARD" >/dev/null 2>&1; } ||
     die "the first local management cluster is not up (no bridge $BRIDGE or chain $FW_CHAIN_FORWARD): make dev-up first"
   ip addr show dev "$BRIDGE" | grep -q "inet $NODE_IP/" || ip addr add "$NODE_IP/${POD_CIDR#*/}" dev "$BRIDGE"
   iptables -w -t nat -N "$NAT_CHAIN_MC2" 2>/dev/null || iptables -w -t nat -F "$NAT_CHAIN_MC2"

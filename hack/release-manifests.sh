@@ -8,13 +8,13 @@
 # version `latest` is the newest version directory, as `clusterctl init --infrastructure kvm` takes it.
 # hack/dev/capi.sh copies this version directory into the local MC's repository.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 cd "$ROOT"
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
 version=v$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 dest=$OUT/release/infrastructure-kvm/$version
-kubectl=$OUT/bin/kubectl
-[[ -x $kubectl ]] || { echo "release-manifests: $kubectl missing; run 'make test-deps'" >&2; exit 1; }
+kubectl=$BIN/kubectl
+[[ -x $kubectl ]] || die "$kubectl missing; run 'make test-deps'"
 mkdir -p "$dest"
 "$kubectl" kustomize manifests/default >"$dest/infrastructure-components.yaml"
 cp manifests/metadata.yaml "$dest/metadata.yaml"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# cert-manager for the local management cluster, built here, never pulled (issue 6; REFERENCE.md §7).
+# cert-manager for the local management cluster, built here, never pulled (issue 6): clusterctl init
+# installs cert-manager first, and no registry is reachable here.
 #
 #   bash hack/dev/cert-manager.sh          binaries, images, components YAML, _output/dev/cert-manager.env
 #   bash hack/dev/cert-manager.sh apply    the same, then install it with kubectl and wait for it
@@ -42,7 +43,6 @@ WORK=$DEV/cert-manager
 REPO=$WORK/repository
 COMPONENTS=$REPO/cert-manager/$V/cert-manager.yaml
 SRC=$OUT/src/cert-manager-$V
-BUILDAH=(buildah --root "$OUT/buildah/storage" --runroot "$OUT/buildah/run" --storage-driver vfs)
 NAMES=(controller cainjector webhook acmesolver)
 image_of() { echo "localhost/capk/cert-manager-$1:$V"; }
 
@@ -128,7 +128,9 @@ EOF
   ca=$(kc -n "$ns" get secret serving-cert -o 'jsonpath={.data.ca\.crt}')
   [[ -n $ca ]] || die "secret $ns/serving-cert has no ca.crt"
   log "Issuer and Certificate Ready, secret $ns/serving-cert issued"
+  # shellcheck disable=SC2317 # called by wait_for
   crd_ca() { [[ $(kc get crd "$crd" -o 'jsonpath={.spec.conversion.webhook.clientConfig.caBundle}') == "$ca" ]]; }
+  # shellcheck disable=SC2317
   vwc_ca() { [[ $(kc get validatingwebhookconfiguration "$vwc" -o 'jsonpath={.webhooks[0].clientConfig.caBundle}') == "$ca" ]]; }
   wait_for "cainjector: CRD conversion webhook caBundle = the Certificate's CA" 120 crd_ca
   wait_for "cainjector: ValidatingWebhookConfiguration caBundle = the Certificate's CA" 120 vwc_ca
@@ -155,7 +157,7 @@ for n in "${NAMES[@]}"; do
     log "image $img already in containerd"
     continue
   fi
-  command -v buildah >/dev/null || die "'buildah' not found: apt-get install buildah"
+  require buildah
   start=$SECONDS
   d=$WORK/images/$n
   rm -rf "$d"
@@ -167,14 +169,11 @@ for n in "${NAMES[@]}"; do
   printf 'root:x:0:\nnobody:x:65534:\nnonroot:x:65532:\n' >"$d/rootfs/etc/group"
   chmod 1777 "$d/rootfs/tmp"
   tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$d/rootfs" -cf "$d/rootfs.tar" .
-  c=$("${BUILDAH[@]}" from --pull=never scratch)
-  "${BUILDAH[@]}" add "$c" "$d/rootfs.tar" / >/dev/null
-  "${BUILDAH[@]}" config --entrypoint "[\"/app/cmd/$n/$n\"]" --cmd '' --user 1000 \
+  buildah_image "$img" scratch "$d/rootfs.tar" --entrypoint "[\"/app/cmd/$n/$n\"]" --cmd '' --user 1000 \
     --label "org.opencontainers.image.title=cert-manager-$n" --label "org.opencontainers.image.version=$V" \
     --label "org.opencontainers.image.description=cert-manager $n $V built from the Go module proxy by hack/dev/cert-manager.sh" \
-    --label org.opencontainers.image.licenses=Apache-2.0 "$c"
-  "${BUILDAH[@]}" commit --quiet --rm "$c" "$img" >/dev/null
-  "${BUILDAH[@]}" push --quiet "$img" "oci-archive:$d/image.oci.tar:$img" >/dev/null
+    --label org.opencontainers.image.licenses=Apache-2.0
+  capk_buildah push --quiet "$img" "oci-archive:$d/image.oci.tar:$img" >/dev/null
   ctr_k8s images import --base-name "${img%:*}" "$d/image.oci.tar" >/dev/null
   rm -rf "$d"
   ctr_has_image "$img" || die "import did not produce $img"

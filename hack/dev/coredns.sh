@@ -4,8 +4,8 @@
 # Pod's DNS servers from the launcher's DHCP) resolve `<svc>.<namespace>.svc.cluster.local`, e.g.
 # a workload cluster's `<cluster>-apiserver.<namespace>.svc`.
 #
-# CoreDNS is built from the Go module proxy (hack/build-addons.sh), packed into an OCI image here
-# the way hack/dev/pause-image.sh does (no registry) and imported into containerd. The Corefile
+# CoreDNS is built from the Go module proxy (hack/build-addons.sh), committed as an image with
+# buildah the way hack/dev/pause-image.sh does (no registry) and imported into containerd. The Corefile
 # answers the cluster domain only: there is no `forward`, nothing is resolved outside this machine.
 #
 #   hack/dev/coredns.sh   (needs a running local MC; called by hack/dev-up.sh; idempotent)
@@ -24,8 +24,8 @@ if ! ctr_has_image "$IMAGE" "name==$IMAGE,labels.\"capk.binary\"==$digest" 2>/de
   rm -rf "$work"
   mkdir -p "$work/rootfs/etc/coredns"
   install -m 0755 "$BIN/coredns" "$work/rootfs/coredns"
-  oci_image_import "$IMAGE" "$work" '{"Entrypoint":["/coredns"],"WorkingDir":"/","ExposedPorts":{"53/tcp":{},"53/udp":{}}}' \
-    "hack/dev/coredns.sh: coredns $COREDNS_VERSION from the Go module proxy"
+  oci_image_import "$IMAGE" "$work" "hack/dev/coredns.sh: coredns $COREDNS_VERSION from the Go module proxy" \
+    --entrypoint '["/coredns"]' --cmd '' --workingdir / --port 53/tcp --port 53/udp
   ctr_k8s images label "$IMAGE" "capk.binary=$digest" >/dev/null
   log "CoreDNS image $IMAGE imported"
 fi

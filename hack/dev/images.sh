@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every image the local management cluster needs for the Cluster API + CAPK journey, built here and
-# imported into the dev containerd (namespace k8s.io), so the kubelet never pulls (issue 6;
-# REFERENCE.md §7). No registry is involved.
+# imported into the dev containerd (namespace k8s.io), so the kubelet never pulls (issue 6; Pods
+# name concrete tags with imagePullPolicy IfNotPresent). No registry is involved.
 #
 #   bash hack/dev/images.sh              build what changed, import what containerd lacks
 #   bash hack/dev/images.sh --no-import  build only (no running local MC needed)
@@ -37,7 +37,6 @@ case ${1:-} in
   *) die "usage: $0 [--no-import]" ;;
 esac
 
-BUILDAH=(buildah --root "$OUT/buildah/storage" --runroot "$OUT/buildah/run" --storage-driver vfs)
 WORK=$OUT/images/dev
 IMAGES_ENV=$DEV/images.env
 LABEL=dev.capk.inputs
@@ -55,9 +54,7 @@ CAPI_CONTROL_PLANE_IMAGE=localhost/capk/kubeadm-control-plane-controller:$CAPI_V
 
 t0=$SECONDS
 [[ $(id -u) == 0 ]] || die "needs root (buildah, containerd)"
-for tool in buildah ctr file git sha256sum; do
-  command -v "$tool" >/dev/null || die "'$tool' not found: apt-get install \$(grep -v '^#' hack/debian-packages.txt)"
-done
+require buildah ctr:containerd file git sha256sum:coreutils
 if ((IMPORT)); then
   ctr --address "$CONTAINERD_SOCK" version >/dev/null 2>&1 ||
     die "the local MC's containerd does not answer on ${CONTAINERD_SOCK#"$ROOT"/}: make dev-up first (or --no-import)"
@@ -73,15 +70,15 @@ bash "$ROOT/hack/build-capi.sh" capi-manager kubeadm-bootstrap-manager kubeadm-c
 bash "$ROOT/hack/prepare.d/40-test-guest.sh" >&2
 
 # --- helpers --------------------------------------------------------------------------------------
-image_id() { "${BUILDAH[@]}" inspect --type image --format '{{.FromImageID}}' "$1"; }
+image_id() { capk_buildah inspect --type image --format '{{.FromImageID}}' "$1"; }
 # The input label of a buildah image, empty when the image or the label is missing.
-image_label() { "${BUILDAH[@]}" inspect --type image --format "{{index .OCIv1.Config.Labels \"$LABEL\"}}" "$1" 2>/dev/null || true; }
+image_label() { capk_buildah inspect --type image --format "{{index .OCIv1.Config.Labels \"$LABEL\"}}" "$1" 2>/dev/null || true; }
 
 # drop_replaced OLD_ID NAME: after NAME was rebuilt, remove the image it named before (vfs storage
 # keeps full copies), unless another name still refers to it.
 drop_replaced() {
   [[ -n $1 && $1 != "$(image_id "$2")" ]] || return 0
-  "${BUILDAH[@]}" rmi "$1" >/dev/null 2>&1 || true
+  capk_buildah rmi "$1" >/dev/null 2>&1 || true
 }
 
 # tree_hash PATH...: git tree id of these paths as they are in the work tree (tracked changes and
@@ -106,7 +103,7 @@ import() {
   local start=$SECONDS
   archive=$WORK/import.tar
   rm -f "$archive"
-  "${BUILDAH[@]}" push --quiet "$src" "docker-archive:$archive:$dst" >/dev/null
+  capk_buildah push --quiet "$src" "docker-archive:$archive:$dst" >/dev/null
   ctr_k8s images import "$archive" >/dev/null
   rm -f "$archive"
   ctr_k8s images label "$dst" "$LABEL=$key" >/dev/null
@@ -139,7 +136,7 @@ rust_image() {
     # mirror of the base image's sources.list. The RUN steps see the host's CA bundle (read-only,
     # not part of any layer): on a network that inspects TLS, the host trusts a CA that Debian's
     # bundle in the image lacks. --pull=never: FROM names resolve to images/base/'s.
-    if ! "${BUILDAH[@]}" build --pull=never --isolation chroot --network host --layers=false --force-rm \
+    if ! capk_buildah build --pull=never --isolation chroot --network host --layers=false --force-rm \
       --volume "$HOST_CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt:ro" \
       --label "$LABEL=$key" -f "$ROOT/$dockerfile" -t "$name" "$ROOT" >"$logfile" 2>&1; then
       tail -n 30 "$logfile" >&2
@@ -157,7 +154,7 @@ rust_image "$LAUNCHER_IMAGE" Dockerfile.launcher bootstrap launcher
 # What upstream's distroless static:nonroot base image gives them: /etc/passwd and /etc/group with
 # nonroot (65532), a world-writable /tmp, the CA bundle (Debian's, from the base image's rootfs).
 capi_image() {
-  local name=$1 bin=$BIN/$2 key stage ctr old
+  local name=$1 bin=$BIN/$2 key stage old
   [[ -x $bin ]] || die "$bin missing: bash hack/build-capi.sh $2"
   file -L "$bin" | grep -q 'statically linked' || die "$bin is not statically linked (CGO_ENABLED=0 in hack/build-capi.sh)"
   key=$(printf '%s\n' "bin $(sha256sum <"$bin" | cut -d' ' -f1)" "recipe $SCRIPT_SUM" | sha256sum | cut -c1-32)
@@ -174,12 +171,9 @@ capi_image() {
     tar -xOf "$OUT/images/base/rootfs.tar" ./etc/ssl/certs/ca-certificates.crt >"$stage/etc/ssl/certs/ca-certificates.crt"
     install -m 0755 "$bin" "$stage/manager"
     tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$stage" -cf "$WORK/capi-layer.tar" .
-    ctr=$("${BUILDAH[@]}" from --pull=never scratch)
-    "${BUILDAH[@]}" add "$ctr" "$WORK/capi-layer.tar" / >/dev/null
-    "${BUILDAH[@]}" config --entrypoint '["/manager"]' --workingdir / --user 65532:65532 \
+    buildah_image "$name" scratch "$WORK/capi-layer.tar" --entrypoint '["/manager"]' --workingdir / --user 65532:65532 \
       --label "$LABEL=$key" --label "org.opencontainers.image.version=$CAPI_VERSION" \
-      --label "org.opencontainers.image.description=Cluster API $2 $CAPI_VERSION, built by hack/build-capi.sh from the Go module proxy" "$ctr"
-    "${BUILDAH[@]}" commit --quiet --rm "$ctr" "$name" >/dev/null
+      --label "org.opencontainers.image.description=Cluster API $2 $CAPI_VERSION, built by hack/build-capi.sh from the Go module proxy"
     rm -rf "$stage" "$WORK/capi-layer.tar"
     drop_replaced "$old" "$name"
     log "built $name"
@@ -200,18 +194,18 @@ if [[ $(image_label "$TEST_GUEST_IMAGE") == "$key" ]]; then
   log "buildah has $TEST_GUEST_IMAGE"
 else
   old=$(image_id "$TEST_GUEST_IMAGE" 2>/dev/null || true)
-  ctr=$("${BUILDAH[@]}" from --pull=never scratch)
-  "${BUILDAH[@]}" copy --chown 0:0 --chmod 0644 "$ctr" "$disk" /disk/image.qcow2 >/dev/null
-  "${BUILDAH[@]}" config --label "$LABEL=$key" \
+  ctr=$(capk_buildah from --pull=never scratch)
+  capk_buildah copy --chown 0:0 --chmod 0644 "$ctr" "$disk" /disk/image.qcow2 >/dev/null
+  capk_buildah config --label "$LABEL=$key" \
     --label "org.opencontainers.image.description=CAPK test guest bootable disk (images/test-guest) at /disk/image.qcow2, sha256 $disk_sum" "$ctr"
-  "${BUILDAH[@]}" commit --quiet --rm "$ctr" "$TEST_GUEST_IMAGE" >/dev/null
+  capk_buildah commit --quiet --rm "$ctr" "$TEST_GUEST_IMAGE" >/dev/null
   drop_replaced "$old" "$TEST_GUEST_IMAGE"
   log "built $TEST_GUEST_IMAGE"
 fi
 # Older test-guest tags in buildah storage go (containerd keeps its copies: Pods may use them).
-for old in $("${BUILDAH[@]}" images --format '{{.Name}}:{{.Tag}}'); do
+for old in $(capk_buildah images --format '{{.Name}}:{{.Tag}}'); do
   [[ $old == localhost/capk/test-guest:* && $old != "$TEST_GUEST_IMAGE" ]] || continue
-  "${BUILDAH[@]}" rmi "$old" >/dev/null && log "removed $old from buildah storage"
+  capk_buildah rmi "$old" >/dev/null && log "removed $old from buildah storage"
 done
 import "$TEST_GUEST_IMAGE" "$TEST_GUEST_IMAGE" "$key"
 

@@ -1,10 +1,13 @@
-# Shared settings and helpers of the local management cluster (hack/dev-up.sh, hack/dev-down.sh).
+# shellcheck shell=bash
+# shellcheck disable=SC2034 # settings for the scripts that source this file
+# Shared settings and helpers of the local management cluster (hack/dev-up.sh, hack/dev-down.sh,
+# hack/dev/*.sh), on top of hack/lib/common.sh (ROOT, OUT, BIN, log, die, capk_buildah).
 # Sourced, not run. Everything lives under _output/dev; nothing listens outside loopback and the
 # node's own bridge, and nothing routes pod traffic off this machine.
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
-BIN=$OUT/bin
+LOG_NAME=dev
+# shellcheck source=../lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/common.sh"
 
 # CAPK_DEV_MC=2: the second management cluster (issue 12: the target of `clusterctl move`), a
 # second node beside the first on the same bridge: its own etcd, control plane, containerd and
@@ -77,9 +80,6 @@ NAT_CHAIN_MC2=CAPK-DEV-MC2
 PAUSE_IMAGE=localhost/capk/pause:catatonit-0.1
 
 export KUBECONFIG_ADMIN=$DEV/admin.kubeconfig
-
-log() { printf '%s dev: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
 
 # pid_alive NAME: the pid file's process exists and still runs the binary we started.
 pid_alive() {
@@ -220,27 +220,19 @@ ctr_has_image() {
   grep -qxF -- "$name" <<<"$list"
 }
 
-# oci_image_import NAME WORK CONFIG_OBJECT CREATED_BY: packs WORK/rootfs as the one layer of an OCI
-# image named NAME (reproducible tar: fixed order, owner and mtime), whose image config's "config"
-# is the JSON CONFIG_OBJECT (e.g. '{"Entrypoint":["/x"]}') and whose history says CREATED_BY, and
-# imports it into containerd's k8s.io namespace. No registry is involved.
+# oci_image_import NAME WORK CREATED_BY CONFIG_FLAG...: WORK/rootfs as the one layer of the image
+# NAME (reproducible tar: fixed order, owner and mtime), configured by `buildah config` flags (e.g.
+# --entrypoint '["/x"]') with CREATED_BY as its history, committed with buildah and imported into
+# containerd's k8s.io namespace. No registry is involved.
 oci_image_import() {
-  local name=$1 work=$2 config_object=$3 created_by=$4 layer config manifest
-  rm -rf "$work/oci"
-  mkdir -p "$work/oci/blobs/sha256"
+  local name=$1 work=$2 created_by=$3
+  shift 3
   tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$work/rootfs" -cf "$work/layer.tar" .
-  _oci_blob() { local d; d=$(sha256sum "$1" | cut -d' ' -f1); cp "$1" "$work/oci/blobs/sha256/$d"; echo "$d"; }
-  layer=$(_oci_blob "$work/layer.tar")
-  printf '{"architecture":"amd64","os":"linux","config":%s,"rootfs":{"type":"layers","diff_ids":["sha256:%s"]},"history":[{"created_by":"%s"}]}\n' \
-    "$config_object" "$layer" "$created_by" >"$work/config.json"
-  config=$(_oci_blob "$work/config.json")
-  printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:%s","size":%s},"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar","digest":"sha256:%s","size":%s}]}\n' \
-    "$config" "$(stat -c %s "$work/config.json")" "$layer" "$(stat -c %s "$work/layer.tar")" >"$work/manifest.json"
-  manifest=$(_oci_blob "$work/manifest.json")
-  printf '{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:%s","size":%s,"platform":{"architecture":"amd64","os":"linux"},"annotations":{"io.containerd.image.name":"%s","org.opencontainers.image.ref.name":"%s"}}]}\n' \
-    "$manifest" "$(stat -c %s "$work/manifest.json")" "$name" "${name##*:}" >"$work/oci/index.json"
-  echo '{"imageLayoutVersion":"1.0.0"}' >"$work/oci/oci-layout"
-  tar -C "$work/oci" -cf "$work/image.tar" .
-  ctr_k8s images import "$work/image.tar" >/dev/null
+  buildah_image "$name" scratch "$work/layer.tar" --created-by "$created_by" "$@"
+  rm -f "$work/image.oci.tar"
+  capk_buildah push --quiet "$name" "oci-archive:$work/image.oci.tar:$name" >/dev/null
+  # --base-name: the archive's reference (the full NAME) is kept as the image's name.
+  ctr_k8s images import --base-name "${name%:*}" "$work/image.oci.tar" >/dev/null
+  rm -f "$work/layer.tar" "$work/image.oci.tar"
   ctr_has_image "$name" || die "import did not produce $name"
 }

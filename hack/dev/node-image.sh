@@ -13,7 +13,6 @@ set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-BUILDAH=(buildah --root "$OUT/buildah/storage" --runroot "$OUT/buildah/run" --storage-driver vfs)
 NODE_ENV=$OUT/node-image/node-image.env
 DEV_ENV=$DEV/node-image.env
 
@@ -32,7 +31,7 @@ else
   start=$SECONDS
   archive=$OUT/node-image/import.tar
   rm -f "$archive"
-  "${BUILDAH[@]}" push --quiet "$CAPK_NODE_IMAGE" "docker-archive:$archive:$CAPK_NODE_IMAGE" >/dev/null
+  capk_buildah push --quiet "$CAPK_NODE_IMAGE" "docker-archive:$archive:$CAPK_NODE_IMAGE" >/dev/null
   ctr_k8s images import "$archive" >/dev/null
   rm -f "$archive"
   ctr_has_image "$CAPK_NODE_IMAGE" || die "import did not produce $CAPK_NODE_IMAGE"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The sandbox ("pause") image, built here from Debian's static catatonit (`catatonit -P` is a
-# pause process), as an OCI image archive imported into containerd's k8s.io namespace.
+# pause process), committed with buildah and imported into containerd's k8s.io namespace.
 # No registry is involved. Idempotent: skips when containerd already has the image.
 #
 #   hack/dev/pause-image.sh   (needs a running dev containerd; called by hack/dev-up.sh)
@@ -19,6 +19,7 @@ work=$DEV/images/pause
 rm -rf "$work"
 mkdir -p "$work/rootfs"
 install -m 0755 "$catatonit" "$work/rootfs/catatonit"
-oci_image_import "$PAUSE_IMAGE" "$work" '{"Entrypoint":["/catatonit","-P"],"WorkingDir":"/","User":"65535:65535"}' \
-  "hack/dev/pause-image.sh: catatonit $(dpkg-query -W -f='${Version}' catatonit 2>/dev/null || echo unknown)"
+oci_image_import "$PAUSE_IMAGE" "$work" \
+  "hack/dev/pause-image.sh: catatonit $(dpkg-query -W -f='${Version}' catatonit 2>/dev/null || echo unknown)" \
+  --entrypoint '["/catatonit","-P"]' --cmd '' --workingdir / --user 65535:65535
 log "pause image $PAUSE_IMAGE imported"

@@ -10,19 +10,17 @@
 # Idempotent: skips debootstrap when the rootfs tarball exists, the commit when buildah has the
 # image, the import when containerd has it. DEBIAN_MIRROR overrides the mirror taken from apt.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
+LOG_NAME=base-image
+# shellcheck source=../../hack/lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../hack/lib/common.sh"
 WORK=$OUT/images/base
 SUITE=bookworm
 IMAGE=localhost/capk/debian-base:$SUITE
 ALIASES=(debian:bookworm-slim debian:bookworm)
-BUILDAH=(buildah --root "$OUT/buildah/storage" --runroot "$OUT/buildah/run" --storage-driver vfs)
 CONTAINERD_SOCK=$OUT/dev/run/containerd.sock
 
-log() { printf '%s base-image: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
 [[ $(id -u) == 0 ]] || die "needs root (debootstrap)"
-for t in debootstrap buildah; do command -v "$t" >/dev/null || die "'$t' not found: apt-get install $t"; done
+require debootstrap buildah
 
 mirror() { # the first Debian archive URI apt is configured with
   if [[ -n ${DEBIAN_MIRROR:-} ]]; then echo "$DEBIAN_MIRROR"; return; fi
@@ -49,21 +47,21 @@ if [[ ! -f $WORK/rootfs.tar ]]; then
   log "rootfs.tar: $(du -h "$WORK/rootfs.tar" | cut -f1) in $((SECONDS - start))s"
 fi
 
-if ! "${BUILDAH[@]}" inspect --type image "$IMAGE" >/dev/null 2>&1; then
-  ctr=$("${BUILDAH[@]}" from --pull=never scratch)
-  "${BUILDAH[@]}" add "$ctr" "$WORK/rootfs.tar" /
-  "${BUILDAH[@]}" config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+if ! capk_buildah inspect --type image "$IMAGE" >/dev/null 2>&1; then
+  ctr=$(capk_buildah from --pull=never scratch)
+  capk_buildah add "$ctr" "$WORK/rootfs.tar" /
+  capk_buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     --cmd /bin/bash --label org.opencontainers.image.description="Debian $SUITE minbase, debootstrapped by images/base/build.sh" "$ctr"
-  "${BUILDAH[@]}" commit --rm "$ctr" "$IMAGE" >/dev/null
+  capk_buildah commit --rm "$ctr" "$IMAGE" >/dev/null
   log "committed $IMAGE"
 fi
-for a in "${ALIASES[@]}"; do "${BUILDAH[@]}" tag "$IMAGE" "$a"; done
+for a in "${ALIASES[@]}"; do capk_buildah tag "$IMAGE" "$a"; done
 
 if [[ -S $CONTAINERD_SOCK ]] && ctr --address "$CONTAINERD_SOCK" version >/dev/null 2>&1; then
   # The list is read before grep: `ctr … | grep -q` fails under pipefail when ctr gets SIGPIPE.
   if ! grep -qxF "$IMAGE" <<<"$(ctr --address "$CONTAINERD_SOCK" -n k8s.io images ls -q)"; then
     rm -f "$WORK/base.oci.tar"
-    "${BUILDAH[@]}" push "$IMAGE" "oci-archive:$WORK/base.oci.tar:$IMAGE" >/dev/null
+    capk_buildah push "$IMAGE" "oci-archive:$WORK/base.oci.tar:$IMAGE" >/dev/null
     ctr --address "$CONTAINERD_SOCK" -n k8s.io images import --base-name localhost/capk/debian-base "$WORK/base.oci.tar"
     rm -f "$WORK/base.oci.tar"
   fi

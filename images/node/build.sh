@@ -17,27 +17,23 @@
 # the container image of that hash exist, the build does nothing.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-ROOT=$(cd "$HERE/../.." && pwd)
+LOG_NAME=node-image
+# shellcheck source=../../hack/lib/common.sh
+source "$HERE/../../hack/lib/common.sh"
 # shellcheck source=../../hack/versions.env
 source "$ROOT/hack/versions.env"
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
-BIN=$OUT/bin
 WORK=$OUT/node-image
-BUILDAH=(buildah --root "$OUT/buildah/storage" --runroot "$OUT/buildah/run" --storage-driver vfs)
 IGNITION_MODULE=github.com/coreos/ignition/v2
 IGNITION_VERSION=${IGNITION_VERSION:-v2.26.0}
 # Virtual size of the image's root partition; the guest grows it to the launcher's disk size.
 ROOT_MIB=4096
 LABEL=dev.capk.inputs
 
-log() { printf '%s node-image: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
 [[ $(id -u) == 0 ]] || die "needs root (debootstrap, chroot for dracut, buildah)"
 export PATH=$PATH:/usr/sbin:/sbin
-for t in debootstrap:debootstrap buildah:buildah mke2fs:e2fsprogs mkfs.fat:dosfstools mcopy:mtools \
-  syslinux:syslinux sfdisk:fdisk qemu-img:qemu-utils zstd:zstd catatonit:catatonit containerd:containerd ctr:containerd setcap:libcap2-bin getcap:libcap2-bin file:file flock:util-linux go:golang; do
-  command -v "${t%%:*}" >/dev/null || die "${t%%:*} not found: apt-get install ${t#*:} (hack/debian-packages.txt)"
-done
+require debootstrap buildah mke2fs:e2fsprogs mkfs.fat:dosfstools mcopy:mtools syslinux sfdisk:fdisk \
+  qemu-img:qemu-utils zstd catatonit containerd ctr:containerd setcap:libcap2-bin getcap:libcap2-bin file \
+  flock:util-linux go:golang
 MBR=/usr/lib/syslinux/mbr/mbr.bin
 [[ -f $MBR ]] || die "no $MBR: apt-get install syslinux-common"
 t0=$SECONDS
@@ -61,7 +57,7 @@ programs=(kubelet kubeadm kubectl kube-apiserver kube-controller-manager kube-sc
 key=$(
   {
     (cd "$HERE" && find . -type f ! -name '*.md' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum)
-    cat "$ROOT/hack/versions.env" "$WORK/rootfs.stamp" "$WORK/iptables-base.stamp"
+    cat "$ROOT/hack/versions.env" "$ROOT/hack/lib/common.sh" "$WORK/rootfs.stamp" "$WORK/iptables-base.stamp"
     for p in "${programs[@]}"; do echo "$p $(sha256sum <"$BIN/$p" | cut -d' ' -f1)"; done
     echo "catatonit $(sha256sum <"$(command -v catatonit)" | cut -d' ' -f1)"
     echo "busybox $(sha256sum <"$(command -v busybox)" | cut -d' ' -f1)"
@@ -91,7 +87,7 @@ EOF
 }
 
 if [[ -f $QCOW2 && -f $WORK/images/images.txt ]] &&
-  [[ $("${BUILDAH[@]}" inspect --type image --format "{{index .OCIv1.Config.Labels \"$LABEL\"}}" "$IMAGE" 2>/dev/null) == "$key" ]]; then
+  [[ $(capk_buildah inspect --type image --format "{{index .OCIv1.Config.Labels \"$LABEL\"}}" "$IMAGE" 2>/dev/null) == "$key" ]]; then
   write_env
   log "up to date: $IMAGE ($QCOW2) in $((SECONDS - t0))s"
   exit 0
@@ -236,7 +232,7 @@ in_root systemctl disable apt-daily.timer apt-daily-upgrade.timer dpkg-db-backup
 # in with, and systemd stops printing unit status to a console a getty holds (the log would end
 # at "login:" while the node keeps booting).
 in_root systemctl mask serial-getty@ttyS0.service >/dev/null 2>&1
-kver=$(ls "$R/lib/modules" | sort -V | tail -1)
+kver=$(find "$R/lib/modules" -mindepth 1 -maxdepth 1 -printf '%f\n' | sort -V | tail -1)
 [[ -n $kver && -f $R/boot/vmlinuz-$kver ]] || die "no kernel in the root ($R/boot)"
 log "initramfs for $kver (dracut: systemd, Ignition's module, 50capk)"
 if ! in_root dracut --force --no-hostonly --no-hostonly-cmdline --no-early-microcode --no-compress \
@@ -301,13 +297,13 @@ for old in "$WORK"/node-*.qcow2; do [[ $old == "$QCOW2" ]] || rm -f "$old"; done
 mv "$QCOW2.partial" "$QCOW2"
 
 # --- 7. the container-image node image ------------------------------------------------------------------
-old=$("${BUILDAH[@]}" images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/capk/node:' || true)
-ctr=$("${BUILDAH[@]}" from --pull=never scratch)
-"${BUILDAH[@]}" copy --chown 0:0 --chmod 0644 "$ctr" "$QCOW2" /disk/image.qcow2 >/dev/null
-"${BUILDAH[@]}" config --label "$LABEL=$key" --label "org.opencontainers.image.version=$KUBERNETES_VERSION" \
+old=$(capk_buildah images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/capk/node:' || true)
+ctr=$(capk_buildah from --pull=never scratch)
+capk_buildah copy --chown 0:0 --chmod 0644 "$ctr" "$QCOW2" /disk/image.qcow2 >/dev/null
+capk_buildah config --label "$LABEL=$key" --label "org.opencontainers.image.version=$KUBERNETES_VERSION" \
   --label "org.opencontainers.image.description=CAPK Kubernetes $KUBERNETES_VERSION node image (images/node) at /disk/image.qcow2" "$ctr"
-"${BUILDAH[@]}" commit --quiet --rm "$ctr" "$IMAGE" >/dev/null
-for o in $old; do [[ $o == "$IMAGE" ]] || "${BUILDAH[@]}" rmi "$o" >/dev/null 2>&1 || true; done
+capk_buildah commit --quiet --rm "$ctr" "$IMAGE" >/dev/null
+for o in $old; do [[ $o == "$IMAGE" ]] || capk_buildah rmi "$o" >/dev/null 2>&1 || true; done
 
 write_env
 log "built $IMAGE in $((SECONDS - t0))s: qcow2 $(du -h --apparent-size "$QCOW2" | cut -f1) (allocated $(du -h "$QCOW2" | cut -f1)), $lsinitrd_modules dracut modules, initrd $(du -h "$WORK/initrd.img" | cut -f1)"

@@ -5,13 +5,11 @@
 # $KUBERNETES_VERSION (no registry host is written here: the names come from kubeadm's output),
 # the flannel images of the workload clusters' CNI, and a toolbox (Debian's static busybox).
 #
-# Images are assembled directly as OCI layouts (as hack/dev/pause-image.sh does): reproducible
-# tar layers, compressed with zstd (a quarter of the size; containerd unpacks zstd layers, and
-# much faster than gzip, which matters under TCG), so images that share a base share its blob,
-# stored once in the archive and in containerd.
-#
-#   images.sh WORKDIR IMAGES_LIST   (IMAGES_LIST: kubeadm's output, one name per line)
-#   writes WORKDIR/images/k8s-images.oci.tar and WORKDIR/images/images.txt (the names)
+# Each image is committed with buildah (hack/lib/common.sh buildah_image) from reproducible tar
+# layers, and all of them are pushed into one OCI image layout with zstd-compressed layers (a
+# quarter of the size; containerd unpacks zstd layers, and much faster than gzip, which matters
+# under TCG), so images that share a base share its blob, stored once in the archive and in
+# containerd. The images are removed from buildah's storage afterwards: the archive is the output.
 #
 # Layers:
 #   static   /etc/passwd, /etc/group (root, nonroot 65532), /etc/nsswitch.conf, /tmp, the CA
@@ -21,16 +19,14 @@
 #   one layer per program on top.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-ROOT=$(cd "$HERE/../.." && pwd)
+LOG_NAME="node-image images"
+# shellcheck source=../../hack/lib/common.sh
+source "$HERE/../../hack/lib/common.sh"
 # shellcheck source=../../hack/versions.env
 source "$ROOT/hack/versions.env"
 WORK=${1:?usage: images.sh WORKDIR IMAGES_LIST}
 LIST=${2:?usage: images.sh WORKDIR IMAGES_LIST}
-OUT=${CAPK_OUTPUT:-$ROOT/_output}
-BIN=$OUT/bin
-
-log() { printf '%s node-image images: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
+require buildah zstd setcap:libcap2-bin
 
 # The name kubeadm prints for REPO (the last path element before the tag).
 kubeadm_name() {
@@ -60,24 +56,20 @@ D=$WORK/images
 stage=$D/stage
 layout=$D/oci
 rm -rf "$stage" "$layout"
-mkdir -p "$stage" "$layout/blobs/sha256"
+mkdir -p "$stage"
 
-blob() { # FILE -> digest hex; the file moves into the layout's blobs
-  local d
-  d=$(sha256sum "$1" | cut -d' ' -f1)
-  mv "$1" "$layout/blobs/sha256/$d"
-  echo "$d"
-}
-# layer TAR -> "<diff id> <blob digest>": the tar's digest and that of its zstd blob.
-layer() {
-  local diff
-  diff=$(sha256sum "$1" | cut -d' ' -f1)
-  zstd -q -3 -T0 --rm "$1" -o "$1.zst"
-  echo "$diff $(blob "$1.zst")"
-}
-size() { stat -c %s "$layout/blobs/sha256/$1"; }
 # tar_dir DIR OUT: a reproducible layer (fixed order, owner, mtime).
 tar_dir() { tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$1" -cf "$2" .; }
+
+# Images made here, in buildah's storage until the end: the two bases, then the preloaded images.
+built=()
+remove_built() { # the newest first: the bases go when nothing is made from them any more
+  local i
+  for ((i = ${#built[@]} - 1; i >= 0; i--)); do capk_buildah rmi "${built[i]}" >/dev/null 2>&1 || true; done
+}
+trap remove_built EXIT
+BASE_STATIC=localhost/capk/node-image-build/static:latest
+BASE_IPTABLES=localhost/capk/node-image-build/iptables:latest
 
 # --- shared layers ----------------------------------------------------------------------------------
 s=$stage/static
@@ -88,15 +80,17 @@ printf 'root:x:0:\nnonroot:x:65532:\n' >"$s/etc/group"
 printf 'hosts: files dns\n' >"$s/etc/nsswitch.conf"
 tar -xOf "$WORK/rootfs.tar" ./etc/ssl/certs/ca-certificates.crt >"$s/etc/ssl/certs/ca-certificates.crt"
 tar_dir "$s" "$stage/static.tar"
-STATIC=$(layer "$stage/static.tar")
-cp "$WORK/iptables-base.tar" "$stage/iptables.tar"
-IPTABLES=$(layer "$stage/iptables.tar")
+buildah_image "$BASE_STATIC" scratch "$stage/static.tar" --created-by "images/node/images.sh: static"
+built+=("$BASE_STATIC")
+buildah_image "$BASE_IPTABLES" scratch "$WORK/iptables-base.tar" --created-by "images/node/images.sh: iptables"
+built+=("$BASE_IPTABLES")
 
-# bin_layer PATH_IN_IMAGE BINARY [FILE_CAPS] -> the layer (see layer) holding just that program,
-# with FILE_CAPS (setcap's syntax) as its file capabilities, stored in the tar as the
+# bin_layer PATH_IN_IMAGE BINARY [FILE_CAPS] -> a layer tarball holding just that program, with
+# FILE_CAPS (setcap's syntax) as its file capabilities, stored in the tar as the
 # security.capability xattr (containerd sets it when it unpacks the layer).
 bin_layer() {
-  local dir=$stage/bin-$(basename "$1")
+  local dir
+  dir=$stage/bin-$(basename "$1")
   mkdir -p "$dir$(dirname "$1")"
   install -m 0755 "$2" "$dir$1"
   if [[ -n ${3:-} ]]; then
@@ -106,59 +100,47 @@ bin_layer() {
   else
     tar_dir "$dir" "$dir.tar"
   fi
-  layer "$dir.tar"
+  echo "$dir.tar"
 }
 
-manifests=()
 names=()
-# image NAME CONFIG_JSON_FRAGMENT LAYER...: writes config + manifest, records the name.
+# image NAME FROM LAYER_TAR CONFIG_FLAG...: commits NAME (see buildah_image), records the name.
 image() {
-  local name=$1 cfg=$2 diff_ids="" layers="" l f diff digest
-  shift 2
-  for l in "$@"; do
-    read -r diff digest <<<"$l"
-    diff_ids+="${diff_ids:+,}\"sha256:$diff\""
-    layers+="${layers:+,}{\"mediaType\":\"application/vnd.oci.image.layer.v1.tar+zstd\",\"digest\":\"sha256:$digest\",\"size\":$(size "$digest")}"
-  done
-  f=$stage/config.json
-  printf '{"architecture":"amd64","os":"linux","config":%s,"rootfs":{"type":"layers","diff_ids":[%s]},"history":[{"created_by":"images/node/images.sh"}]}' \
-    "$cfg" "$diff_ids" >"$f"
-  local config
-  config=$(blob "$f")
-  f=$stage/manifest.json
-  printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:%s","size":%s},"layers":[%s]}' \
-    "$config" "$(size "$config")" "$layers" >"$f"
-  local manifest
-  manifest=$(blob "$f")
-  manifests+=("{\"mediaType\":\"application/vnd.oci.image.manifest.v1+json\",\"digest\":\"sha256:$manifest\",\"size\":$(size "$manifest"),\"platform\":{\"architecture\":\"amd64\",\"os\":\"linux\"},\"annotations\":{\"io.containerd.image.name\":\"$name\",\"org.opencontainers.image.ref.name\":\"${name##*:}\"}}")
+  local name=$1
+  buildah_image "$@" --created-by images/node/images.sh
+  built+=("$name")
   names+=("$name")
   log "$name"
 }
-PATH_ENV='"Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]'
+PATH_ENV=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 # --- control plane (static Go programs in /usr/local/bin, as upstream's images) ------------------------
 for c in kube-apiserver kube-controller-manager kube-scheduler; do
-  image "$(kubeadm_name "$c")" "{$PATH_ENV,\"Entrypoint\":[\"/usr/local/bin/$c\"]}" "$STATIC" "$(bin_layer /usr/local/bin/$c "$BIN/$c")"
+  image "$(kubeadm_name "$c")" "$BASE_STATIC" "$(bin_layer "/usr/local/bin/$c" "$BIN/$c")" \
+    --env "$PATH_ENV" --entrypoint "[\"/usr/local/bin/$c\"]" --cmd ''
 done
 # etcd: kubeadm names a patch the proxy may not serve; ours is $ETCD_VERSION (see README.md).
-image "$(kubeadm_name etcd)" "{$PATH_ENV,\"Entrypoint\":[\"/usr/local/bin/etcd\"],\"Labels\":{\"org.opencontainers.image.version\":\"$ETCD_VERSION\"}}" \
-  "$STATIC" "$(bin_layer /usr/local/bin/etcd "$BIN/etcd")"
+image "$(kubeadm_name etcd)" "$BASE_STATIC" "$(bin_layer /usr/local/bin/etcd "$BIN/etcd")" \
+  --env "$PATH_ENV" --entrypoint '["/usr/local/bin/etcd"]' --cmd '' --label "org.opencontainers.image.version=$ETCD_VERSION"
 # CoreDNS runs as nonroot like upstream's image, and like it carries the file capability
 # cap_net_bind_service: kubeadm's Deployment adds NET_BIND_SERVICE to the container, but a non-root
 # process only gets a capability in its effective set from the file (containerd sets no ambient
 # capabilities), and without it `listen tcp :53: bind: permission denied` (seen in make e2e-workload).
-image "$(kubeadm_name coredns)" "{$PATH_ENV,\"Entrypoint\":[\"/coredns\"],\"User\":\"65532:65532\",\"Labels\":{\"org.opencontainers.image.version\":\"$COREDNS_VERSION\"}}" \
-  "$STATIC" "$(bin_layer /coredns "$BIN/coredns" cap_net_bind_service=+ep)"
+image "$(kubeadm_name coredns)" "$BASE_STATIC" "$(bin_layer /coredns "$BIN/coredns" cap_net_bind_service=+ep)" \
+  --env "$PATH_ENV" --entrypoint '["/coredns"]' --cmd '' --user 65532:65532 \
+  --label "org.opencontainers.image.version=$COREDNS_VERSION"
 # kube-proxy programs iptables: Debian's iptables (nft backend, like the guest's own).
-image "$(kubeadm_name kube-proxy)" "{$PATH_ENV,\"Entrypoint\":[\"/usr/local/bin/kube-proxy\"]}" \
-  "$IPTABLES" "$(bin_layer /usr/local/bin/kube-proxy "$BIN/kube-proxy")"
+image "$(kubeadm_name kube-proxy)" "$BASE_IPTABLES" "$(bin_layer /usr/local/bin/kube-proxy "$BIN/kube-proxy")" \
+  --env "$PATH_ENV" --entrypoint '["/usr/local/bin/kube-proxy"]' --cmd ''
 # pause: Debian's static catatonit in pause mode (as hack/dev/pause-image.sh).
-image "$(kubeadm_name pause)" '{"Entrypoint":["/catatonit","-P"],"WorkingDir":"/","User":"65535:65535"}' \
-  "$(bin_layer /catatonit "$catatonit")"
+image "$(kubeadm_name pause)" scratch "$(bin_layer /catatonit "$catatonit")" \
+  --entrypoint '["/catatonit","-P"]' --cmd '' --workingdir / --user 65535:65535
 
 # --- flannel: flanneld at /opt/bin (its DaemonSet's command), the CNI plugin at /flannel --------------
-image "$FLANNEL_IMAGE" "{$PATH_ENV,\"Entrypoint\":[\"/opt/bin/flanneld\"]}" "$IPTABLES" "$(bin_layer /opt/bin/flanneld "$BIN/flanneld")"
-image "$FLANNEL_CNI_IMAGE" "{$PATH_ENV,\"Entrypoint\":[\"/flannel\"]}" "$IPTABLES" "$(bin_layer /flannel "$BIN/flannel-cni-plugin")"
+image "$FLANNEL_IMAGE" "$BASE_IPTABLES" "$(bin_layer /opt/bin/flanneld "$BIN/flanneld")" \
+  --env "$PATH_ENV" --entrypoint '["/opt/bin/flanneld"]' --cmd ''
+image "$FLANNEL_CNI_IMAGE" "$BASE_IPTABLES" "$(bin_layer /flannel "$BIN/flannel-cni-plugin")" \
+  --env "$PATH_ENV" --entrypoint '["/flannel"]' --cmd ''
 
 # --- toolbox: a shell and the tools to look at a cluster from a Pod (nslookup, wget, httpd, nc,
 # nsenter), so a workload cluster of this image can be checked with nothing pulled ------------------
@@ -167,12 +149,14 @@ mkdir -p "$t/bin"
 install -m 0755 "$busybox" "$t/bin/busybox"
 for a in $("$busybox" --list); do [[ $a == busybox ]] || ln -s busybox "$t/bin/$a"; done
 tar_dir "$t" "$t.tar"
-image "$TOOLBOX_IMAGE" "{$PATH_ENV,\"Cmd\":[\"/bin/sh\"],\"Labels\":{\"org.opencontainers.image.version\":\"$busybox_version\"}}" \
-  "$STATIC" "$(layer "$t.tar")"
+image "$TOOLBOX_IMAGE" "$BASE_STATIC" "$t.tar" \
+  --env "$PATH_ENV" --cmd '["/bin/sh"]' --label "org.opencontainers.image.version=$busybox_version"
 
-index=$(IFS=,; echo "${manifests[*]}")
-printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[%s]}\n' "$index" >"$layout/index.json"
-echo '{"imageLayoutVersion":"1.0.0"}' >"$layout/oci-layout"
+# One layout for all: a pushed layer whose blob the layout has already is not written again.
+for name in "${names[@]}"; do
+  capk_buildah push --quiet --compression-format zstd --compression-level 3 "$name" "oci:$layout:$name" >/dev/null ||
+    die "buildah push of $name into the OCI layout failed"
+done
 tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$layout" -cf "$D/k8s-images.oci.tar.partial" .
 mv "$D/k8s-images.oci.tar.partial" "$D/k8s-images.oci.tar"
 printf '%s\n' "${names[@]}" >"$D/images.txt"

@@ -15,6 +15,9 @@
 # WORKDIR/apt-archives, so a changed package list downloads only what is new.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+LOG_NAME="node-image rootfs"
+# shellcheck source=../../hack/lib/common.sh
+source "$HERE/../../hack/lib/common.sh"
 WORK=${1:?usage: rootfs.sh WORKDIR}
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
@@ -24,10 +27,8 @@ MINBASE_RECIPE=1
 ROOTFS_RECIPE=1
 IPTABLES_PACKAGES=(iptables ipset conntrack kmod)
 
-log() { printf '%s node-image rootfs: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
 [[ $(id -u) == 0 ]] || die "needs root (debootstrap, chroot)"
-command -v debootstrap >/dev/null || die "'debootstrap' not found: apt-get install debootstrap"
+require debootstrap
 
 mirror() { # the first Debian archive URI apt is configured with (as images/base/build.sh)
   if [[ -n ${DEBIAN_MIRROR:-} ]]; then echo "$DEBIAN_MIRROR"; return; fi

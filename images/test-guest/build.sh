@@ -15,7 +15,7 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 OUT=${1:?usage: build.sh OUTDIR}
 mkdir -p "$OUT"
 
-kernel=$(ls /boot/vmlinuz-*-cloud-amd64 2>/dev/null | sort -V | tail -1 || true)
+kernel=$(find /boot -maxdepth 1 -name 'vmlinuz-*-cloud-amd64' | sort -V | tail -1)
 [[ -n $kernel ]] || { echo "test-guest: no /boot/vmlinuz-*-cloud-amd64; apt-get install linux-image-cloud-amd64" >&2; exit 1; }
 kver=${kernel#/boot/vmlinuz-}
 busybox=/bin/busybox

@@ -32,6 +32,7 @@ mkdir -p "${JOURNAL%/*}"
 chmod 0640 "$JOURNAL"
 say() { echo "CAPK-TESTGUEST $*" >/dev/console; }
 
+# shellcheck disable=SC2046,SC2012 # drop-in names have no spaces; none is an empty list
 unit_text() { cat "$UNITS/$1" $(ls "$UNITS/$1.d/"*.conf 2>/dev/null | sort) 2>/dev/null; }
 
 # values KEY UNIT: the values of KEY, one per line; an empty assignment clears the earlier ones.
@@ -91,6 +92,7 @@ run_line() {
       *) break ;;
     esac
   done
+  # shellcheck disable=SC2046 # the output's words are the positional parameters
   set -- $(output "$unit")
   rcf=$(mktemp /run/run-units.rc.XXXXXX)
   if [ "$1" = "$2" ]; then
@@ -158,7 +160,7 @@ start() {
 }
 
 [ -f "$PRESET" ] || { say "units none-enabled"; exit 0; }
-early= late=
+early='' late=''
 while IFS= read -r line; do
   case $line in enable\ *) ;; *) continue ;; esac
   u=${line#enable }
@@ -177,6 +179,7 @@ done <"$PRESET"
 # run_phase UNITS...: starts each unit once the enabled units named in its After= have started.
 run_phase() {
   pending=" $* "
+  # shellcheck disable=SC2086,SC2116 # $pending is a space-separated list of unit names
   while [ -n "$(echo $pending)" ]; do
     next=
     for u in $pending; do
@@ -197,5 +200,7 @@ run_phase() {
     start "$next"
   done
 }
+# shellcheck disable=SC2086 # space-separated lists of unit names
 run_phase $early
+# shellcheck disable=SC2086
 run_phase $late

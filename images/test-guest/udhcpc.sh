@@ -1,6 +1,7 @@
 #!/bin/sh
 # udhcpc event script: applies the lease (address, MTU, option 121 routes or router, DNS) and
 # reports every option the launcher's DHCP server sent.
+# shellcheck disable=SC2154 # udhcpc passes the lease ($interface, $ip, $mask, $dns, ...) in the environment
 say() { echo "CAPK-TESTGUEST $*" >/dev/console; }
 case "$1" in
   bound|renew)
@@ -8,6 +9,7 @@ case "$1" in
     ip addr add "$ip/$mask" dev "$interface"
     [ -n "$mtu" ] && ip link set "$interface" mtu "$mtu"
     if [ -n "$staticroutes" ]; then
+      # shellcheck disable=SC2086 # "dest/len gw dest/len gw ...": one word each
       set -- $staticroutes
       while [ $# -ge 2 ]; do
         if [ "$2" = "0.0.0.0" ]; then ip route add "$1" dev "$interface"

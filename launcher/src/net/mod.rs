@@ -1,5 +1,7 @@
-//! Pod network binding (REFERENCE.md §4, the KubeVirt "bridge" recipe): the VM takes the Pod's
-//! IP and MAC, the launcher keeps the IP on a dummy link and serves DHCP to exactly that MAC.
+//! Pod network binding (the KubeVirt "bridge" recipe; steps in launcher/README.md, "Network"): the
+//! VM takes the Pod's IP and MAC, the launcher keeps the IP on a dummy link (so the CNI's CHECK
+//! still finds it) and serves DHCP to exactly that MAC. Known limits of the recipe upstream: no
+//! IPv6, no live migration, no ipvlan CNIs.
 
 pub mod apply;
 pub mod dhcp;

@@ -1,5 +1,5 @@
-//! QEMU runs unprivileged (REFERENCE.md §8: KubeVirt's non-root QEMU is what contained its path
-//! bugs). The launcher keeps root for setup (netlink, the tap, DHCP on the bridge, disks) and the
+//! QEMU runs unprivileged: KubeVirt's non-root QEMU is what contained its path bugs (CVE-2022-1798:
+//! a path traversal read host files only as far as its uid 107 could). The launcher keeps root for setup (netlink, the tap, DHCP on the bridge, disks) and the
 //! QEMU child, between fork and exec, gives up everything: supplementary groups set to the
 //! `/dev/kvm` group only, gid and uid set to the QEMU user (KubeVirt's 107:107 by default), the
 //! capability bounding set dropped, ambient and inheritable capabilities cleared (setuid from
@@ -170,8 +170,9 @@ pub enum HandOverError {
 /// Gives QEMU's user the disk files it writes (the overlay, data disks, an etcd disk created by
 /// an earlier launcher that ran QEMU as root) and the Ignition file it reads. Only a regular
 /// file with one link, owned by root or already by the user, is changed; a symlink is never
-/// followed and a hard-linked file never changed (it could be another file of the host; see
-/// REFERENCE.md §8 on KubeVirt's chown of host files).
+/// followed and a hard-linked file never changed (it could be another file of the host: KubeVirt's
+/// CVE-2025-64324 chowned existing host files to its QEMU user, GHSA-qw6q-3pgr-5cwq followed
+/// symlinks out of a tenant's volume).
 pub fn hand_over(path: &Path, user: &QemuUser) -> Result<(), HandOverError> {
     let io_err = |action| {
         move |source| HandOverError::Io {

@@ -21,6 +21,7 @@ installkernel() {
 }
 
 install() {
+    # shellcheck disable=SC2154 # dracut sets moddir to this module's directory
     inst_simple "$moddir/ignition-disks-gomaxprocs.conf" \
         /etc/systemd/system/ignition-disks.service.d/10-capk-gomaxprocs.conf
     inst_simple "$moddir/journald-console.conf" /etc/systemd/journald.conf.d/10-capk-console.conf
