@@ -7,18 +7,18 @@
 # Usage: build-disk.sh DIR   (reads DIR/vmlinuz and DIR/initrd.img, writes DIR/boot.qcow2)
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+LOG_NAME="test-guest disk"
+# shellcheck source=../../hack/lib/common.sh
+source "$HERE/../../hack/lib/common.sh"
 DIR=${1:?usage: build-disk.sh DIR}
-for t in sfdisk:fdisk mkfs.fat:dosfstools mcopy:mtools syslinux:syslinux qemu-img:qemu-utils; do
-  command -v "${t%%:*}" >/dev/null || PATH=$PATH:/sbin:/usr/sbin command -v "${t%%:*}" >/dev/null ||
-    { echo "test-guest disk: ${t%%:*} not found; apt-get install ${t#*:}" >&2; exit 1; }
-done
 export PATH=$PATH:/sbin:/usr/sbin
+require sfdisk:fdisk mkfs.fat:dosfstools mcopy:mtools syslinux qemu-img:qemu-utils
 mbr=/usr/lib/syslinux/mbr/mbr.bin
-[[ -f $mbr ]] || { echo "test-guest disk: no $mbr; apt-get install syslinux-common" >&2; exit 1; }
+[[ -f $mbr ]] || die "no $mbr: apt-get install syslinux-common"
 
 stamp="$(cat "$DIR/stamp" 2>/dev/null) $(sha256sum "$HERE/build-disk.sh" | cut -d' ' -f1)"
 if [[ -f $DIR/boot.qcow2 && -f $DIR/boot.stamp && $(cat "$DIR/boot.stamp") == "$stamp" ]]; then
-  echo "test-guest disk: up to date in $DIR"
+  log "up to date in $DIR"
   exit 0
 fi
 
@@ -50,4 +50,4 @@ dd if="$work/part.img" of="$work/disk.img" bs=1M seek=1 conv=notrunc status=none
 qemu-img convert -q -f raw -O qcow2 "$work/disk.img" "$work/boot.qcow2"
 mv "$work/boot.qcow2" "$DIR/boot.qcow2"
 echo "$stamp" >"$DIR/boot.stamp"
-echo "test-guest disk: built $DIR/boot.qcow2 (FAT32 ${part_mib} MiB, SYSLINUX)"
+log "built $DIR/boot.qcow2 (FAT32 ${part_mib} MiB, SYSLINUX)"

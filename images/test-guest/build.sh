@@ -12,26 +12,28 @@
 # Env: CAPK_IGNITION_BIN (default OUTDIR/../bin/ignition, from build-ignition.sh).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-OUT=${1:?usage: build.sh OUTDIR}
-mkdir -p "$OUT"
+LOG_NAME=test-guest
+# shellcheck source=../../hack/lib/common.sh
+source "$HERE/../../hack/lib/common.sh"
+DEST=${1:?usage: build.sh OUTDIR}
+mkdir -p "$DEST"
 
 kernel=$(find /boot -maxdepth 1 -name 'vmlinuz-*-cloud-amd64' | sort -V | tail -1)
-[[ -n $kernel ]] || { echo "test-guest: no /boot/vmlinuz-*-cloud-amd64; apt-get install linux-image-cloud-amd64" >&2; exit 1; }
+[[ -n $kernel ]] || die "no /boot/vmlinuz-*-cloud-amd64: apt-get install linux-image-cloud-amd64"
 kver=${kernel#/boot/vmlinuz-}
 busybox=/bin/busybox
-[[ -x $busybox ]] || { echo "test-guest: apt-get install busybox-static" >&2; exit 1; }
+[[ -x $busybox ]] || die "no $busybox: apt-get install busybox-static"
 bb_version=$({ "$busybox" --help 2>&1 || true; } | sed -n 1p)
-command -v cpio >/dev/null || { echo "test-guest: apt-get install cpio" >&2; exit 1; }
-command -v qemu-img >/dev/null || { echo "test-guest: apt-get install qemu-utils" >&2; exit 1; }
-ignition=${CAPK_IGNITION_BIN:-$(dirname "$OUT")/bin/ignition}
-[[ -x $ignition ]] || { echo "test-guest: no $ignition; run images/test-guest/build-ignition.sh" >&2; exit 1; }
+require cpio qemu-img:qemu-utils
+ignition=${CAPK_IGNITION_BIN:-$(dirname "$DEST")/bin/ignition}
+[[ -x $ignition ]] || die "no $ignition: run images/test-guest/build-ignition.sh"
 for t in useradd usermod; do
-  [[ -x /usr/sbin/$t ]] || { echo "test-guest: no /usr/sbin/$t; apt-get install passwd" >&2; exit 1; }
+  [[ -x /usr/sbin/$t ]] || die "no /usr/sbin/$t: apt-get install passwd"
 done
 
 stamp="$kver $(cat "$HERE/build.sh" "$HERE/init" "$HERE/udhcpc.sh" "$HERE/run-units.sh" "$HERE/kubeadm" "$HERE/systemctl" "$HERE/hostnamectl" "$ignition" | sha256sum | cut -d' ' -f1) $bb_version"
-if [[ -f $OUT/stamp && $(cat "$OUT/stamp") == "$stamp" && -f $OUT/initrd.img && -f $OUT/vmlinuz && -f $OUT/base.qcow2 ]]; then
-  echo "test-guest: up to date in $OUT"
+if [[ -f $DEST/stamp && $(cat "$DEST/stamp") == "$stamp" && -f $DEST/initrd.img && -f $DEST/vmlinuz && -f $DEST/base.qcow2 ]]; then
+  log "up to date in $DEST"
   exit 0
 fi
 
@@ -102,6 +104,6 @@ done
 cp "$kernel" "$work/vmlinuz"
 # An empty read-only base so the launcher's overlay path is exercised like a node image's.
 qemu-img create -q -f qcow2 "$work/base.qcow2" 256M
-mv "$work/initrd.img" "$work/vmlinuz" "$work/base.qcow2" "$OUT/"
-echo "$stamp" >"$OUT/stamp"
-echo "test-guest: built $OUT (kernel $kver)"
+mv "$work/initrd.img" "$work/vmlinuz" "$work/base.qcow2" "$DEST/"
+echo "$stamp" >"$DEST/stamp"
+log "built $DEST (kernel $kver)"
