@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the clusterctl repository layout for this provider (a clusterctl "local repository"):
 #   _output/release/infrastructure-kvm/<version>/{infrastructure-components.yaml,metadata.yaml,
-#   cluster-template*.yaml,clusterclass-*.yaml,vpa.yaml,hosting-rbac.yaml}
+#   cluster-template*.yaml,clusterclass-*.yaml,vpa.yaml,monitoring.yaml,hosting-rbac.yaml}
 # infrastructure-components.yaml = `kubectl kustomize manifests/default` (CRDs, RBAC, Deployment).
 # _output/release/clusterctl.yaml is the `providers:` entry that makes it the provider `kvm`
 # (README "The user journey"; controller/tests/manifests.rs runs clusterctl through it). Its
@@ -25,6 +25,8 @@ done
 cp manifests/templates/cluster-template*.yaml manifests/templates/clusterclass-*.yaml "$dest/"
 # Optional, for clusters with the VerticalPodAutoscaler CRDs (not part of the clusterctl install).
 cp manifests/components/vpa/vpa.yaml "$dest/vpa.yaml"
+# Optional, for clusters with the Prometheus Operator's CRDs: ServiceMonitor and PrometheusRule.
+cp manifests/components/monitoring/monitoring.yaml "$dest/monitoring.yaml"
 # For a hosting cluster (KVMCluster.spec.hostingCluster): what its credential may do there.
 cp manifests/hosting/hosting-rbac.yaml "$dest/hosting-rbac.yaml"
 cat >"$OUT/release/clusterctl.yaml" <<EOF
