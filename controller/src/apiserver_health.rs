@@ -4,30 +4,19 @@
 //! the Service's EndpointSlice. A module of its own, not the reconciler's: the monitor lives in
 //! the shared context between reconciles.
 //!
-//! Only liveness is judged: no credential is sent and the server certificate is not verified
-//! (the controller has no workload cluster CA; nothing read is trusted beyond the status code).
-//! `/readyz` is readable anonymously in a kubeadm cluster (`system:public-info-viewer`), which the
-//! launcher's readiness probe relies on too.
+//! The probe itself is capk-readyz's, the one `/readyz` client of the controller and the launcher
+//! (self-signed certificates accepted, no credential sent, only the status code read); this
+//! module keeps what the controller makes of it: stable reasons, and per Pod whether it answers.
 
 use std::{
     collections::{BTreeMap, HashMap},
     net::SocketAddr,
-    sync::{Arc, Mutex, OnceLock},
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
+use capk_readyz::{Readyz, ReadyzError};
 use futures::future::BoxFuture;
-use http_body_util::Empty;
-use hyper::{Request, StatusCode, header};
-use hyper_util::rt::TokioIo;
-use rustls::{
-    ClientConfig, DigitallySignedStruct, SignatureScheme,
-    client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
-    crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature},
-    pki_types::{CertificateDer, ServerName, UnixTime},
-};
-use tokio::net::TcpStream;
-use tokio_rustls::TlsConnector;
 
 /// Time allowed for one probe: connect, TLS handshake and the answer's status line.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -80,131 +69,32 @@ pub trait ReadyzProbe: Send + Sync {
     fn readyz(&self, addr: SocketAddr) -> BoxFuture<'_, Result<(), ProbeError>>;
 }
 
-/// The real probe: a fresh TCP connection and TLS handshake each time (a pooled connection would
-/// hide a VM that stopped accepting new ones), one HTTP/1.1 GET, the status code.
+/// The real probe: capk-readyz with [`PROBE_TIMEOUT`] (a fresh TCP connection and TLS handshake
+/// each time, one HTTP/1.1 GET, the status code).
 #[derive(Debug, Default)]
 pub struct HttpsReadyz;
 
+/// The controller's `/readyz` client.
+const CLIENT: Readyz = Readyz::new("capk-controller", PROBE_TIMEOUT);
+
 impl ReadyzProbe for HttpsReadyz {
     fn readyz(&self, addr: SocketAddr) -> BoxFuture<'_, Result<(), ProbeError>> {
-        Box::pin(async move {
-            let connected = std::sync::atomic::AtomicBool::new(false);
-            match tokio::time::timeout(PROBE_TIMEOUT, get_readyz(addr, &connected)).await {
-                Ok(result) => result,
-                Err(_) if connected.load(std::sync::atomic::Ordering::Relaxed) => {
-                    Err(ProbeError::NoAnswer)
-                }
-                Err(_) => Err(ProbeError::Timeout),
-            }
-        })
+        Box::pin(async move { CLIENT.probe(addr).await.map_err(ProbeError::from) })
     }
 }
 
-async fn get_readyz(
-    addr: SocketAddr,
-    connected: &std::sync::atomic::AtomicBool,
-) -> Result<(), ProbeError> {
-    let tls = connector()
-        .as_ref()
-        .map_err(|e| ProbeError::Handshake(e.clone()))?;
-    let tcp = TcpStream::connect(addr)
-        .await
-        .map_err(|e| ProbeError::Connect(e.kind().to_string()))?;
-    connected.store(true, std::sync::atomic::Ordering::Relaxed);
-    let stream = tls
-        .connect(ServerName::IpAddress(addr.ip().into()), tcp)
-        .await
-        .map_err(|e| ProbeError::Handshake(e.to_string()))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| ProbeError::Http(e.to_string()))?;
-    let request = Request::get("/readyz")
-        .header(header::HOST, addr.to_string())
-        .header(header::USER_AGENT, "capk-controller")
-        .body(Empty::<&'static [u8]>::new())
-        .map_err(|e| ProbeError::Http(e.to_string()))?;
-    // The connection is driven only until the answer's head arrives; the body is not read.
-    let mut conn = std::pin::pin!(conn);
-    let mut send = std::pin::pin!(sender.send_request(request));
-    let response = tokio::select! {
-        biased;
-        r = &mut send => r,
-        // The server may answer and close at once: the answer is then with `send`.
-        r = &mut conn => match r {
-            Ok(()) => send.await,
-            Err(e) => return Err(ProbeError::Http(e.to_string())),
-        },
-    }
-    .map_err(|e| ProbeError::Http(e.to_string()))?;
-    match response.status() {
-        StatusCode::OK => Ok(()),
-        other => Err(ProbeError::Status(other.as_u16())),
-    }
-}
-
-/// The TLS client, built once: any server certificate (see the module comment), handshake
-/// signatures still checked.
-fn connector() -> &'static Result<TlsConnector, String> {
-    static CONNECTOR: OnceLock<Result<TlsConnector, String>> = OnceLock::new();
-    CONNECTOR.get_or_init(|| {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = ClientConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| format!("TLS setup: {e}"))?
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AnyServerCert(provider)))
-            .with_no_client_auth();
-        Ok(TlsConnector::from(Arc::new(config)))
-    })
-}
-
-/// Accepts any server certificate: only liveness is judged, and the controller has no
-/// workload cluster CA to verify against.
-#[derive(Debug)]
-struct AnyServerCert(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for AnyServerCert {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
+impl From<ReadyzError> for ProbeError {
+    /// The stable reason: a connect error by its kind only, no timing.
+    fn from(e: ReadyzError) -> Self {
+        match e {
+            ReadyzError::Setup(e) => Self::Handshake(format!("TLS setup: {e}")),
+            ReadyzError::Connect(e) => Self::Connect(e.kind().to_string()),
+            ReadyzError::Handshake(e) => Self::Handshake(e.to_string()),
+            ReadyzError::Http(e) => Self::Http(e.to_string()),
+            ReadyzError::Status(code) => Self::Status(code),
+            ReadyzError::Timeout { connected: true } => Self::NoAnswer,
+            ReadyzError::Timeout { connected: false } => Self::Timeout,
+        }
     }
 }
 

@@ -147,8 +147,8 @@ rust_image() {
   fi
   import "$name" "$name" "$key"
 }
-rust_image "$CONTROLLER_IMAGE" Dockerfile.controller api bootstrap controller
-rust_image "$LAUNCHER_IMAGE" Dockerfile.launcher bootstrap launcher
+rust_image "$CONTROLLER_IMAGE" Dockerfile.controller api bootstrap controller readyz
+rust_image "$LAUNCHER_IMAGE" Dockerfile.launcher api bootstrap images/flatcar launcher readyz
 
 # --- Cluster API managers: static binaries at /manager -----------------------------------------------
 # What upstream's distroless static:nonroot base image gives them: /etc/passwd and /etc/group with
