@@ -16,13 +16,15 @@
 //! `qemu-system-x86_64`, `qemu-img`, `_output/node-image/node.qcow2` and `_output/bin/kubeadm`
 //! (`make node-image`); under `CI` a missing piece fails the test.
 
-use std::io::{BufRead, BufReader};
+mod support;
+
+use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use capk_bootstrap::{BootstrapFormat, MachineFacts};
+use support::{Namespaces, QEMU_ID, calico_node, calico_pod, repo_root, sha256_hex};
 
 /// The node name the launcher gives the VM (`--hostname`).
 const HOSTNAME: &str = "capk-node-test";
@@ -35,17 +37,8 @@ const INIT_KIND: &str = "kind: InitConfiguration\n";
 const TCG_TIMEOUTS: &str = "timeouts:\n  controlPlaneComponentHealthCheck: 10m0s\n  \
     kubeletHealthCheck: 10m0s\n  kubernetesAPICall: 3m0s\n  etcdAPICall: 6m0s\n  \
     tlsBootstrap: 10m0s\n  discovery: 10m0s\n";
-/// QEMU's user (the launcher's default, KubeVirt's qemu user).
-const QEMU_ID: u32 = 107;
 /// What the guest's report unit writes into the host volume's file and reads back.
 const HOST_VOLUME_TEXT: &str = "written on the host for the guest";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
 
 fn node_image() -> PathBuf {
     repo_root().join("_output/node-image/node.qcow2")
@@ -55,101 +48,35 @@ fn kubeadm() -> PathBuf {
     repo_root().join("_output/bin/kubeadm")
 }
 
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
-}
-
 /// True when everything is present; otherwise fails under CI or skips with the reason.
 fn prerequisites() -> bool {
-    let mut missing = Vec::new();
-    if !is_root() {
-        missing.push("root (run the tests as root)".to_string());
-    }
-    for (tool, how) in [
-        ("ip", "apt-get install iproute2"),
-        ("qemu-system-x86_64", "apt-get install qemu-system-x86"),
-        ("qemu-img", "apt-get install qemu-utils"),
-    ] {
-        let found = Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !found {
-            missing.push(format!("{tool} ({how})"));
-        }
-    }
-    for f in [node_image(), kubeadm()] {
-        if !f.exists() {
-            missing.push(format!("{} (make node-image)", f.display()));
-        }
-    }
-    if missing.is_empty() {
-        return true;
-    }
-    let msg = format!("node image test needs: {}", missing.join(", "));
-    if std::env::var_os("CI").is_some() {
-        panic!("{msg}");
-    }
-    eprintln!("skipping: {msg}");
-    false
-}
-
-fn sh(cmd: &str) {
-    let out = Command::new("sh")
-        .args(["-c", cmd])
-        .output()
-        .expect("run sh");
-    assert!(
-        out.status.success(),
-        "{cmd} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    support::prerequisites(
+        "node image test",
+        &[
+            (node_image(), "make node-image"),
+            (kubeadm(), "make node-image"),
+        ],
+    )
 }
 
 /// A Calico-style Pod network in namespaces of this test: eth0 holds a /32 with a default route
 /// via 169.254.1.1 on-link, answered by proxy ARP on the node side. The node namespace has no
 /// other interface: nothing the guest sends can leave this machine.
 struct Topology {
-    node: String,
     pod: String,
+    _namespaces: Namespaces,
 }
 
 impl Topology {
     fn new() -> Topology {
         let id = std::process::id();
-        let t = Topology {
-            node: format!("capk-ni-node-{id}"),
-            pod: format!("capk-ni-pod-{id}"),
-        };
-        for ns in [&t.node, &t.pod] {
-            sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
-        }
-        let (n, p) = (&t.node, &t.pod);
-        sh(&format!(
-            "ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1 && \
-             ip -n {n} link add gw0 type veth peer name gw0p && ip -n {n} link set gw0p up && \
-             ip -n {n} link set gw0 up && ip -n {n} route add 169.254.1.1/32 dev gw0 && \
-             ip -n {n} link add cali0 mtu 1440 type veth peer name eth0 mtu 1440 netns {p} && \
-             ip netns exec {n} sysctl -qw net.ipv4.conf.cali0.proxy_arp=1 net.ipv4.neigh.cali0.proxy_delay=0 && \
-             ip -n {n} link set cali0 up && ip -n {n} route add {POD_IP}/32 dev cali0 && \
-             ip -n {p} addr add {POD_IP}/32 dev eth0 && ip -n {p} link set eth0 up && \
-             ip -n {p} route add 169.254.1.1 dev eth0 scope link && \
-             ip -n {p} route add default via 169.254.1.1 dev eth0 onlink"
-        ));
-        t
-    }
-}
-
-impl Drop for Topology {
-    fn drop(&mut self) {
-        for ns in [&self.pod, &self.node] {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        let (node, pod) = (format!("capk-ni-node-{id}"), format!("capk-ni-pod-{id}"));
+        let namespaces = Namespaces::create(&[&node, &pod]);
+        calico_node(&node);
+        calico_pod(&node, &pod, "cali0", POD_IP, 1440);
+        Topology {
+            pod,
+            _namespaces: namespaces,
         }
     }
 }
@@ -296,13 +223,21 @@ fn machine_ignition() -> Vec<u8> {
     serde_json::to_vec(&config).unwrap()
 }
 
-/// A running `capk-launcher run` and the guest's console lines.
-struct Launcher {
-    child: Child,
-    lines: Receiver<String>,
-    seen: Vec<String>,
-    runtime_dir: PathBuf,
-    started: Instant,
+/// A running `capk-launcher run` on the node image (see [`support::Launcher`]); stopped with
+/// SIGTERM on drop, as the kubelet stops a machine Pod.
+struct Launcher(support::Launcher);
+
+impl Deref for Launcher {
+    type Target = support::Launcher;
+    fn deref(&self) -> &support::Launcher {
+        &self.0
+    }
+}
+
+impl DerefMut for Launcher {
+    fn deref_mut(&mut self) -> &mut support::Launcher {
+        &mut self.0
+    }
 }
 
 impl Launcher {
@@ -327,8 +262,8 @@ impl Launcher {
         let ignition = work.join("ignition.json");
         std::fs::write(&ignition, ignition_json).unwrap();
         let runtime_dir = work.join("run");
-        let started = Instant::now();
-        let mut child = Command::new("ip")
+        let mut command = Command::new("ip");
+        command
             .args(["netns", "exec", &t.pod])
             .args([env!("CARGO_BIN_EXE_capk-launcher"), "run"])
             .args(["--image", &node_image().display().to_string()])
@@ -353,73 +288,20 @@ impl Launcher {
             .args(["--ignition", &ignition.display().to_string()])
             .args(["--host-volume", &format!("shared={}", shared.display())])
             .args(["--host-volume-readonly", &format!("ro={}", ro.display())])
-            .args(["--hostname", HOSTNAME, "--grace-period-seconds", "60"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start capk-launcher");
-        let (tx, rx) = channel();
-        let out = child.stdout.take().unwrap();
-        let err = child.stderr.take().unwrap();
-        let tx2 = tx.clone();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                println!("console| {l}");
-                let _ = tx.send(strip_ansi(&l));
-            }
-        });
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                println!("launcher| {l}");
-                let _ = tx2.send(format!("LAUNCHER {l}"));
-            }
-        });
-        Launcher {
-            child,
-            lines: rx,
-            seen: Vec::new(),
-            runtime_dir,
-            started,
-        }
+            .args(["--hostname", HOSTNAME, "--grace-period-seconds", "60"]);
+        let mut inner = support::Launcher::spawn(command, runtime_dir, strip_ansi);
+        inner.diagnostic_lines = 80;
+        Launcher(inner)
     }
 
     /// Waits for a console line containing `needle`; returns it and prints when it came.
     fn wait_for(&mut self, needle: &str, timeout: Duration) -> String {
-        if let Some(l) = self.seen.iter().find(|l| l.contains(needle)) {
-            return l.clone();
+        let before = self.seen.len();
+        let (line, secs) = self.0.wait_for_at(needle, timeout);
+        if self.seen.len() > before {
+            println!("MEASURE {secs:>7.1} s after launcher start: {needle}");
         }
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.seen.push(l.clone());
-                    if l.contains(needle) {
-                        println!(
-                            "MEASURE {:>7.1} s after launcher start: {needle}",
-                            self.started.elapsed().as_secs_f64()
-                        );
-                        return l;
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => panic!(
-                    "no {needle:?} within {timeout:?}; last lines:\n{}",
-                    self.tail()
-                ),
-                Err(RecvTimeoutError::Disconnected) => {
-                    panic!(
-                        "launcher ended before {needle:?}; last lines:\n{}",
-                        self.tail()
-                    )
-                }
-            }
-        }
-    }
-
-    fn tail(&self) -> String {
-        let from = self.seen.len().saturating_sub(80);
-        self.seen[from..].join("\n")
+        line
     }
 
     /// Every `CAPK-NODE <prefix>` line seen so far, without the prefix.
@@ -436,18 +318,6 @@ impl Launcher {
             .pop()
             .unwrap_or_else(|| panic!("no CAPK-NODE {prefix} line; last lines:\n{}", self.tail()))
     }
-
-    fn probe(&self, kind: &str) -> (bool, String) {
-        let out = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
-            .args(["probe", kind])
-            .args(["--runtime-dir", &self.runtime_dir.display().to_string()])
-            .output()
-            .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).trim().to_string(),
-        )
-    }
 }
 
 impl Drop for Launcher {
@@ -462,8 +332,7 @@ impl Drop for Launcher {
             }
             std::thread::sleep(Duration::from_millis(200));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // support::Launcher's drop kills what is still running.
     }
 }
 
@@ -486,22 +355,6 @@ fn strip_ansi(line: &str) -> String {
         }
     }
     out
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    use std::io::Write;
-    let mut c = Command::new("sha256sum")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("run sha256sum");
-    c.stdin.take().unwrap().write_all(bytes).unwrap();
-    let out = c.wait_with_output().unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
 }
 
 /// The content CABPK gave /etc/capk/plain.txt in the fixture (the guest reports its digest).
@@ -648,7 +501,7 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
     // The launcher sees the bootstrap through the heartbeat and the apiserver through the Pod IP.
     let deadline = Instant::now() + Duration::from_secs(120);
     let ready = loop {
-        let (ok, out) = l.probe("readiness");
+        let (ok, out) = l.cli(&["probe", "readiness"]);
         if ok || Instant::now() > deadline {
             break (ok, out);
         }

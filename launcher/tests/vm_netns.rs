@@ -4,14 +4,20 @@
 //! Needs root, `ip`, `qemu-system-x86_64`, `qemu-img` and the test guest
 //! (`bash hack/prepare.d/40-test-guest.sh`). Under `CI` a missing piece fails the test.
 
+mod support;
+
 use std::io::{BufRead, BufReader};
+use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::mpsc::channel;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use capk_bootstrap::{BootstrapFormat, MachineFacts};
+use support::{
+    Namespaces, QEMU_ID, calico_node, calico_pod, children_of, repo_root, sh, sh_out, sha256_hex,
+};
 
 /// Namespaces and the launcher's bridge/tap names are per-namespace, but tests still run one at
 /// a time: each boots a VM on a 2-core machine.
@@ -21,87 +27,19 @@ fn serial() -> MutexGuard<'static, ()> {
     NETNS_LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
 fn guest_dir() -> PathBuf {
     repo_root().join("_output/test-guest")
 }
 
-/// Ok(()) when everything is present; otherwise fail under CI or skip with the reason.
+/// True when everything is present; otherwise fails under CI or skips with the reason.
 fn prerequisites() -> bool {
-    let mut missing = Vec::new();
-    if !nix_is_root() {
-        missing.push("root (run the tests as root)".to_string());
-    }
-    for (tool, how) in [
-        ("ip", "apt-get install iproute2"),
-        ("qemu-system-x86_64", "apt-get install qemu-system-x86"),
-        ("qemu-img", "apt-get install qemu-utils"),
-    ] {
-        if Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .output()
-            .map(|o| !o.status.success())
-            .unwrap_or(true)
-        {
-            missing.push(format!("{tool} ({how})"));
-        }
-    }
-    for f in ["vmlinuz", "initrd.img", "base.qcow2", "boot.qcow2"] {
-        if !guest_dir().join(f).exists() {
-            missing.push(format!(
-                "{} (bash hack/prepare.d/40-test-guest.sh)",
-                guest_dir().join(f).display()
-            ));
-        }
-    }
-    if missing.is_empty() {
-        return true;
-    }
-    let msg = format!("launcher VM test needs: {}", missing.join(", "));
-    if std::env::var_os("CI").is_some() {
-        panic!("{msg}");
-    }
-    eprintln!("skipping: {msg}");
-    false
+    let how = "bash hack/prepare.d/40-test-guest.sh";
+    let files =
+        ["vmlinuz", "initrd.img", "base.qcow2", "boot.qcow2"].map(|f| (guest_dir().join(f), how));
+    support::prerequisites("launcher VM test", &files)
 }
 
-fn nix_is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .map(|s| {
-            s.lines()
-                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
-        })
-        .unwrap_or(false)
-}
-
-fn sh(cmd: &str) {
-    let out = Command::new("sh")
-        .args(["-c", cmd])
-        .output()
-        .expect("run sh");
-    assert!(
-        out.status.success(),
-        "{cmd} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn sh_out(cmd: &str) -> String {
-    let out = Command::new("sh")
-        .args(["-c", cmd])
-        .output()
-        .expect("run sh");
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-/// Network namespaces of one test; deleted on drop, also when the test fails.
+/// Network namespaces of one test (a node, the machine's Pod, a peer Pod); deleted on drop.
 struct Topology {
     node: String,
     pod: String,
@@ -113,9 +51,36 @@ struct Topology {
     pod_mac: String,
     /// The CABPK bootstrap data the machine boots with (a capk-bootstrap fixture).
     bootstrap: Bootstrap,
+    _namespaces: Namespaces,
 }
 
 impl Topology {
+    /// The namespaces of `style`, made empty (loopback up).
+    fn new(
+        style: &str,
+        pod_ip: &'static str,
+        peer_ip: &'static str,
+        mtu: u32,
+        bootstrap: Bootstrap,
+    ) -> Topology {
+        let id = std::process::id();
+        let node = format!("capk-{style}-node-{id}");
+        let pod = format!("capk-{style}-pod-{id}");
+        let peer = format!("capk-{style}-peer-{id}");
+        let namespaces = Namespaces::create(&[&node, &pod, &peer]);
+        Topology {
+            node,
+            pod,
+            peer,
+            pod_ip,
+            peer_ip,
+            mtu,
+            pod_mac: String::new(),
+            bootstrap,
+            _namespaces: namespaces,
+        }
+    }
+
     fn with_pod_mac(mut self) -> Self {
         self.pod_mac = sh_out(&format!(
             "ip netns exec {} cat /sys/class/net/eth0/address",
@@ -125,90 +90,31 @@ impl Topology {
     }
 }
 
-impl Drop for Topology {
-    fn drop(&mut self) {
-        for ns in [&self.pod, &self.peer, &self.node] {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
-        }
-    }
-}
-
-fn names(style: &str) -> (String, String, String) {
-    let id = std::process::id();
-    (
-        format!("capk-{style}-node-{id}"),
-        format!("capk-{style}-pod-{id}"),
-        format!("capk-{style}-peer-{id}"),
-    )
-}
-
 /// Calico: eth0 holds a /32, default via 169.254.1.1 on-link; the host-side veth answers ARP
 /// by proxy and the node routes each Pod /32 to its veth.
 fn calico() -> Topology {
-    let (node, pod, peer) = names("calico");
-    let t = Topology {
-        node,
-        pod,
-        peer,
-        pod_ip: "10.244.1.5",
-        peer_ip: "10.244.1.9",
-        mtu: 1440,
-        pod_mac: String::new(),
-        bootstrap: Bootstrap::CLOUD_CONFIG_WORKER,
-    };
-    for ns in [&t.node, &t.pod, &t.peer] {
-        sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
-    }
-    let n = &t.node;
-    sh(&format!(
-        "ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1"
-    ));
-    // Proxy ARP answers only for addresses routed out of another interface (a veth pair: this
-    // machine's kernel has no dummy driver).
-    sh(&format!(
-        "ip -n {n} link add gw0 type veth peer name gw0p && ip -n {n} link set gw0p up && \
-         ip -n {n} link set gw0 up && ip -n {n} route add 169.254.1.1/32 dev gw0"
-    ));
-    for (ns, ip, cali) in [
-        (&t.pod, t.pod_ip, "cali0pod"),
-        (&t.peer, t.peer_ip, "cali0peer"),
-    ] {
-        sh(&format!(
-            "ip -n {n} link add {cali} mtu {mtu} type veth peer name eth0 mtu {mtu} netns {ns}",
-            mtu = t.mtu
-        ));
-        sh(&format!(
-            "ip netns exec {n} sysctl -qw net.ipv4.conf.{cali}.proxy_arp=1 net.ipv4.neigh.{cali}.proxy_delay=0"
-        ));
-        sh(&format!(
-            "ip -n {n} link set {cali} up && ip -n {n} route add {ip}/32 dev {cali}"
-        ));
-        sh(&format!(
-            "ip -n {ns} addr add {ip}/32 dev eth0 && ip -n {ns} link set eth0 up"
-        ));
-        sh(&format!(
-            "ip -n {ns} route add 169.254.1.1 dev eth0 scope link && ip -n {ns} route add default via 169.254.1.1 dev eth0 onlink"
-        ));
-    }
+    let t = Topology::new(
+        "calico",
+        "10.244.1.5",
+        "10.244.1.9",
+        1440,
+        Bootstrap::CLOUD_CONFIG_WORKER,
+    );
+    calico_node(&t.node);
+    calico_pod(&t.node, &t.pod, "cali0pod", t.pod_ip, t.mtu);
+    calico_pod(&t.node, &t.peer, "cali0peer", t.peer_ip, t.mtu);
     t.with_pod_mac()
 }
 
 /// Bridge CNI: eth0 holds a /24 behind the node's cni0 bridge, which is the gateway.
 fn bridge_cni() -> Topology {
-    let (node, pod, peer) = names("bridge");
-    let t = Topology {
-        node,
-        pod,
-        peer,
-        pod_ip: "10.22.0.5",
-        peer_ip: "10.22.0.6",
-        mtu: 1500,
-        pod_mac: String::new(),
-        bootstrap: Bootstrap::IGNITION_CONTROL_PLANE,
-    };
-    for ns in [&t.node, &t.pod, &t.peer] {
-        sh(&format!("ip netns add {ns} && ip -n {ns} link set lo up"));
-    }
+    let t = Topology::new(
+        "bridge",
+        "10.22.0.5",
+        "10.22.0.6",
+        1500,
+        Bootstrap::IGNITION_CONTROL_PLANE,
+    );
     let n = &t.node;
     sh(&format!(
         "ip -n {n} link add cni0 type bridge && ip -n {n} addr add 10.22.0.1/24 dev cni0 && ip -n {n} link set cni0 up"
@@ -231,21 +137,28 @@ fn bridge_cni() -> Topology {
     t.with_pod_mac()
 }
 
-/// A running `capk-launcher run` and the guest's console lines.
+/// A running `capk-launcher run` on the test guest (see [`support::Launcher`]).
 struct Launcher {
+    inner: support::Launcher,
     /// Runs as PID 1 of its own PID namespace (the child is `unshare`).
     pid1: bool,
-    child: Child,
-    /// Lines with the instant the reader thread got them (benchmarks time the console).
-    lines: Receiver<(String, Instant)>,
-    seen: Vec<String>,
-    seen_at: Vec<Instant>,
-    runtime_dir: PathBuf,
     /// The launcher's `--secret-dir` (a memory volume in a machine Pod).
     secret_dir: PathBuf,
     /// The machine's Ignition as the controller stores it (the launcher's `--ignition`).
     bootstrap: Bootstrap,
-    started: Instant,
+}
+
+impl Deref for Launcher {
+    type Target = support::Launcher;
+    fn deref(&self) -> &support::Launcher {
+        &self.inner
+    }
+}
+
+impl DerefMut for Launcher {
+    fn deref_mut(&mut self) -> &mut support::Launcher {
+        &mut self.inner
+    }
 }
 
 impl Launcher {
@@ -313,8 +226,8 @@ impl Launcher {
         } else {
             &[]
         };
-        let started = Instant::now();
-        let mut child = Command::new("ip")
+        let mut command = Command::new("ip");
+        command
             .args(["netns", "exec", &t.pod])
             .args(pid1_wrap)
             .args([env!("CARGO_BIN_EXE_capk-launcher"), "run"])
@@ -350,149 +263,13 @@ impl Launcher {
                 "10.0.0.123",
                 "--grace-period-seconds",
                 "30",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start capk-launcher");
-        let (tx, rx) = channel();
-        let out = child.stdout.take().unwrap();
-        let err = child.stderr.take().unwrap();
-        let tx2 = tx.clone();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let at = Instant::now();
-                println!("console| {l}");
-                let _ = tx.send((l, at));
-            }
-        });
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                let at = Instant::now();
-                println!("launcher| {l}");
-                let _ = tx2.send((format!("LAUNCHER {l}"), at));
-            }
-        });
+            ]);
         Launcher {
+            inner: support::Launcher::spawn(command, runtime_dir, str::to_string),
             pid1,
-            child,
-            lines: rx,
-            seen: Vec::new(),
-            seen_at: Vec::new(),
-            runtime_dir,
             secret_dir,
             bootstrap: t.bootstrap,
-            started,
         }
-    }
-
-    /// Waits for a console line containing `needle`; returns it.
-    fn wait_for(&mut self, needle: &str, timeout: Duration) -> String {
-        self.wait_for_at(needle, timeout).0
-    }
-
-    /// Waits for a console line containing `needle`; returns it and the seconds from the
-    /// launcher's start to when the line was read.
-    fn wait_for_at(&mut self, needle: &str, timeout: Duration) -> (String, f64) {
-        let started = self.started;
-        let since = |at: Instant| at.duration_since(started).as_secs_f64();
-        if let Some(i) = self.seen.iter().position(|l| l.contains(needle)) {
-            return (self.seen[i].clone(), since(self.seen_at[i]));
-        }
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok((l, at)) => {
-                    self.seen.push(l.clone());
-                    self.seen_at.push(at);
-                    if l.contains(needle) {
-                        return (l, since(at));
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => panic!(
-                    "no {needle:?} within {timeout:?}; saw:\n{}",
-                    self.seen.join("\n")
-                ),
-                Err(RecvTimeoutError::Disconnected) => {
-                    panic!(
-                        "launcher ended before {needle:?}; saw:\n{}",
-                        self.seen.join("\n")
-                    )
-                }
-            }
-        }
-    }
-
-    fn cli(&self, args: &[&str]) -> (bool, String) {
-        let out = Command::new(env!("CARGO_BIN_EXE_capk-launcher"))
-            .args(args)
-            .args(["--runtime-dir", &self.runtime_dir.display().to_string()])
-            .output()
-            .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).trim().to_string(),
-        )
-    }
-
-    fn wait_probe(&self, kind: &str, want: bool, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let (ok, out) = self.cli(&["probe", kind]);
-            if ok == want || Instant::now() > deadline {
-                assert_eq!(ok, want, "probe {kind}: {out}");
-                return out;
-            }
-            std::thread::sleep(Duration::from_millis(300));
-        }
-    }
-
-    /// Waits until probe `kind` fails with a reason containing `needle`; returns the reason.
-    fn wait_probe_reason(&self, kind: &str, needle: &str, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let (ok, out) = self.cli(&["probe", kind]);
-            assert!(!ok, "probe {kind} passed, expected {needle:?}: {out}");
-            if out.contains(needle) {
-                return out;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "probe {kind} never said {needle:?}; last: {out}"
-            );
-            std::thread::sleep(Duration::from_millis(300));
-        }
-    }
-
-    fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                // Drain what is left for diagnostics.
-                while let Ok((l, at)) = self.lines.recv_timeout(Duration::from_millis(200)) {
-                    self.seen.push(l);
-                    self.seen_at.push(at);
-                }
-                return s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "launcher did not exit within {timeout:?}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// The launcher's last one-line error (`capk-launcher: <what>: <why>`), empty if none.
-    fn exit_cause(&self) -> String {
-        self.seen
-            .iter()
-            .rev()
-            .find(|x| x.contains("capk-launcher: "))
-            .cloned()
-            .unwrap_or_default()
     }
 
     /// The launcher's pid as seen from the test (unshare's child in PID-1 mode).
@@ -554,39 +331,6 @@ fn merged_ignition(bootstrap: Bootstrap) -> Vec<u8> {
     let dest = d.path().join("merged.json");
     prepare(&src, &dest, &overlay(&inputs)).unwrap();
     std::fs::read(dest).unwrap()
-}
-
-/// Pids whose parent is `ppid` (QEMU under the launcher).
-fn children_of(ppid: u32) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.to_string()))
-                .and_then(|rest| {
-                    rest.split_whitespace()
-                        .nth(1)
-                        .and_then(|p| p.parse::<u32>().ok())
-                })
-                == Some(ppid)
-        })
-        .collect()
-}
-
-impl Drop for Launcher {
-    fn drop(&mut self) {
-        // A failed assertion must not leave QEMU running: kill the launcher's children first.
-        if self.child.try_wait().ok().flatten().is_none() {
-            for pid in children_of(self.child.id()) {
-                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            }
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
 }
 
 fn boot_and_check(
@@ -740,23 +484,6 @@ impl Bootstrap {
     }
 }
 
-/// sha256 of `bytes` as hex, by sha256sum (the guest reports file digests the same way).
-fn sha256_hex(bytes: &[u8]) -> String {
-    use std::io::Write;
-    let mut c = Command::new("sha256sum")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("run sha256sum");
-    c.stdin.take().unwrap().write_all(bytes).unwrap();
-    let out = c.wait_with_output().unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_string()
-}
-
 /// Checks what upstream Ignition wrote in the guest: `path` with this content, mode and owner.
 fn assert_guest_file(l: &mut Launcher, path: &str, content: &str, mode: &str, owner: &str) {
     let line = l.wait_for(
@@ -858,9 +585,6 @@ fn work_dir() -> tempfile::TempDir {
     std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     d
 }
-
-/// QEMU's user (the launcher's default, KubeVirt's qemu user).
-const QEMU_ID: u32 = 107;
 
 /// Reads QEMU's `/proc/<pid>/status` while the guest runs: it runs as the unprivileged user
 /// (with the /dev/kvm group as its only supplementary group, when the device exists), with no
@@ -1690,21 +1414,11 @@ fn accel_kvm_fails_clearly_where_kvm_hangs() {
     // An empty namespace: should KVM work here, the run stops at "no eth0" instead of touching
     // any real interface.
     let ns = format!("capk-kvm-{}", std::process::id());
-    sh(&format!("ip netns add {ns}"));
-    let t = Topology {
-        node: ns.clone(),
-        pod: format!("{ns}-unused-pod"),
-        peer: format!("{ns}-unused-peer"),
-        pod_ip: "",
-        peer_ip: "",
-        mtu: 0,
-        pod_mac: String::new(),
-        bootstrap: Bootstrap::CLOUD_CONFIG_WORKER,
-    };
+    let _namespaces = Namespaces::create(&[&ns]);
     let work = work_dir();
     let image = guest_dir().join("base.qcow2").display().to_string();
     let (ok, err, last) = run_to_end(
-        Some(&t.node),
+        Some(&ns),
         work.path(),
         &["--accel", "kvm", "--image", &image],
     );
