@@ -53,7 +53,7 @@ node-image: ## Kubernetes node image (images/node): _output/node-image/node.qcow
 test-node-image: node-image ## Boot the node image under QEMU: Ignition, preloaded images, kubeadm init with no registry
 	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture --skip bench_
 
-bench-idle-node: node-image ## An idle control plane of the node-image flavor under TCG: QEMU's host CPU over 60 s, the guest's split (flavor variables from the environment; CAPK_BENCH_PERF=1 samples QEMU)
+bench-idle-node: node-image ## An idle control plane of the node-image flavor under TCG, watched from the host: time to every Pod ready, QEMU's host CPU over 60 s, the guest's split, apiserver requests/s (flavor variables from the environment; CAPK_BENCH_PERF=1 samples QEMU, CAPK_BENCH_PPROF=1 profiles the apiserver and kubelet into _output/bench/)
 	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture --exact bench_idle_control_plane
 
 dev-up: ## The local management cluster with Cluster API and CAPK (clusterctl init) and a sample cluster

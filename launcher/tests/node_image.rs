@@ -545,20 +545,13 @@ fi
 r "kubeadm-done uptime=$(up)"
 # Without validation: kubectl would download the OpenAPI document first (seconds under TCG).
 until kc apply --validate=false -f /etc/capk-bench/cni.yaml >/dev/null; do sleep 10; done
-ready=False pods=0 waiting=?
-for _ in $(seq 360); do
-  ready=$(kc get node "$(hostname)" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)
-  list=$(kc get pods -A --no-headers 2>/dev/null)
-  pods=$(grep -c . <<<"$list")
-  waiting=$(awk '{split($3, c, "/"); if ($4 != "Running" || c[1] != c[2]) n++} END {print n + 0}' <<<"$list")
-  [ "$ready" = True ] && [ "$pods" -gt 0 ] && [ "$waiting" = 0 ] && break
-  sleep 5
-done
-kc get pods -A --no-headers 2>&1 | awk '{print "CAPK-NODE idle-pod " $1 "/" $2 " " $3 " " $4 " restarts=" $5}'
-r "ready node=$ready pods=$pods waiting=$waiting uptime=$(up)"
-# The progress report runs `top`, which costs seconds under TCG: not in the window.
+# From here on the host watches the cluster through its apiserver, as a management cluster
+# would: nothing in the guest polls (a kubectl costs a second or two of a vCPU under TCG, and
+# the progress report's `top` as much).
 systemctl stop capk-bench-progress.service
-sleep @SETTLE@
+r "cni-applied uptime=$(up)"
+# The host starts the window by writing this file into the read-write host volume.
+until [ -e /data/shared/capk-window ]; do sleep 1; done
 # pid, name, utime+stime in ticks of every process.
 procs() {
   for d in /proc/[0-9]*; do
@@ -610,7 +603,7 @@ fn var_or(name: &str, default: &str) -> String {
 /// The node-image flavor's first control plane as the benchmark boots it: its Ignition (CABPK's
 /// bootstrap data converted like the controller does, plus the idle report and the CNI manifest),
 /// vCPUs and memory.
-fn flavor_control_plane(settle: u64, window: u64) -> (Vec<u8>, String, String) {
+fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
     let home = tempfile::tempdir().unwrap();
     // Sizes of the workload journey's control plane (tests/tests/e2e/workload.rs), leader
     // election as it raises it for TCG; each overridable from the environment.
@@ -694,7 +687,6 @@ fn flavor_control_plane(settle: u64, window: u64) -> (Vec<u8>, String, String) {
             "@STATIC_POD_LOGS@",
             &static_pod_logs("CAPK-NODE idle-kubeadm| "),
         )
-        .replace("@SETTLE@", &settle.to_string())
         .replace("@WINDOW@", &window.to_string());
     let files = config["storage"]["files"].as_array_mut().expect("files");
     for (path, mode, body) in [
@@ -754,6 +746,206 @@ fn qemu_pid(launcher: u32) -> u32 {
         .unwrap_or_else(|_| panic!("no QEMU child of the launcher {launcher}"))
 }
 
+/// The cluster's admin, from the host: a client certificate signed with the cluster CA that the
+/// bootstrap data carries, used with kubectl from the machine's network namespace. The benchmark
+/// watches the cluster from outside, as a management cluster does, so that its polling costs the
+/// guest only the requests it serves.
+struct Admin {
+    netns: String,
+    kubeconfig: PathBuf,
+}
+
+impl Admin {
+    fn new(t: &Topology, work: &Path, ignition: &[u8]) -> Admin {
+        let config: serde_json::Value = serde_json::from_slice(ignition).unwrap();
+        let dir = work.join("admin");
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in ["ca.crt", "ca.key"] {
+            let path = format!("/etc/kubernetes/pki/{name}");
+            let file = config["storage"]["files"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|f| f["path"] == path.as_str())
+                .unwrap_or_else(|| panic!("{path} in the bootstrap data"));
+            let url = file["contents"]["source"].as_str().unwrap();
+            let (head, data) = url.split_once(',').unwrap();
+            let bytes = if head.ends_with(";base64") {
+                capk_bootstrap::content::decode_base64(data.as_bytes()).unwrap()
+            } else {
+                percent_decode(data)
+            };
+            std::fs::write(dir.join(name), bytes).unwrap();
+        }
+        let d = dir.display();
+        support::sh(&format!(
+            "cd {d} && openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+             -keyout admin.key -subj /O=system:masters/CN=capk-bench -out admin.csr 2>/dev/null && \
+             openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 \
+             -out admin.crt 2>/dev/null"
+        ));
+        let kubeconfig = dir.join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\n\
+                 clusters: [{{name: c, cluster: {{server: \"https://{POD_IP}:6443\", certificate-authority: {d}/ca.crt}}}}]\n\
+                 users: [{{name: u, user: {{client-certificate: {d}/admin.crt, client-key: {d}/admin.key}}}}]\n\
+                 contexts: [{{name: c, context: {{cluster: c, user: u}}}}]\ncurrent-context: c\n"
+            ),
+        )
+        .unwrap();
+        Admin {
+            netns: t.pod.clone(),
+            kubeconfig,
+        }
+    }
+
+    fn kubectl(&self) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.netns])
+            .arg(repo_root().join("_output/bin/kubectl"))
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(["--request-timeout", "30s"]);
+        c
+    }
+
+    fn get(&self, args: &[&str]) -> Option<String> {
+        let out = self
+            .kubectl()
+            .args(args)
+            .stderr(Stdio::null())
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Waits until the Node is Ready and every Pod runs with all its containers ready; prints
+    /// once a minute QEMU's host CPU and what is not ready yet.
+    fn wait_ready(&self, l: &mut Launcher, qemu: u32, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        let (mut t0, mut q0) = (Instant::now(), cpu_ticks(qemu));
+        let mut last = String::from("no answer from the apiserver");
+        loop {
+            let node = self.get(&[
+                "get",
+                "node",
+                HOSTNAME,
+                "-o",
+                "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
+            ]);
+            let pods = self.get(&["get", "pods", "-A", "--no-headers"]);
+            if let (Some(node), Some(pods)) = (node, pods) {
+                let lines: Vec<&str> = pods.lines().filter(|l| !l.trim().is_empty()).collect();
+                let waiting: Vec<String> = lines
+                    .iter()
+                    .filter(|l| {
+                        let f: Vec<&str> = l.split_whitespace().collect();
+                        let ready = f.get(2).and_then(|r| r.split_once('/'));
+                        f.get(3) != Some(&"Running") || ready.is_none_or(|(a, b)| a != b)
+                    })
+                    .map(|l| l.split_whitespace().take(5).collect::<Vec<_>>().join(" "))
+                    .collect();
+                last = format!(
+                    "node Ready={node}, {} Pods, not ready: [{}]",
+                    lines.len(),
+                    waiting.join("; ")
+                );
+                if node == "True" && !lines.is_empty() && waiting.is_empty() {
+                    return format!("{} Pods", lines.len());
+                }
+            }
+            if t0.elapsed() >= Duration::from_secs(60) {
+                let q1 = cpu_ticks(qemu);
+                println!(
+                    "PROGRESS {:>7.1} s: QEMU {:.0} % of a host core over the last minute; {last}",
+                    l.started.elapsed().as_secs_f64(),
+                    100.0 * (q1 - q0) as f64 / clock_ticks() / t0.elapsed().as_secs_f64()
+                );
+                (t0, q0) = (Instant::now(), q1);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the control plane did not get ready within {timeout:?}: {last}\n{}",
+                self.get(&["get", "events", "-A", "--sort-by=.lastTimestamp"])
+                    .unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_secs(10));
+        }
+    }
+
+    /// `apiserver_request_total` summed by verb and resource.
+    fn request_counts(&self) -> std::collections::HashMap<String, f64> {
+        let text = self.get(&["get", "--raw", "/metrics"]).unwrap_or_default();
+        let mut counts = std::collections::HashMap::new();
+        for line in text
+            .lines()
+            .filter(|l| l.starts_with("apiserver_request_total{"))
+        {
+            let Some((labels, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let label = |k: &str| {
+                labels
+                    .split(&format!("{k}=\""))
+                    .nth(1)
+                    .and_then(|r| r.split('"').next())
+                    .unwrap_or("")
+                    .to_string()
+            };
+            let key = format!("{} {}{}", label("verb"), label("resource"), {
+                let sub = label("subresource");
+                if sub.is_empty() {
+                    sub
+                } else {
+                    format!("/{sub}")
+                }
+            });
+            *counts.entry(key).or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
+        }
+        counts
+    }
+}
+
+/// `%XX` escapes of a data URL's text.
+fn percent_decode(s: &str) -> Vec<u8> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%'
+            && let Some(v) = s
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            out.push(v);
+            i += 3;
+            continue;
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    out
+}
+
+/// Clock ticks per second of /proc's CPU times.
+fn clock_ticks() -> f64 {
+    String::from_utf8(
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap()
+    .trim()
+    .parse()
+    .unwrap()
+}
+
 #[test]
 #[ignore = "boots the node-image flavor's control plane under TCG and measures it idle (minutes): make bench-idle-node"]
 fn bench_idle_control_plane() {
@@ -766,7 +958,7 @@ fn bench_idle_control_plane() {
     }
     let settle: u64 = var_or("CAPK_BENCH_SETTLE_SECONDS", "30").parse().unwrap();
     let window: u64 = var_or("CAPK_BENCH_IDLE_SECONDS", "60").parse().unwrap();
-    let (ignition, vcpus, memory) = flavor_control_plane(settle, window);
+    let (ignition, vcpus, memory) = flavor_control_plane(window);
     let t = Topology::new();
     let work = tempfile::Builder::new()
         .prefix("capk-idle")
@@ -781,18 +973,51 @@ fn bench_idle_control_plane() {
         let failed = l.wait_for("CAPK-NODE idle-failed", Duration::from_secs(60));
         panic!("{failed}:\n{}", l.facts("idle-kubeadm| ").join("\n"));
     }
-    let ready = l.wait_for("CAPK-NODE idle-ready", Duration::from_secs(1800));
-    assert!(
-        ready.contains("node=True") && ready.contains("waiting=0"),
-        "the control plane did not get ready: {ready}\n{}",
-        l.facts("idle-pod ").join("\n")
-    );
     let qemu = qemu_pid(l.child.id());
-    l.wait_for(
-        "CAPK-NODE idle-window-start",
-        Duration::from_secs(settle + 120),
+    let admin = Admin::new(&t, work.path(), &ignition);
+    let ready = admin.wait_ready(&mut l, qemu, Duration::from_secs(1800));
+    println!(
+        "MEASURE {:>7.1} s after launcher start: node Ready and every Pod ready ({ready})",
+        l.started.elapsed().as_secs_f64()
     );
+    std::thread::sleep(Duration::from_secs(settle));
+    let requests0 = admin.request_counts();
+    let out = repo_root().join("_output/bench").join(format!(
+        "idle-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    ));
+    std::fs::create_dir_all(&out).unwrap();
+    // The guest starts its window when this file appears in its read-write host volume.
+    std::fs::write(work.path().join("shared/capk-window"), "").unwrap();
+    l.wait_for("CAPK-NODE idle-window-start", Duration::from_secs(120));
     let (t0, q0) = (Instant::now(), cpu_ticks(qemu));
+    // CPU profiles of the apiserver and the kubelet over the window (their pprof handlers,
+    // on by default), read with `go tool pprof`.
+    let pprof = (std::env::var("CAPK_BENCH_PPROF").as_deref() == Ok("1")).then(|| {
+        let secs = window.saturating_sub(10).max(10);
+        [
+            ("kube-apiserver", "/debug/pprof/profile".to_string()),
+            (
+                "kubelet",
+                format!("/api/v1/nodes/{HOSTNAME}/proxy/debug/pprof/profile"),
+            ),
+        ]
+        .map(|(name, path)| {
+            let file = out.join(format!("{name}.pprof"));
+            // kubectl's request timeout (30 s) is shorter than the profile.
+            let child = admin
+                .kubectl()
+                .args(["--request-timeout", &format!("{}s", secs + 60)])
+                .args(["get", "--raw", &format!("{path}?seconds={secs}")])
+                .stdout(std::fs::File::create(&file).unwrap())
+                .spawn()
+                .expect("run kubectl");
+            (child, file)
+        })
+    });
     let perf = (std::env::var("CAPK_BENCH_PERF").as_deref() == Ok("1")).then(|| {
         let data = work.path().join("perf.data");
         let child = Command::new("perf")
@@ -819,19 +1044,9 @@ fn bench_idle_control_plane() {
     );
     let (secs, q1) = (t0.elapsed().as_secs_f64(), cpu_ticks(qemu));
     l.wait_for("CAPK-NODE idle-done", Duration::from_secs(120));
-    let tck: f64 = String::from_utf8(
-        Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .unwrap()
-    .trim()
-    .parse()
-    .unwrap();
+    let requests1 = admin.request_counts();
+    let tck = clock_ticks();
     println!("MEASURE idle control plane ({vcpus} vCPUs, {memory}):");
-    println!("MEASURE   {}", l.fact("idle-ready").trim());
     println!(
         "MEASURE   QEMU host CPU over {secs:.0} s: {:.0} % of one host core",
         100.0 * (q1 - q0) as f64 / tck / secs
@@ -847,6 +1062,33 @@ fn bench_idle_control_plane() {
     }
     for i in l.facts("idle-irq ") {
         println!("MEASURE   guest irq {i}");
+    }
+    // What the apiserver served over the window (the two /metrics reads included), by verb
+    // and resource: each request is a TLS record, an authorization and an etcd round trip.
+    let mut rates: Vec<(f64, String)> = requests1
+        .iter()
+        .map(|(k, n)| (n - requests0.get(k).copied().unwrap_or(0.0), k.clone()))
+        .filter(|(d, _)| *d > 0.0)
+        .map(|(d, k)| (d / secs, k))
+        .collect();
+    rates.sort_by(|a, b| b.0.total_cmp(&a.0));
+    println!(
+        "MEASURE   apiserver requests/s {:.2} in all",
+        rates.iter().map(|r| r.0).sum::<f64>()
+    );
+    for (r, k) in rates.iter().take(12) {
+        println!("MEASURE   apiserver requests/s {r:.2} {k}");
+    }
+    if let Some(children) = pprof {
+        for (mut child, file) in children {
+            let ok = child.wait().unwrap().success();
+            println!(
+                "MEASURE   pprof {} ({}): go tool pprof -top {}",
+                file.display(),
+                if ok { "written" } else { "FAILED" },
+                file.display()
+            );
+        }
     }
     if let Some((mut child, data)) = perf {
         child.wait().unwrap();
