@@ -5,6 +5,10 @@ use std::io::{Read, Write};
 use anyhow::Context;
 use capk_api::v1alpha1::ServiceType;
 use capk_bootstrap::{BootstrapFormat, MachineFacts};
+use capk_controller::metrics::{
+    rest_client::RequestsLayer,
+    serve::{self, Serving},
+};
 use capk_controller::{
     leader::LEASE_NAME,
     settings::{MachineDefaults, NodeImageSource, TenantPolicy},
@@ -13,7 +17,6 @@ use clap::{
     Parser, Subcommand, ValueEnum,
     builder::{PossibleValuesParser, TypedValueParser},
 };
-use kube::Client;
 use tracing_subscriber::EnvFilter;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -68,9 +71,19 @@ struct Cli {
     /// image; overrides the Flatcar default. Empty: Flatcar.
     #[arg(long, env = "CAPK_DEFAULT_NODE_IMAGE", default_value = "")]
     default_node_image: String,
-    /// Address of the Prometheus metrics endpoint (`/metrics`).
-    #[arg(long, default_value = "0.0.0.0:8080")]
-    metrics_addr: std::net::SocketAddr,
+    /// Address of the Prometheus metrics endpoint (`/metrics`, as Cluster API's managers'
+    /// `--diagnostics-address`): HTTPS, for callers whose token may `get` the non-resource URL
+    /// `/metrics` (ClusterRole capk-metrics-reader), unless --insecure-diagnostics.
+    #[arg(long, alias = "metrics-addr", default_value = "0.0.0.0:8443")]
+    diagnostics_address: std::net::SocketAddr,
+    /// Serve `/metrics` as plain HTTP, without authentication or authorization.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    insecure_diagnostics: bool,
+    /// Directory holding the metrics endpoint's serving certificate, `tls.crt` and `tls.key`
+    /// (e.g. a mounted cert-manager Secret; reread when it changes). Unset: a self-signed one
+    /// made at start.
+    #[arg(long)]
+    diagnostics_cert_dir: Option<std::path::PathBuf>,
     /// Address of the health endpoints (`/healthz`, `/readyz`, `/version`).
     #[arg(long, default_value = "0.0.0.0:8081")]
     health_addr: std::net::SocketAddr,
@@ -269,7 +282,13 @@ async fn main() -> anyhow::Result<()> {
             .with_env_filter(filter)
             .init(),
     }
-    let client = Client::try_default().await?;
+    let metrics = std::sync::Arc::new(capk_controller::metrics::Metrics::new(cli.concurrency));
+    // The client counts its requests (rest_client_requests_total).
+    let config = kube::Config::infer().await?;
+    let requests = RequestsLayer::new(metrics.clone(), &config.cluster_url);
+    let client = kube::client::ClientBuilder::try_from(config)?
+        .with_layer(&requests)
+        .build();
     let settings = capk_controller::Settings {
         // `--namespace=` (clusterctl with an empty variable) means all namespaces.
         namespace: cli.namespace.filter(|n| !n.is_empty()),
@@ -323,16 +342,32 @@ async fn main() -> anyhow::Result<()> {
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let metrics = std::sync::Arc::new(capk_controller::metrics::Metrics::default());
-    for addr in [cli.metrics_addr, cli.health_addr] {
-        let m = metrics.clone();
-        let listener = tokio::net::TcpListener::bind(addr)
+    let serving = if cli.insecure_diagnostics {
+        Serving::Insecure
+    } else {
+        let tls = match cli
+            .diagnostics_cert_dir
+            .filter(|d| !d.as_os_str().is_empty())
+        {
+            Some(dir) => serve::tls_from_dir(&dir)?,
+            None => serve::tls_self_signed(serve::self_signed_names())?.0,
+        };
+        Serving::Secure {
+            tls,
+            client: client.clone(),
+        }
+    };
+    let listen = |addr| async move {
+        tokio::net::TcpListener::bind(addr)
             .await
-            .with_context(|| format!("listen on {addr}"))?;
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, capk_controller::metrics::router(m)).await;
-        });
-    }
+            .with_context(|| format!("listen on {addr}"))
+    };
+    let (diagnostics, health) = (
+        listen(cli.diagnostics_address).await?,
+        listen(cli.health_addr).await?,
+    );
+    tokio::spawn(serve::serve_metrics(diagnostics, metrics.clone(), serving));
+    tokio::spawn(serve::serve_health(health, metrics.clone()));
     if !cli.leader_elect {
         capk_controller::run_with_metrics(client, settings, metrics, stopped(stop_rx)).await;
         return Ok(());

@@ -45,20 +45,23 @@ where
     let _ = ctx.recorder.publish(&ev, &obj.object_ref(&())).await;
 }
 
-/// Records a reconcile's outcome: a failure is counted, logged and published as an Event whose
-/// reason is the error's category.
-pub async fn outcome<K, T>(
+/// Records a reconcile's outcome: it is counted (controller-runtime's result, the object's
+/// gauges), and a failure is also counted by category, logged and published as an Event whose
+/// reason is the category.
+pub async fn outcome<K>(
     ctx: &Context,
     kind: &'static str,
     obj: &K,
-    result: Result<T>,
-) -> Result<T>
+    result: Result<kube::runtime::controller::Action>,
+) -> Result<kube::runtime::controller::Action>
 where
-    K: Resource<DynamicType = ()>,
+    K: Resource<DynamicType = ()> + crate::metrics::ObjectState,
 {
+    ctx.metrics.finished(kind, &result);
     // A deleting object whose reconcile succeeded has had its finalizer removed: it is gone.
     let gone = obj.meta().deletion_timestamp.is_some() && result.is_ok();
-    ctx.metrics.object(kind, obj.meta(), gone);
+    ctx.metrics
+        .object(kind, obj.meta(), obj.provisioned(), gone);
     if result.is_ok() {
         let key = crate::backoff::key(kind, obj.meta().namespace.as_deref(), &obj.name_any());
         ctx.backoff.succeeded(&key);

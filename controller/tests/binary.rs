@@ -13,9 +13,16 @@ use std::{
 use anyhow::{Context, Result};
 use capk_api::v1alpha1::KVMCluster;
 use capk_tests::env::TestEnv;
-use kube::{Api, api::PostParams};
-use serde_json::json;
-use support::{create_namespace, eventually};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use kube::{
+    Api,
+    api::{Patch, PatchParams, PostParams},
+};
+use serde_json::{Value, json};
+use support::{
+    create_namespace, eventually,
+    scrape::{https_get, token_for},
+};
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -54,7 +61,8 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() -> Result<()> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_capk-controller"))
         .args([
             &format!("--namespace={ns}"),
-            &format!("--metrics-addr=127.0.0.1:{metrics_port}"),
+            &format!("--diagnostics-address=127.0.0.1:{metrics_port}"),
+            "--insecure-diagnostics",
             &format!("--health-addr=127.0.0.1:{health_port}"),
             "--log-format=json",
         ])
@@ -78,17 +86,35 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() -> Result<()> {
         Api::<KVMCluster>::namespaced(client.clone(), ns)
             .create(&PostParams::default(), &kc)
             .await?;
+        // Under controller-runtime's names, as Cluster API's dashboards query them, and the
+        // client's requests as client-go counts them.
         eventually(30, "a KVMCluster reconcile in /metrics", || async {
             let (code, body) = get(metrics_port, "/metrics")?;
+            let reconciles: f64 = body
+                .lines()
+                .filter(|l| {
+                    l.starts_with("controller_runtime_reconcile_total{controller=\"kvmcluster\"")
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
             Ok((code == 200
-                && body.contains("capk_reconciles_total{kind=\"KVMCluster\"}")
-                && body.contains("capk_reconcile_duration_seconds_count{kind=\"KVMCluster\"}")
+                && reconciles > 0.0
+                && body.contains(
+                    "controller_runtime_reconcile_time_seconds_count{controller=\"kvmcluster\"}",
+                )
+                && body.contains(
+                    "controller_runtime_max_concurrent_reconciles{controller=\"kvmmachine\"} 16",
+                )
+                && body.contains("rest_client_requests_total{code=\"200\",method=\"GET\",host=\"127.0.0.1:")
                 && body.contains(
                     "capk_object_last_reconciled_timestamp_seconds{kind=\"KVMCluster\",namespace=\"binary\",name=\"metrics\"}",
                 ))
             .then_some(()))
         })
         .await?;
+        // Metrics are not on the probes' port, nor health on the metrics port.
+        assert_eq!(get(health_port, "/metrics")?.0, 404);
+        assert_eq!(get(metrics_port, "/healthz")?.0, 404);
         anyhow::Ok(())
     }
     .await;
@@ -114,6 +140,88 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() -> Result<()> {
     Ok(())
 }
 
+/// The metrics endpoint as the Deployment serves it: HTTPS (here with the certificate of
+/// `--diagnostics-cert-dir`), answering only a token whose user may `get` /metrics.
+#[tokio::test]
+async fn metrics_need_a_token_allowed_to_read_them() -> Result<()> {
+    let env = TestEnv::shared();
+    let admin = env.client().await?;
+    let ns = "metrics-auth";
+    create_namespace(&admin, ns).await?;
+    // The shipped reader role, bound to one ServiceAccount; another has no binding.
+    let reader: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(
+        capk_tests::repo_root().join("manifests/rbac/metrics_reader_role.yaml"),
+    )?)?;
+    let pp = PatchParams::apply("metrics-auth-test").force();
+    Api::<ClusterRole>::all(admin.clone())
+        .patch("capk-metrics-reader", &pp, &Patch::Apply(&reader))
+        .await?;
+    let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": "metrics-auth-scraper"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": "capk-metrics-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "scraper", "namespace": ns}]});
+    Api::<ClusterRoleBinding>::all(admin.clone())
+        .patch("metrics-auth-scraper", &pp, &Patch::Apply(&binding))
+        .await?;
+    let scraper = token_for(&admin, ns, "scraper").await?;
+    let stranger = token_for(&admin, ns, "stranger").await?;
+
+    let certs = tempfile::tempdir()?;
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()])?;
+    std::fs::write(certs.path().join("tls.crt"), cert.cert.pem())?;
+    std::fs::write(
+        certs.path().join("tls.key"),
+        cert.signing_key.serialize_pem(),
+    )?;
+    let ca = cert.cert.der().clone();
+    let (metrics_port, health_port) = (free_port(), free_port());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_capk-controller"))
+        .args([
+            &format!("--namespace={ns}"),
+            &format!("--diagnostics-address=127.0.0.1:{metrics_port}"),
+            &format!("--diagnostics-cert-dir={}", certs.path().display()),
+            &format!("--health-addr=127.0.0.1:{health_port}"),
+        ])
+        .env("KUBECONFIG", env.kubeconfig())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let result = async {
+        eventually(30, "/readyz", || async {
+            Ok(get(health_port, "/readyz").ok().filter(|r| r.0 == 200))
+        })
+        .await?;
+        assert!(
+            get(metrics_port, "/metrics").is_err(),
+            "plain HTTP got an HTTP answer"
+        );
+        let (code, _) = https_get(metrics_port, "/metrics", None, &ca).await?;
+        assert_eq!(code, 401, "no token");
+        let (code, _) = https_get(metrics_port, "/metrics", Some("not-a-token"), &ca).await?;
+        assert_eq!(code, 401, "a token the apiserver does not know");
+        let (code, body) = https_get(metrics_port, "/metrics", Some(&stranger), &ca).await?;
+        assert_eq!(code, 403, "{body}");
+        assert!(
+            body.contains(&format!("system:serviceaccount:{ns}:stranger")),
+            "{body}"
+        );
+        let (code, body) = https_get(metrics_port, "/metrics", Some(&scraper), &ca).await?;
+        assert_eq!(code, 200, "{body}");
+        assert!(
+            body.contains(
+                "controller_runtime_max_concurrent_reconciles{controller=\"kvmmachine\"}"
+            ),
+            "{body}"
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    child.kill()?;
+    let _ = child.wait();
+    result
+}
+
 /// Who holds the leader-election Lease in `ns`.
 async fn lease_holder(client: &kube::Client, ns: &str) -> Result<Option<String>> {
     let lease = Api::<k8s_openapi::api::coordination::v1::Lease>::namespaced(client.clone(), ns)
@@ -136,7 +244,7 @@ async fn with_leader_election_one_replica_reconciles_and_the_other_takes_over() 
         let child = Command::new(env!("CARGO_BIN_EXE_capk-controller"))
             .args([
                 &format!("--namespace={ns}"),
-                "--metrics-addr=127.0.0.1:0",
+                "--diagnostics-address=127.0.0.1:0",
                 &format!("--health-addr=127.0.0.1:{health}"),
                 "--leader-elect",
                 &format!("--leader-election-namespace={ns}"),

@@ -140,6 +140,61 @@ async fn infrastructure_components_follow_the_clusterctl_contract() -> Result<()
     );
     let vpa: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(dir.join("vpa.yaml"))?)?;
     assert_eq!(vpa["spec"]["targetRef"]["name"], deploy["metadata"]["name"]);
+    // It acts on the one replica, with a mode that is not deprecated.
+    assert_eq!(vpa["spec"]["updatePolicy"]["minReplicas"], 1);
+    assert_eq!(vpa["spec"]["updatePolicy"]["updateMode"], "Recreate");
+
+    // Scraping: the ServiceMonitor finds the metrics Service and its HTTPS port, and Cluster
+    // API's own Prometheus setup (Pods with the provider label, port named metrics) finds the
+    // Pod.
+    let monitoring = docs(&std::fs::read_to_string(dir.join("monitoring.yaml"))?)?;
+    let monitor = monitoring
+        .iter()
+        .find(|o| o["kind"] == "ServiceMonitor")
+        .context("a ServiceMonitor")?;
+    let service = objs
+        .iter()
+        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == "capk-controller-metrics")
+        .context("the metrics Service")?;
+    for (k, v) in monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .context("matchLabels")?
+    {
+        assert_eq!(&service["metadata"]["labels"][k], v, "Service label {k}");
+    }
+    let endpoint = &monitor["spec"]["endpoints"][0];
+    assert_eq!(endpoint["scheme"], "https");
+    let port = &service["spec"]["ports"][0];
+    assert_eq!(endpoint["port"], port["name"]);
+    let pod = &deploy["spec"]["template"];
+    assert_eq!(
+        pod["metadata"]["labels"]["cluster.x-k8s.io/provider"],
+        "infrastructure-kvm"
+    );
+    let metrics_port = manager["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == "metrics")
+        .context("the manager's port named metrics")?;
+    assert_eq!(port["targetPort"], "metrics");
+    assert!(
+        args.contains(&format!(
+            "--diagnostics-address=${{CAPK_DIAGNOSTICS_ADDRESS:=0.0.0.0:{}}}",
+            metrics_port["containerPort"]
+        )),
+        "the metrics port is the one served: {args}"
+    );
+    // The optional files name no namespace: they go where the provider is (`kubectl apply -n`
+    // or a kustomization's namespace), which clusterctl init's --target-namespace chooses.
+    for o in monitoring.iter().chain([&vpa]) {
+        assert!(
+            o["metadata"]["namespace"].is_null(),
+            "{} {} names a namespace",
+            o["kind"],
+            o["metadata"]["name"]
+        );
+    }
     assert_eq!(
         manager["readinessProbe"]["httpGet"]["path"], "/readyz",
         "the manager is probed on its health endpoint"
@@ -545,15 +600,9 @@ async fn service_account_client(admin: &Client) -> Result<Client> {
     Ok(Client::try_from(config)?)
 }
 
-#[tokio::test]
-async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
-    // The controller's warnings (a 403 names the missing rule) show in the test's output.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter("capk_controller=warn,kube_runtime=warn,kube_client=warn")
-        .with_test_writer()
-        .try_init();
-    let admin = TestEnv::shared().client().await?;
-    // ServiceAccount, ClusterRole and binding exactly as shipped.
+/// Applies the ServiceAccount, ClusterRoles and bindings exactly as shipped; returns a client
+/// of the controller's ServiceAccount.
+async fn shipped_rbac_client(admin: &Client) -> Result<Client> {
     let dir = release_dir()?;
     let text = substitute(
         &std::fs::read_to_string(dir.join("infrastructure-components.yaml"))?,
@@ -570,10 +619,74 @@ async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
         ]
         .contains(&o["kind"].as_str().unwrap_or_default())
         {
-            apply(&admin, &o, false).await?;
+            apply(admin, &o, false).await?;
         }
     }
-    let restricted = service_account_client(&admin).await?;
+    service_account_client(admin).await
+}
+
+/// The metrics endpoint's TokenReviews and SubjectAccessReviews work with the shipped role, and
+/// the shipped capk-metrics-reader ClusterRole is what a scraper needs.
+#[tokio::test]
+async fn metrics_are_served_with_only_the_shipped_rbac() -> Result<()> {
+    use capk_controller::metrics::{
+        Metrics,
+        serve::{Serving, serve_metrics, tls_self_signed},
+    };
+    let admin = TestEnv::shared().client().await?;
+    let restricted = shipped_rbac_client(&admin).await?;
+    let ns = "metrics-rbac";
+    create_namespace(&admin, ns).await?;
+    let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": "metrics-rbac-scraper"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": "capk-metrics-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "scraper", "namespace": ns}]});
+    apply(&admin, &binding, false).await?;
+    let scraper = support::scrape::token_for(&admin, ns, "scraper").await?;
+    let stranger = support::scrape::token_for(&admin, ns, "stranger").await?;
+
+    // As the controller serves it without a mounted certificate: self-signed.
+    let (tls, ca) = tls_self_signed(vec!["localhost".to_owned()])?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    let server = tokio::spawn(serve_metrics(
+        listener,
+        std::sync::Arc::new(Metrics::new(16)),
+        Serving::Secure {
+            tls,
+            client: restricted,
+        },
+    ));
+    let get = |token| support::scrape::https_get(port, "/metrics", token, &ca);
+    let result = async {
+        let (code, body) = get(Some(scraper.as_str())).await?;
+        assert_eq!(
+            code, 200,
+            "the scraper bound to capk-metrics-reader: {body}"
+        );
+        assert!(
+            body.contains("controller_runtime_reconcile_total"),
+            "{body}"
+        );
+        let (code, body) = get(Some(stranger.as_str())).await?;
+        assert_eq!(code, 403, "a ServiceAccount without the role: {body}");
+        anyhow::Ok(())
+    }
+    .await;
+    server.abort();
+    result
+}
+
+#[tokio::test]
+async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
+    // The controller's warnings (a 403 names the missing rule) show in the test's output.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("capk_controller=warn,kube_runtime=warn,kube_client=warn")
+        .with_test_writer()
+        .try_init();
+    let admin = TestEnv::shared().client().await?;
+    let restricted = shipped_rbac_client(&admin).await?;
 
     // Leader election (--leader-elect, as the Deployment runs it): take the Lease in
     // capk-system, renew it, give it back.
@@ -1977,20 +2090,44 @@ fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result
 #[test]
 fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
     const PATCHES: &str = "/etc/kubernetes/patches";
-    for (vars, period, algorithm) in [
-        (&[][..], "10", "ECDSA-P256"),
+    for (vars, period, algorithm, resync) in [
+        (&[][..], "10", "ECDSA-P256", "60"),
         (
             &[
                 ("KUBE_READINESS_PROBE_PERIOD_SECONDS", "1"),
                 ("KUBE_ENCRYPTION_ALGORITHM", "RSA-2048"),
+                ("FLANNEL_IPTABLES_RESYNC_SECONDS", "5"),
             ][..],
             "1",
             "RSA-2048",
+            "5",
         ),
     ] {
         let mut env = vec![("KVM_NODE_IMAGE", NODE_IMAGE)];
         env.extend_from_slice(vars);
         let rendered = generate_flavor("cluster-template-node-image.yaml", &env)?;
+        // flanneld's container in the CNI the ClusterResourceSet installs.
+        let cni = rendered
+            .iter()
+            .find(|o| o["kind"] == "ConfigMap")
+            .and_then(|o| o["data"]["flannel.yaml"].as_str())
+            .context("the flavor's flannel ConfigMap")?;
+        let flanneld = serde_yaml_ng::Deserializer::from_str(cni)
+            .map(|d| Value::deserialize(d).map_err(anyhow::Error::from))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .find(|o| o["kind"] == "DaemonSet")
+            .context("flannel's DaemonSet")?;
+        assert_eq!(
+            flanneld["spec"]["template"]["spec"]["containers"][0]["command"],
+            json!([
+                "/opt/bin/flanneld",
+                "--ip-masq",
+                "--kube-subnet-mgr",
+                format!("--iptables-resync={resync}")
+            ]),
+            "{vars:?}"
+        );
         for role in [Role::Init, Role::Join] {
             let what = format!("{role:?} {vars:?}");
             let (format, data) = cabpk_bootstrap(&rendered, role)?;

@@ -3,6 +3,8 @@
 //! create.
 #![allow(dead_code)]
 
+pub mod scrape;
+
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
