@@ -117,6 +117,13 @@ echo "$HOSTNAME" >/data/shared/from-guest
 r "host-volume-ro=$(findmnt -no FSTYPE /data/ro),$(findmnt -no OPTIONS /data/ro | tr , '\n' | grep -cx ro),$(cat /data/ro/hello 2>&1)"
 mount -o remount,rw /data/ro 2>/dev/null
 r "host-volume-ro-write=$( (echo x >/data/ro/from-guest) 2>/dev/null && echo written || echo refused)"
+# networkd configures the launcher's NIC and leaves a CNI's links alone: it took the host side
+# of Pods' veth pairs out of the CNI's bridge and ran DHCP on them (the node could not reach its
+# Pods). SETUP of a fresh veth and of eth0.
+ip link add capk-veth0 type veth peer name capk-veth1 && ip link set capk-veth0 up && ip link set capk-veth1 up
+sleep 5
+r "networkd-setup=$(networkctl list --no-legend capk-veth0 | awk '{print $5}'),$(networkctl list --no-legend eth0 | awk '{print $5}')"
+ip link del capk-veth0
 for i in $(ctr -n k8s.io images ls -q | grep -v '^sha256:' | sort); do r "image $i"; done
 r "pulls=$(journalctl -b -u containerd.service -o cat | grep -c 'PullImage')"
 kc() { kubectl --kubeconfig /etc/kubernetes/admin.conf --request-timeout 60s "$@"; }
@@ -485,6 +492,8 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
         "no kube-proxy Pod: {pods:?}"
     );
     assert_eq!(l.fact("etcd-disk="), "etcdfs,ext4");
+    // A veth (as a CNI makes for each Pod) is not networkd's; the launcher's NIC is.
+    assert_eq!(l.fact("networkd-setup="), "unmanaged,configured");
     assert_eq!(l.fact("host-volume="), format!("9p,{HOST_VOLUME_TEXT}"));
     // The guest wrote to the read-write share as QEMU's user; the read-only one was read and
     // mounted read-only, and a write was refused even after a read-write remount.
