@@ -2107,14 +2107,13 @@ fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
         env.extend_from_slice(vars);
         let rendered = generate_flavor("cluster-template-node-image.yaml", &env)?;
         // flanneld's container in the CNI the ClusterResourceSet installs.
-        let cni = rendered
+        let objects = docs(&rendered)?;
+        let cni = objects
             .iter()
             .find(|o| o["kind"] == "ConfigMap")
             .and_then(|o| o["data"]["flannel.yaml"].as_str())
             .context("the flavor's flannel ConfigMap")?;
-        let flanneld = serde_yaml_ng::Deserializer::from_str(cni)
-            .map(|d| Value::deserialize(d).map_err(anyhow::Error::from))
-            .collect::<Result<Vec<_>>>()?
+        let flanneld = docs(cni)?
             .into_iter()
             .find(|o| o["kind"] == "DaemonSet")
             .context("flannel's DaemonSet")?;
