@@ -35,6 +35,9 @@ pub const KVMMACHINE_FINALIZER: &str = "kvmmachine.infrastructure.cluster.x-k8s.
 
 /// Pod readiness gate the controller sets from the workload cluster Node's Ready condition.
 pub const NODE_READY_GATE: &str = "infrastructure.cluster.x-k8s.io/node-ready";
+/// The name of the machine Pod's etcd volume: the controller's Pod builder, its etcd data cleanup
+/// and its cache of machine Pods (which keeps only that volume of a Pod's spec) agree on it.
+pub const ETCD_VOLUME: &str = "etcd";
 
 /// Condition: the object is fully reconciled and usable.
 pub const CONDITION_READY: &str = "Ready";

@@ -6,6 +6,8 @@
 
 use std::{collections::HashMap, sync::Mutex, time::Duration};
 
+use backon::{BackoffBuilder, ExponentialBuilder};
+
 /// The wait after the first failure.
 pub const FIRST: Duration = Duration::from_secs(2);
 /// The longest wait between two attempts.
@@ -41,10 +43,25 @@ impl ReconcileBackoff {
     }
 }
 
-/// The wait after `failures` consecutive failures (1 = the first).
+/// The wait after `failures` consecutive failures (1 = the first): [`FIRST`], doubled per
+/// failure, at most [`MAX`].
 pub fn delay(failures: u32) -> Duration {
-    let doublings = failures.saturating_sub(1).min(16);
-    FIRST.saturating_mul(1 << doublings).min(MAX)
+    doubling(FIRST, MAX, failures)
+}
+
+/// The wait after the `attempt`th failure (1 = the first) of an exponential back-off that starts
+/// at `first` and doubles up to `max` (`backon`'s, without jitter: a wait shown in a condition
+/// or an Event is the wait taken).
+pub fn doubling(first: Duration, max: Duration, attempt: u32) -> Duration {
+    // Sixteen doublings exceed any `max` used here: the sequence is not walked further.
+    let n = attempt.saturating_sub(1).min(16) as usize;
+    ExponentialBuilder::new()
+        .with_min_delay(first)
+        .with_max_delay(max)
+        .without_max_times()
+        .build()
+        .nth(n)
+        .unwrap_or(max)
 }
 
 #[cfg(test)]

@@ -3,11 +3,11 @@
 //! through a kubeconfig Secret in the management cluster. Without one they live in the management
 //! cluster, in the KVMCluster's namespace, as they always did.
 //!
-//! One [`Link`] per hosting cluster and namespace, however many KVMClusters and machines use it:
-//! one client and one watch per kind (machine Pods, our Secrets, PVCs and Services, selected by
-//! label), whose caches the reconcilers read exactly as they read the management cluster's. A
-//! link is started when a reconcile first needs it, rebuilt when the Secret changes and dropped
-//! when no KVMCluster names it. Its watch events wake the KVMMachine or KVMCluster that the
+//! One link ([`crate::remote`]) per hosting cluster and namespace, however many KVMClusters and
+//! machines use it: one client and one watch per kind (machine Pods, our Secrets, PVCs and
+//! Services, selected by label), whose caches the reconcilers read exactly as they read the
+//! management cluster's. A link is started when a reconcile first needs it, rebuilt when the
+//! Secret's kubeconfig changes and dropped when no KVMCluster names it. Its watch events wake the KVMMachine or KVMCluster that the
 //! object's labels name ([`crate::ownership`]).
 //!
 //! Reachability: a failing watch makes the link unavailable at once; while it is, the link lists
@@ -19,15 +19,12 @@
 use std::{
     collections::HashMap,
     fmt,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
 use capk_api::{
-    constants::{CONDITION_HOSTING_CLUSTER_AVAILABLE, HOSTING_KUBECONFIG_KEY, MANAGED_BY},
+    constants::{CONDITION_HOSTING_CLUSTER_AVAILABLE, HOSTING_KUBECONFIG_KEY},
     v1alpha1::KVMCluster,
 };
 use futures::{StreamExt, stream};
@@ -47,10 +44,13 @@ use kube::{
 };
 use tracing::{debug, info, warn};
 
+pub use crate::remote::Unavailable;
 use crate::{
+    caches::{ObjectCaches, cached, owned, strip_pod},
     conditions::DesiredCondition,
-    inline_kubeconfig::{InlineKubeconfig, KubeconfigError},
+    inline_kubeconfig::KubeconfigError,
     ownership::Home,
+    remote::{self, KubeconfigSecret, LinkState},
 };
 
 /// Reason: the objects live in the management cluster (no hosting cluster is named).
@@ -107,41 +107,6 @@ impl fmt::Display for HostingKey {
             self.namespace, self.secret
         )
     }
-}
-
-/// Why the objects' cluster cannot be used now. The message never quotes the kubeconfig.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Unavailable {
-    /// CamelCase reason (`REASON_*`).
-    pub reason: &'static str,
-    /// What is wrong, and what to do about it where that is the user's.
-    pub message: String,
-}
-
-impl Unavailable {
-    /// The `HostingClusterAvailable` condition saying so.
-    pub fn condition(&self) -> DesiredCondition {
-        DesiredCondition::falsy(
-            CONDITION_HOSTING_CLUSTER_AVAILABLE,
-            self.reason,
-            self.message.clone(),
-        )
-    }
-}
-
-/// The watch caches of the objects the controller makes in one cluster (metadata only but for
-/// the Pods). In the management cluster the Secrets are all of them (bootstrap data and
-/// kubeconfigs too); in a hosting cluster only ours.
-#[derive(Clone)]
-pub struct ObjectCaches {
-    /// Machine Pods (ours, by label).
-    pub pods: Store<Pod>,
-    /// Secrets.
-    pub secrets: Store<PartialObjectMeta<Secret>>,
-    /// etcd PVCs (ours, by label).
-    pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
-    /// Control-plane Services (ours, by label).
-    pub services: Store<PartialObjectMeta<Service>>,
 }
 
 /// The cluster and namespace where a reconcile's objects live, with the watch caches of it.
@@ -251,7 +216,7 @@ pub type OnChange = Arc<dyn Fn(&HostingKey, Option<&ObjectMeta>) + Send + Sync>;
 
 /// The links to every hosting cluster in use.
 pub struct Links {
-    links: Mutex<HashMap<HostingKey, Arc<Link>>>,
+    links: remote::Links<HostingKey, ObjectCaches>,
     /// Kubeconfig Secrets that cannot be used, by the resourceVersion found so: not read again
     /// until they change.
     refused: Mutex<HashMap<HostingKey, (String, Unavailable)>>,
@@ -260,62 +225,15 @@ pub struct Links {
     on_change: OnChange,
 }
 
-/// One hosting cluster and namespace: its client, watch caches and availability.
-struct Link {
-    /// The kubeconfig Secret's resourceVersion the link was last found current for.
-    source: Mutex<String>,
-    /// A digest of the kubeconfig it was built from: a Secret whose metadata changed (the
-    /// controller's own move label, say) keeps its link.
-    digest: u64,
-    client: Client,
-    caches: ObjectCaches,
-    state: Arc<LinkState>,
-    tasks: Vec<tokio::task::AbortHandle>,
-}
-
-impl Drop for Link {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
-/// What the link's tasks tell the reconcilers.
-#[derive(Default)]
-struct LinkState {
-    /// Why the hosting cluster cannot be used, while it cannot.
-    failure: Mutex<Option<Unavailable>>,
-    /// Every watch has listed once.
-    synced: AtomicBool,
-    /// A watch failed: probe.
-    failed: tokio::sync::Notify,
-}
-
-impl LinkState {
-    /// Records a failure; true when the reason changed (a condition to rewrite).
-    fn fail(&self, u: Unavailable) -> bool {
-        let mut f = self.failure.lock().expect("failure lock");
-        let changed = f.as_ref().map(|c| c.reason) != Some(u.reason);
-        *f = Some(u);
-        changed
-    }
-
-    /// Clears the failure; true when there was one.
-    fn recover(&self) -> bool {
-        self.failure.lock().expect("failure lock").take().is_some()
-    }
-
-    fn failure(&self) -> Option<Unavailable> {
-        self.failure.lock().expect("failure lock").clone()
-    }
-}
+/// One hosting cluster and namespace: its client, the caches of the objects the controller
+/// makes there, and their availability.
+type Link = remote::Link<ObjectCaches>;
 
 impl Links {
     /// No links yet; `on_change` hears of every change the links will see.
     pub fn new(on_change: OnChange) -> Self {
         Self {
-            links: Mutex::default(),
+            links: remote::Links::default(),
             refused: Mutex::default(),
             connecting: tokio::sync::Mutex::new(()),
             on_change,
@@ -324,7 +242,7 @@ impl Links {
 
     /// How many hosting clusters are linked.
     pub fn len(&self) -> usize {
-        self.links.lock().expect("links lock").len()
+        self.links.len()
     }
 
     /// Whether none is.
@@ -334,12 +252,7 @@ impl Links {
 
     /// Drops the links (and remembered refusals) of the keys `in_use` does not keep.
     pub fn retain(&self, in_use: impl Fn(&HostingKey) -> bool) {
-        let dropped: Vec<HostingKey> = {
-            let mut links = self.links.lock().expect("links lock");
-            let gone = links.keys().filter(|k| !in_use(k)).cloned().collect();
-            links.retain(|k, _| in_use(k));
-            gone
-        };
+        let dropped = self.links.retain(&in_use);
         self.refused
             .lock()
             .expect("refused lock")
@@ -362,22 +275,22 @@ impl Links {
             return Ok(Target::management(mc, caches.clone(), &ns));
         };
         let link = self.link(mc, &caches.secrets, &key).await?;
-        if let Some(failure) = link.state.failure() {
+        if let Some(failure) = link.state().failure() {
             return Err(failure);
         }
-        if !link.state.synced.load(Ordering::SeqCst) {
+        if !link.state().synced() {
             return Err(Unavailable {
                 reason: REASON_CONNECTING,
                 message: format!("listing the machine Pods, Secrets, PVCs and Services in {key}"),
             });
         }
         Ok(Target {
-            client: link.client.clone(),
+            client: link.client().clone(),
             home: Home {
                 namespace: key.namespace.clone(),
                 management: false,
             },
-            caches: link.caches.clone(),
+            caches: link.caches().clone(),
             key: Some(key),
         })
     }
@@ -400,22 +313,14 @@ impl Links {
             .get(&ObjectRef::new(&key.secret).within(&key.secret_namespace))
             .map(|m| m.resource_version().unwrap_or_default())
         else {
-            self.links.lock().expect("links lock").remove(key);
+            self.links.remove(key);
             return Err(missing());
         };
-        let current = || {
-            self.links
-                .lock()
-                .expect("links lock")
-                .get(key)
-                .filter(|l| *l.source.lock().expect("source lock") == source)
-                .cloned()
-        };
-        if let Some(link) = current() {
+        if let Some(link) = self.links.current(key, &source) {
             return Ok(link);
         }
         let _one = self.connecting.lock().await;
-        if let Some(link) = current() {
+        if let Some(link) = self.links.current(key, &source) {
             return Ok(link);
         }
         if let Some((_, u)) = self
@@ -427,43 +332,25 @@ impl Links {
         {
             return Err(u.clone());
         }
-        let secret = Api::<Secret>::namespaced(mc.clone(), &key.secret_namespace)
-            .get_opt(&key.secret)
-            .await
-            .map_err(|e| Unavailable {
-                reason: REASON_KUBECONFIG_INVALID,
-                message: format!("read Secret {}: {e}", key.secret),
-            })?
-            .ok_or_else(missing)?;
-        let source = secret.resource_version().unwrap_or_default();
-        let value = secret
-            .data
-            .as_ref()
-            .and_then(|d| d.get(HOSTING_KUBECONFIG_KEY))
-            .map(|v| v.0.as_slice())
-            .unwrap_or_default();
-        let digest = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            value.hash(&mut h);
-            h.finish()
-        };
-        let unchanged = self
-            .links
-            .lock()
-            .expect("links lock")
-            .get(key)
-            .filter(|l| l.digest == digest)
-            .cloned();
-        if let Some(link) = unchanged {
-            *link.source.lock().expect("source lock") = source;
+        let secret = KubeconfigSecret::read(
+            mc,
+            &key.secret_namespace,
+            &key.secret,
+            HOSTING_KUBECONFIG_KEY,
+        )
+        .await
+        .map_err(|e| Unavailable {
+            reason: REASON_KUBECONFIG_INVALID,
+            message: format!("read Secret {}: {e}", key.secret),
+        })?
+        .ok_or_else(missing)?;
+        // The Secret changed, its kubeconfig did not (the controller's own move label, say):
+        // the link stays.
+        if let Some(link) = self.links.get(key).filter(|l| l.has_kubeconfig_of(&secret)) {
+            link.renew(&secret.version);
             return Ok(link);
         }
-        let client = match InlineKubeconfig::parse(value) {
-            Ok(kc) => kc.client().await,
-            Err(e) => Err(e),
-        };
-        let client = match client {
+        let client = match secret.client().await {
             Ok(c) => c,
             Err(e) => {
                 let reason = match e {
@@ -478,47 +365,51 @@ impl Links {
                 self.refused
                     .lock()
                     .expect("refused lock")
-                    .insert(key.clone(), (source, u.clone()));
+                    .insert(key.clone(), (secret.version, u.clone()));
                 return Err(u);
             }
         };
         self.refused.lock().expect("refused lock").remove(key);
-        let link = Arc::new(self.start(key, client, source, digest));
-        self.links
-            .lock()
-            .expect("links lock")
-            .insert(key.clone(), link.clone());
-        Ok(link)
+        let link = self.start(key, client, &secret);
+        Ok(self.links.insert(key.clone(), link))
     }
 
-    fn start(&self, key: &HostingKey, client: Client, source: String, digest: u64) -> Link {
+    fn start(&self, key: &HostingKey, client: Client, secret: &KubeconfigSecret) -> Link {
         info!(hosting = %key, "watching the hosting cluster");
         let ns = key.namespace.as_str();
-        let owned = watcher::Config::default()
-            .labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"))
-            .timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS);
-        let (pods, pod_events) = crate::cached(
+        let config = owned().timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS);
+        let (pods, pod_events) = cached(
             Api::<Pod>::namespaced(client.clone(), ns),
-            owned.clone(),
-            crate::strip_pod,
+            config.clone(),
+            strip_pod,
         );
-        let (secrets, secret_events) = crate::cached(
+        let (secrets, secret_events) = cached(
             Api::<PartialObjectMeta<Secret>>::namespaced(client.clone(), ns),
-            owned.clone(),
+            config.clone(),
             |_| {},
         );
-        let (claims, claim_events) = crate::cached(
+        let (claims, claim_events) = cached(
             Api::<PartialObjectMeta<PersistentVolumeClaim>>::namespaced(client.clone(), ns),
-            owned.clone(),
+            config.clone(),
             |_| {},
         );
-        let (services, service_events) = crate::cached(
+        let (services, service_events) = cached(
             Api::<PartialObjectMeta<Service>>::namespaced(client.clone(), ns),
-            owned,
+            config,
             |_| {},
         );
-        let state = Arc::new(LinkState::default());
-        let mut tasks = Vec::new();
+        let caches = ObjectCaches {
+            pods,
+            secrets,
+            claims,
+            services,
+        };
+        let mut link = Link::new(
+            secret.version.clone(),
+            secret.digest,
+            client.clone(),
+            caches.clone(),
+        );
 
         // Every watch event: wake the owner, or note the failure.
         let events = stream::select_all([
@@ -527,97 +418,70 @@ impl Links {
             claim_events.map(|r| r.map(|o| o.metadata)).boxed(),
             service_events.map(|r| r.map(|o| o.metadata)).boxed(),
         ]);
-        let (k, st, on_change) = (key.clone(), state.clone(), self.on_change.clone());
-        tasks.push(
-            tokio::spawn(async move {
-                futures::pin_mut!(events);
-                while let Some(event) = events.next().await {
-                    match event {
-                        Ok(meta) => on_change(&k, Some(&meta)),
-                        Err(e) => {
-                            let Some(u) = watch_failure(&e) else { continue };
-                            if st.fail(u) {
-                                warn!(hosting = %k, error = %e, "hosting cluster cannot be used");
-                                on_change(&k, None);
-                            } else {
-                                debug!(hosting = %k, error = %e, "hosting cluster watch failed");
-                            }
-                            st.failed.notify_one();
+        let (k, st, on_change) = (key.clone(), link.state().clone(), self.on_change.clone());
+        link.spawn(async move {
+            futures::pin_mut!(events);
+            while let Some(event) = events.next().await {
+                match event {
+                    Ok(meta) => on_change(&k, Some(&meta)),
+                    Err(e) => {
+                        let Some(u) = watch_failure(&e) else { continue };
+                        if fail(&st, u) {
+                            warn!(hosting = %k, error = %e, "hosting cluster cannot be used");
+                            on_change(&k, None);
+                        } else {
+                            debug!(hosting = %k, error = %e, "hosting cluster watch failed");
                         }
+                        st.notify_failed();
                     }
                 }
-            })
-            .abort_handle(),
-        );
+            }
+        });
 
         // The first list of every watch: the caches mean something from then on.
-        let (k, st, on_change) = (key.clone(), state.clone(), self.on_change.clone());
-        let stores = (
-            pods.clone(),
-            secrets.clone(),
-            claims.clone(),
-            services.clone(),
-        );
-        tasks.push(
-            tokio::spawn(async move {
-                let _ = stores.0.wait_until_ready().await;
-                let _ = stores.1.wait_until_ready().await;
-                let _ = stores.2.wait_until_ready().await;
-                let _ = stores.3.wait_until_ready().await;
-                st.synced.store(true, Ordering::SeqCst);
-                info!(hosting = %k, "hosting cluster in sync");
-                on_change(&k, None);
-            })
-            .abort_handle(),
-        );
+        let (k, st, on_change) = (key.clone(), link.state().clone(), self.on_change.clone());
+        link.spawn(async move {
+            let _ = caches.pods.wait_until_ready().await;
+            let _ = caches.secrets.wait_until_ready().await;
+            let _ = caches.claims.wait_until_ready().await;
+            let _ = caches.services.wait_until_ready().await;
+            st.set_synced();
+            info!(hosting = %k, "hosting cluster in sync");
+            on_change(&k, None);
+        });
 
         // While unavailable: probe until the hosting cluster answers again.
-        let (k, st, on_change, c) = (
-            key.clone(),
-            state.clone(),
-            self.on_change.clone(),
-            client.clone(),
-        );
-        tasks.push(
-            tokio::spawn(async move {
-                loop {
-                    if st.failure().is_none() {
-                        st.failed.notified().await;
-                        continue;
-                    }
-                    tokio::time::sleep(PROBE_INTERVAL).await;
-                    match probe(&c, &k.namespace).await {
-                        Ok(()) => {
-                            if st.recover() {
-                                info!(hosting = %k, "hosting cluster reachable again");
-                                on_change(&k, None);
-                            }
+        let (k, st, on_change) = (key.clone(), link.state().clone(), self.on_change.clone());
+        link.spawn(async move {
+            loop {
+                if st.failure().is_none() {
+                    st.wait_failed().await;
+                    continue;
+                }
+                tokio::time::sleep(PROBE_INTERVAL).await;
+                match probe(&client, &k.namespace).await {
+                    Ok(()) => {
+                        if st.recover() {
+                            info!(hosting = %k, "hosting cluster reachable again");
+                            on_change(&k, None);
                         }
-                        Err(u) => {
-                            if st.fail(u) {
-                                on_change(&k, None);
-                            }
+                    }
+                    Err(u) => {
+                        if fail(&st, u) {
+                            on_change(&k, None);
                         }
                     }
                 }
-            })
-            .abort_handle(),
-        );
-
-        Link {
-            source: Mutex::new(source),
-            digest,
-            client,
-            caches: ObjectCaches {
-                pods,
-                secrets,
-                claims,
-                services,
-            },
-            state,
-            tasks,
-        }
+            }
+        });
+        link
     }
+}
+
+/// Records a failure of the link; true when its reason changed (a condition to rewrite).
+fn fail(state: &LinkState, u: Unavailable) -> bool {
+    let reason = u.reason;
+    state.fail(u).is_none_or(|before| before.reason != reason)
 }
 
 /// Lists each watched kind (one item, metadata only): what the watches need to work.

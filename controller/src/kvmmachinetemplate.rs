@@ -12,14 +12,23 @@ use capk_api::{
     constants::PAUSED_ANNOTATION,
     v1alpha1::{KVMMachineSpec, KVMMachineTemplate, KVMMachineTemplateStatus, NodeInfo},
 };
+use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kube::{Api, ResourceExt, runtime::controller::Action};
-use tracing::instrument;
+use kube::{
+    Api, ResourceExt,
+    runtime::{
+        Controller,
+        controller::{Action, Config},
+        watcher,
+    },
+};
+use tracing::{debug, instrument, warn};
 
 use crate::{
-    Context,
+    caches::api,
+    context::Context,
     error::{Error, Result},
-    report,
+    objects, report,
 };
 
 /// The CPU architecture of every VM: the launcher runs `qemu-system-x86_64`.
@@ -62,13 +71,37 @@ pub async fn reconcile(template: Arc<KVMMachineTemplate>, ctx: Arc<Context>) -> 
     }
     let ns = template.namespace().ok_or(Error::MissingNamespace)?;
     let api: Api<KVMMachineTemplate> = Api::namespaced(ctx.client.clone(), &ns);
-    report::write_status(&api, &*template, |t| t.status.as_ref(), status).await?;
+    objects::write_status(&api, &*template, |t| t.status.as_ref(), status).await?;
     Ok(Action::await_change())
 }
 
 /// Requeue after a failed status write, with the template's back-off.
 pub fn error_policy(template: Arc<KVMMachineTemplate>, error: &Error, ctx: Arc<Context>) -> Action {
     report::requeue_after(&ctx, "KVMMachineTemplate", &*template, error)
+}
+
+/// Runs the KVMMachineTemplate controller until `stopped`: only a template's own spec matters
+/// (the autoscaler's capacity).
+pub async fn run(
+    ctx: Arc<Context>,
+    config: Config,
+    stopped: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let ns = ctx.settings.namespace.clone();
+    Controller::new(
+        api::<KVMMachineTemplate>(&ctx.client, ns.as_deref()),
+        watcher::Config::default(),
+    )
+    .with_config(config)
+    .graceful_shutdown_on(stopped)
+    .run(reconcile, error_policy, ctx)
+    .for_each(|res| async move {
+        match res {
+            Ok((obj, _)) => debug!(kvmmachinetemplate = %obj.name, "reconciled"),
+            Err(e) => warn!(error = %e, "KVMMachineTemplate reconcile error"),
+        }
+    })
+    .await
 }
 
 #[cfg(test)]

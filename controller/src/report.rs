@@ -1,20 +1,15 @@
-//! What both reconcilers do the same way: find their CAPI owner, write status only when it
-//! changes, delete what they own, and turn a failed step into a metric, a log line and a Warning
-//! Event.
-
-use std::fmt::Debug;
+//! What both reconcilers do the same way around a reconcile: find their CAPI owner, publish
+//! Events, bound a reconcile's time, and turn its outcome into a metric, a log line, a Warning
+//! Event and the wait before the next one. (Their writes are in [`crate::objects`].)
 
 use kube::{
-    Api, Resource, ResourceExt,
-    api::{DeleteParams, Patch, PatchParams},
+    Resource, ResourceExt,
     runtime::events::{Event, EventType},
 };
-use serde::{Serialize, de::DeserializeOwned};
-use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::{
-    context::{Context, FIELD_MANAGER},
+    context::Context,
     error::{Error, Result},
 };
 
@@ -110,83 +105,4 @@ pub fn requeue_after<K: Resource>(
         ctx.backoff.failed(&key)
     });
     kube::runtime::controller::Action::requeue(after)
-}
-
-/// A JSON merge patch of `obj` by the controller's field manager; returns the patched object.
-pub async fn merge_patch<K>(
-    api: &Api<K>,
-    obj: &K,
-    kind: &'static str,
-    patch: &serde_json::Value,
-) -> Result<K>
-where
-    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug,
-{
-    api.patch(
-        &obj.name_any(),
-        &PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..Default::default()
-        },
-        &Patch::Merge(patch),
-    )
-    .await
-    .map_err(|source| Error::Apply {
-        kind,
-        name: obj.name_any(),
-        source,
-    })
-}
-
-/// Writes `desired_for(obj)` as the status, only when it differs from the stored status. The
-/// watch cache can lag behind our own last write, so the decision is made again on the stored
-/// object: a stale copy never causes a redundant write.
-pub async fn write_status<K, S>(
-    api: &Api<K>,
-    obj: &K,
-    status_of: impl Fn(&K) -> Option<&S>,
-    desired_for: impl Fn(&K) -> S,
-) -> Result<()>
-where
-    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug,
-    S: PartialEq + Serialize,
-{
-    if status_of(obj) == Some(&desired_for(obj)) {
-        return Ok(());
-    }
-    let name = obj.name_any();
-    let fresh = api.get_status(&name).await.map_err(Error::UpdateStatus)?;
-    let desired = desired_for(&fresh);
-    if status_of(&fresh) == Some(&desired) {
-        return Ok(());
-    }
-    let patch = json!({
-        "apiVersion": K::api_version(&()),
-        "kind": K::kind(&()),
-        "status": desired,
-    });
-    api.patch_status(
-        &name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await
-    .map_err(Error::UpdateStatus)?;
-    Ok(())
-}
-
-/// Deletes `kind` `name` through `api`; already gone (404) counts as done.
-pub async fn delete_if_present<K>(api: &Api<K>, kind: &'static str, name: &str) -> Result<()>
-where
-    K: Clone + DeserializeOwned + Debug,
-{
-    match api.delete(name, &DeleteParams::default()).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-        Err(source) => Err(Error::Delete {
-            kind,
-            name: name.to_owned(),
-            source,
-        }),
-    }
 }

@@ -1,28 +1,25 @@
-//! The link to a workload cluster: its API through the `<cluster>-kubeconfig` Secret that Cluster
-//! API writes. One Node watch per workload cluster (started when a machine of that cluster first
-//! needs it, restarted when the kubeconfig changes) feeds a cache and wakes the machines whose
-//! Node changed; nothing polls. The machine Pod's readiness gate follows the Node's `Ready`
+//! The link to a workload cluster ([`crate::remote`]): its API through the `<cluster>-kubeconfig`
+//! Secret that Cluster API writes. One Node watch per workload cluster (started when a machine of
+//! that cluster first needs it, restarted when the kubeconfig Secret changes) feeds a cache and
+//! wakes the machines whose Node changed; nothing polls. The machine Pod's readiness gate follows the Node's `Ready`
 //! condition, and the Node gets our providerID when it has none, and the zone and region labels of
 //! the management-cluster node its machine Pod runs on when it has neither (failure domains are
 //! those zones). An unreachable workload cluster is a reason on the gate, never a crash.
 
 use std::{
     collections::{BTreeMap, HashMap},
-    sync::{Arc, Mutex},
+    sync::Arc,
 };
 
-use capk_api::{
-    constants::{MANAGED_BY, NODE_READY_GATE},
-    v1alpha1::KVMMachine,
-};
-use futures::{StreamExt, channel::mpsc::UnboundedSender};
+use capk_api::constants::NODE_READY_GATE;
+use futures::StreamExt;
 use k8s_openapi::{
-    api::core::v1::{Node, Pod, Secret},
+    api::core::v1::{Node, Pod},
     jiff::Timestamp,
 };
 use kube::{
     Api, Client, ResourceExt,
-    api::{Patch, PatchParams},
+    api::Patch,
     runtime::{
         WatchStreamExt,
         reflector::{self, ObjectRef, Store},
@@ -32,10 +29,11 @@ use kube::{
 use serde_json::json;
 use tracing::{debug, info};
 
-use crate::inline_kubeconfig::{InlineKubeconfig, KubeconfigError};
-
-/// Our field manager in workload clusters: the controller's name, as everywhere.
-const FIELD_MANAGER: &str = MANAGED_BY;
+use crate::{
+    inline_kubeconfig::KubeconfigError,
+    objects,
+    remote::{self, KubeconfigSecret, Unavailable},
+};
 
 /// The well-known labels that say where a Node is, copied from the management-cluster node a
 /// machine Pod runs on to the workload Node (the scheduler's topology spreading, zone-aware
@@ -79,10 +77,10 @@ pub fn kubeconfig_secret_name(cluster: &str) -> String {
     format!("{cluster}-kubeconfig")
 }
 
-/// The KVMMachines of workload cluster `cluster` in namespace `ns`, all of them or (with
-/// `Some(node)`) those whose Node is `node`: what a Node watch event wakes.
-pub type MachinesOfNode =
-    Arc<dyn Fn(&str, &str, Option<&str>) -> Vec<ObjectRef<KVMMachine>> + Send + Sync>;
+/// Called on every change a Node watch sees that the machines of workload cluster `cluster` in
+/// namespace `ns` care about: of Node `node` (its Ready condition or providerID), or of the link
+/// itself (`None`: in sync, failing, recovered).
+pub type OnNodeChange = Arc<dyn Fn(&str, &str, Option<&str>) + Send + Sync>;
 
 /// Gate reason: the workload kubeconfig would run a command or read a file, and is not used.
 pub const REASON_KUBECONFIG_REFUSED: &str = "WorkloadKubeconfigRefused";
@@ -112,58 +110,27 @@ impl Gate {
 
 /// The Node watches of all workload clusters this controller links to.
 pub struct Links {
-    links: Mutex<HashMap<(String, String), Link>>,
-    trigger: UnboundedSender<ObjectRef<KVMMachine>>,
-    machines_of_node: MachinesOfNode,
+    /// By namespace and cluster name.
+    links: remote::Links<(String, String), Store<Node>>,
+    on_change: OnNodeChange,
 }
 
-struct Link {
-    /// The kubeconfig Secret's resourceVersion the watch was started from.
-    source: String,
-    client: Client,
-    nodes: Store<Node>,
-    state: Arc<LinkState>,
-    task: tokio::task::AbortHandle,
-}
-
-/// What the Node watch task tells the reconcilers.
-#[derive(Default)]
-struct LinkState {
-    /// The watch's last error, while it fails.
-    error: Mutex<Option<String>>,
-    /// The first list of Nodes is in the cache.
-    synced: std::sync::atomic::AtomicBool,
-}
-
-impl Drop for Link {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+/// Gate reason: the Node watch of the workload cluster fails.
+const REASON_UNREACHABLE: &str = "WorkloadClusterUnreachable";
 
 impl Links {
-    /// Links that wake the machines `machines_of_node` names through `trigger`.
-    pub fn new(
-        trigger: UnboundedSender<ObjectRef<KVMMachine>>,
-        machines_of_node: MachinesOfNode,
-    ) -> Self {
+    /// No links yet; `on_change` hears of every change the Node watches will see.
+    pub fn new(on_change: OnNodeChange) -> Self {
         Self {
-            links: Mutex::default(),
-            trigger,
-            machines_of_node,
+            links: remote::Links::default(),
+            on_change,
         }
     }
 
     /// Stops the Node watch of `cluster` (its kubeconfig is gone, or the cluster is deleted).
     pub fn forget(&self, ns: &str, cluster: &str) {
         let key = (ns.to_owned(), cluster.to_owned());
-        if self
-            .links
-            .lock()
-            .expect("links lock")
-            .remove(&key)
-            .is_some()
-        {
+        if self.links.remove(&key) {
             info!(
                 namespace = ns,
                 cluster, "stopped watching the workload cluster's Nodes"
@@ -174,23 +141,18 @@ impl Links {
     /// Drops the links (client and Node watch) of the workload clusters `in_use(namespace,
     /// cluster)` says no machine needs any more.
     pub fn retain(&self, in_use: impl Fn(&str, &str) -> bool) {
-        let mut links = self.links.lock().expect("links lock");
-        links.retain(|(ns, cluster), _| {
-            let keep = in_use(ns, cluster);
-            if !keep {
-                info!(
-                    namespace = %ns,
-                    cluster = %cluster,
-                    "stopped watching the Nodes of a workload cluster no machine here needs"
-                );
-            }
-            keep
-        });
+        for (ns, cluster) in self.links.retain(|(ns, cluster)| in_use(ns, cluster)) {
+            info!(
+                namespace = %ns,
+                cluster = %cluster,
+                "stopped watching the Nodes of a workload cluster no machine here needs"
+            );
+        }
     }
 
     /// How many workload clusters are linked (for tests and metrics).
     pub fn len(&self) -> usize {
-        self.links.lock().expect("links lock").len()
+        self.links.len()
     }
 
     /// Whether no workload cluster is linked.
@@ -223,40 +185,30 @@ impl Links {
             );
         };
         let key = (ns.to_owned(), cluster.to_owned());
-        let current = {
-            let links = self.links.lock().expect("links lock");
-            links
-                .get(&key)
-                .filter(|l| l.source == source)
-                .map(|l| (l.client.clone(), l.nodes.clone(), l.state.clone()))
-        };
-        let (wc, nodes, state) = match current {
-            Some(c) => c,
+        // The link is as current as the cache's view of the Secret: it is restarted when that
+        // changes.
+        let link = match self.links.current(&key, source) {
+            Some(link) => link,
             None => {
-                let wc = match client(mc, ns, cluster).await {
-                    Ok(wc) => wc,
+                let (secret, wc) = match connect(mc, ns, cluster).await {
+                    Ok(connected) => connected,
                     Err(gate) => return gate,
                 };
-                let link = self.start(wc, ns, cluster, source.to_owned());
-                let out = (link.client.clone(), link.nodes.clone(), link.state.clone());
-                self.links.lock().expect("links lock").insert(key, link);
-                out
+                let link = self.start(wc, ns, cluster, source.to_owned(), &secret);
+                self.links.insert(key, link)
             }
         };
-        if let Some(e) = state.error.lock().expect("error lock").clone() {
-            return Gate::not_ready(
-                "WorkloadClusterUnreachable",
-                format!("watch nodes of workload cluster {cluster}: {e}"),
-            );
+        if let Some(u) = link.state().failure() {
+            return Gate::not_ready(u.reason, u.message);
         }
-        if !state.synced.load(std::sync::atomic::Ordering::SeqCst) {
+        if !link.state().synced() {
             return Gate::not_ready(
                 "WaitingForWorkloadCluster",
                 format!("connecting to workload cluster {cluster}"),
             );
         }
-        match nodes.get(&ObjectRef::new(node_name)) {
-            Some(node) => sync_node(&wc, &node, facts).await,
+        match link.caches().get(&ObjectRef::new(node_name)) {
+            Some(node) => sync_node(link.client(), &node, facts).await,
             None => Gate::not_ready(
                 "WaitingForNode",
                 format!("node {node_name} has not joined the workload cluster yet"),
@@ -264,49 +216,53 @@ impl Links {
         }
     }
 
-    fn start(&self, wc: Client, ns: &str, cluster: &str, source: String) -> Link {
+    fn start(
+        &self,
+        wc: Client,
+        ns: &str,
+        cluster: &str,
+        version: String,
+        secret: &KubeconfigSecret,
+    ) -> remote::Link<Store<Node>> {
         info!(
             namespace = ns,
             cluster, "watching the workload cluster's Nodes"
         );
         let (nodes, writer) = reflector::store::<Node>();
-        let state = Arc::new(LinkState::default());
+        let mut link = remote::Link::new(version, secret.digest, wc.clone(), nodes);
         let stream = reflector::reflector(
             writer,
             watcher(
-                Api::<Node>::all(wc.clone()),
+                Api::<Node>::all(wc),
                 watcher::Config::default().timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS),
             )
             .modify(strip_node),
         )
         .default_backoff();
-        let (trigger, machines_of_node) = (self.trigger.clone(), self.machines_of_node.clone());
-        let (ns, cluster, st) = (ns.to_owned(), cluster.to_owned(), state.clone());
-        let task = tokio::spawn(async move {
+        let on_change = self.on_change.clone();
+        let (ns, cluster, st) = (ns.to_owned(), cluster.to_owned(), link.state().clone());
+        link.spawn(async move {
             // What each Node last looked like to us: (Ready, has providerID).
             let mut seen: HashMap<String, (bool, bool)> = HashMap::new();
-            let wake = |node: Option<&str>| {
-                for km in machines_of_node(&ns, &cluster, node) {
-                    let _ = trigger.unbounded_send(km);
-                }
-            };
+            let wake = |node: Option<&str>| on_change(&ns, &cluster, node);
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
                 match event {
                     Err(e) => {
                         debug!(error = %e, cluster = %cluster, "workload cluster Node watch failed");
-                        let msg = e.to_string();
-                        let changed =
-                            st.error.lock().expect("error lock").replace(msg.clone()) != Some(msg);
-                        if changed {
+                        let u = Unavailable {
+                            reason: REASON_UNREACHABLE,
+                            message: format!("watch nodes of workload cluster {cluster}: {e}"),
+                        };
+                        if st.fail(u.clone()).as_ref() != Some(&u) {
                             wake(None);
                         }
                     }
                     Ok(ev) => {
-                        let recovered = st.error.lock().expect("error lock").take().is_some();
+                        let recovered = st.recover();
                         match ev {
                             watcher::Event::InitDone => {
-                                st.synced.store(true, std::sync::atomic::Ordering::SeqCst);
+                                st.set_synced();
                                 wake(None)
                             }
                             watcher::Event::Apply(n) | watcher::Event::InitApply(n) => {
@@ -328,13 +284,7 @@ impl Links {
                 }
             }
         });
-        Link {
-            source,
-            client: wc,
-            nodes,
-            state,
-            task: task.abort_handle(),
-        }
+        link
     }
 }
 
@@ -386,13 +336,13 @@ fn has_provider_id(n: &Node) -> bool {
         .is_some_and(|p| !p.is_empty())
 }
 
-/// A client for the workload cluster of `cluster`, or why there is none. The kubeconfig is
-/// checked as data first ([`InlineKubeconfig`]): one that would run a command or read a file of
-/// the controller is refused before any client exists.
-pub async fn client(mc: &Client, ns: &str, cluster: &str) -> Result<Client, Gate> {
+/// The kubeconfig Secret of workload cluster `cluster` and a client of that cluster, or why
+/// there is none. The kubeconfig is checked as data first ([`KubeconfigSecret::client`]): one
+/// that would run a command or read a file of the controller is refused before any client
+/// exists.
+async fn connect(mc: &Client, ns: &str, cluster: &str) -> Result<(KubeconfigSecret, Client), Gate> {
     let name = kubeconfig_secret_name(cluster);
-    let secret = Api::<Secret>::namespaced(mc.clone(), ns)
-        .get_opt(&name)
+    let secret = KubeconfigSecret::read(mc, ns, &name, "value")
         .await
         .map_err(|e| Gate::not_ready("WorkloadClusterUnavailable", format!("read Secret {name}: {e}")))?
         .ok_or_else(|| {
@@ -401,24 +351,16 @@ pub async fn client(mc: &Client, ns: &str, cluster: &str) -> Result<Client, Gate
                 format!("Secret {name} does not exist yet (Cluster API writes it once the control plane is initialized)"),
             )
         })?;
-    let value = secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get("value"))
-        .map(|v| v.0.as_slice())
-        .unwrap_or_default();
-    let refused = |e: KubeconfigError| {
-        let reason = match e {
-            KubeconfigError::Refused { .. } => REASON_KUBECONFIG_REFUSED,
-            _ => REASON_KUBECONFIG_INVALID,
-        };
-        Gate::not_ready(reason, format!("Secret {name} {e}"))
-    };
-    InlineKubeconfig::parse(value)
-        .map_err(refused)?
-        .client()
-        .await
-        .map_err(refused)
+    match secret.client().await {
+        Ok(client) => Ok((secret, client)),
+        Err(e) => {
+            let reason = match e {
+                KubeconfigError::Refused { .. } => REASON_KUBECONFIG_REFUSED,
+                _ => REASON_KUBECONFIG_INVALID,
+            };
+            Err(Gate::not_ready(reason, format!("Secret {name} {e}")))
+        }
+    }
 }
 
 /// The topology labels of the management-cluster node `pod_node`; none when it cannot be read
@@ -454,16 +396,10 @@ pub async fn sync_node(wc: &Client, node: &Node, facts: NodeFacts<'_>) -> Gate {
             patch["metadata"] = json!({ "labels": labels });
         }
     }
+    let merge = Patch::Merge(&patch);
     if patch != json!({})
         && let Err(e) = Api::<Node>::all(wc.clone())
-            .patch(
-                &node_name,
-                &PatchParams {
-                    field_manager: Some(FIELD_MANAGER.into()),
-                    ..Default::default()
-                },
-                &Patch::Merge(&patch),
-            )
+            .patch(&node_name, &objects::params(&merge), &merge)
             .await
     {
         return Gate::not_ready(
@@ -524,15 +460,9 @@ pub async fn set_gate(pods: &Api<Pod>, pod: &Pod, gate: &Gate) -> Result<(), kub
         "message": gate.message,
         "lastTransitionTime": transition,
     }]}});
-    pods.patch_status(
-        &pod.name_any(),
-        &PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..Default::default()
-        },
-        &Patch::Strategic(&patch),
-    )
-    .await?;
+    let patch = Patch::Strategic(&patch);
+    pods.patch_status(&pod.name_any(), &objects::params(&patch), &patch)
+        .await?;
     Ok(())
 }
 

@@ -1,7 +1,8 @@
 //! The controller's module graph, read from its sources (test modules excluded), so a new cycle
 //! or a clap type in a domain module fails here, not in review: no cycles between the top-level
-//! modules, none between the KVMMachine pipeline's steps (`kvmmachine/*.rs`), and the command
-//! line (clap) only in `main.rs`.
+//! modules, no module using an item of `lib.rs` (which only declares the modules and starts the
+//! controllers), none between the KVMMachine pipeline's steps (`kvmmachine/*.rs`), and the
+//! command line (clap) only in `main.rs`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -184,6 +185,41 @@ fn top_level_modules_have_no_cycles() {
     assert!(
         found.is_empty(),
         "modules on a dependency cycle: {found:?} ({g:?})"
+    );
+}
+
+#[test]
+fn no_module_reaches_back_into_lib_rs() {
+    // lib.rs declares the modules and starts the controllers; everything a module uses of
+    // another is named by that module's path (`crate::caches::cached`, not `crate::cached`).
+    let modules: BTreeSet<String> = std::fs::read_dir(src())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+        .filter(|m| m != "lib" && m != "main")
+        .collect();
+    let mut offenders = Vec::new();
+    let mut todo = vec![src()];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let edge = path.parent() == Some(src().as_path())
+                && ["lib.rs", "main.rs"].contains(&file.as_str());
+            if path.is_dir() {
+                todo.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") && !edge {
+                for name in segments_after(&code(&path), "crate::") {
+                    if !modules.contains(&name) {
+                        offenders.push(format!("{}: crate::{name}", path.display()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "items of lib.rs used by modules: {offenders:?}"
     );
 }
 

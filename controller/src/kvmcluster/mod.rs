@@ -1,8 +1,10 @@
 //! KVMCluster reconciler: fetch → probe the control-plane apiservers
 //! ([`crate::apiserver_health`]) → build (pure, in [`build`] and [`endpoints`]) → apply → status.
+//! What wakes it, and the controller that runs it: [`watches`].
 
 pub mod build;
 pub mod endpoints;
+pub mod watches;
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -10,8 +12,8 @@ use capk_api::{
     capi::Cluster,
     constants::{
         API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_HOSTING_CLUSTER_AVAILABLE,
-        KVMCLUSTER_FINALIZER, MACHINE_ROLE_LABEL, MOVE_LABEL, OWNER_NAMESPACE_LABEL,
-        PAUSED_ANNOTATION, ROLE_CONTROL_PLANE, control_plane_service_name,
+        KVMCLUSTER_FINALIZER, MOVE_LABEL, OWNER_NAMESPACE_LABEL, PAUSED_ANNOTATION,
+        control_plane_service_name,
     },
     v1alpha1::KVMCluster,
 };
@@ -23,14 +25,12 @@ use k8s_openapi::{
     jiff::Timestamp,
 };
 use kube::{
-    Api, Resource, ResourceExt,
-    api::{ListParams, Patch, PatchParams},
-    core::PartialObjectMeta,
+    Api, ResourceExt,
+    api::{ListParams, Patch},
     runtime::{
         controller::Action,
         events::EventType,
         finalizer::{Event as Finalizer, finalizer},
-        reflector::{ObjectRef, Store},
     },
 };
 use serde_json::json;
@@ -43,9 +43,10 @@ use self::{
 use crate::{
     apiserver_health::{self, EndpointHealth},
     conditions::DesiredCondition,
-    context::{Context, FIELD_MANAGER},
+    context::Context,
     error::{Error, Result},
     hosting::{HostingKey, REASON_CONNECTING, Target, Unavailable},
+    objects::{self, read_error},
     ownership::{Claim, Owner},
     report,
 };
@@ -53,19 +54,6 @@ use crate::{
 /// The owning Cluster's name, from the owner reference Cluster API sets.
 pub fn owner_cluster_name(kc: &KVMCluster) -> Option<String> {
     report::capi_owner(kc, "Cluster")
-}
-
-/// The KVMCluster whose control-plane Service a control-plane machine Pod is an endpoint of
-/// (found through its Cluster, by the Pod's cluster-name label); `None` for other Pods.
-pub fn kvmcluster_of_pod(pod: &Pod, clusters: &Store<Cluster>) -> Option<ObjectRef<KVMCluster>> {
-    let labels = pod.labels();
-    if labels.get(MACHINE_ROLE_LABEL).map(String::as_str) != Some(ROLE_CONTROL_PLANE) {
-        return None;
-    }
-    let ns = pod.namespace()?;
-    let cluster = clusters.get(&ObjectRef::new(labels.get(CLUSTER_NAME_LABEL)?).within(&ns))?;
-    let infra = cluster.spec.infrastructure_ref.as_ref()?;
-    (infra.kind == "KVMCluster").then(|| ObjectRef::new(&infra.name).within(&ns))
 }
 
 /// Reconciles one KVMCluster; publishes a Warning Event when a step fails.
@@ -118,11 +106,7 @@ async fn get_cluster(ctx: &Context, ns: &str, name: &str) -> Result<Option<Clust
     Api::<Cluster>::namespaced(ctx.client.clone(), ns)
         .get_opt(name)
         .await
-        .map_err(|source| Error::Read {
-            kind: "Cluster",
-            name: name.to_owned(),
-            source,
-        })
+        .map_err(read_error("Cluster", name))
 }
 
 /// Where `kc`'s objects live, or why that cluster cannot be used now; a Warning Event when it
@@ -196,7 +180,12 @@ async fn apply(
     let target = match target(ctx, kc).await {
         Ok(t) => t,
         Err(u) => {
-            write_status(api, kc, &ClusterState::HostingUnavailable(u.condition())).await?;
+            write_status(
+                api,
+                kc,
+                &ClusterState::HostingUnavailable(u.condition(CONDITION_HOSTING_CLUSTER_AVAILABLE)),
+            )
+            .await?;
             return Ok(Action::requeue(Duration::from_secs(60)));
         }
     };
@@ -218,7 +207,7 @@ async fn apply(
     ) {
         info!(host = ?endpoint.host, port = ?endpoint.port, "setting controlPlaneEndpoint");
         let patch = json!({"spec": {"controlPlaneEndpoint": endpoint}});
-        crate::report::merge_patch(api, kc, "KVMCluster", &patch).await?;
+        objects::merge_patch(api, kc, "KVMCluster", &patch).await?;
     }
     let state = ClusterState::Provisioned {
         endpoints,
@@ -292,19 +281,13 @@ async fn label_for_move(ctx: &Context, key: &HostingKey) -> Result<()> {
         return Ok(());
     }
     info!(secret = %key.secret, "labelling the hosting kubeconfig Secret for clusterctl move");
-    let patch = json!({"metadata": {"labels": {MOVE_LABEL: ""}}});
+    let labels = json!({"metadata": {"labels": {MOVE_LABEL: ""}}});
+    let patch = Patch::Merge(&labels);
     Api::<k8s_openapi::api::core::v1::Secret>::namespaced(
         ctx.client.clone(),
         &key.secret_namespace,
     )
-    .patch_metadata(
-        &key.secret,
-        &PatchParams {
-            field_manager: Some(FIELD_MANAGER.into()),
-            ..Default::default()
-        },
-        &Patch::Merge(&patch),
-    )
+    .patch_metadata(&key.secret, &objects::params(&patch), &patch)
     .await
     .map_err(|source| Error::Apply {
         kind: "Secret",
@@ -324,11 +307,7 @@ async fn refuse_foreign_service(kc: &KVMCluster, target: &Target, name: &str) ->
             .api::<Service>()
             .get_metadata_opt(name)
             .await
-            .map_err(|source| Error::Read {
-                kind: "Service",
-                name: name.to_owned(),
-                source,
-            })?
+            .map_err(read_error("Service", name))?
             .map(|m| m.metadata),
     };
     match meta.map(|m| crate::ownership::claim(&m, &Owner::cluster(kc), &target.home)) {
@@ -351,23 +330,12 @@ async fn refuse_foreign_service(kc: &KVMCluster, target: &Target, name: &str) ->
 async fn apply_service(target: &Target, svc: &Service) -> Result<Option<i32>> {
     let name = svc.name_any();
     let services: Api<Service> = target.api();
-    let applied = services
-        .patch(
-            &name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(svc),
-        )
-        .await
-        .map_err(|source| Error::Apply {
-            kind: "Service",
-            name: name.clone(),
-            source,
-        })?;
+    let applied = objects::apply(&services, svc, "Service").await?;
     let spec = applied.spec.as_ref();
     if spec.is_some_and(|s| s.selector.is_some() || s.publish_not_ready_addresses == Some(true)) {
         info!(service = %name, "removing the selector another field manager set on the control-plane Service");
         let patch = json!({"spec": {"selector": null, "publishNotReadyAddresses": null}});
-        report::merge_patch(&services, &applied, "Service", &patch).await?;
+        objects::merge_patch(&services, &applied, "Service", &patch).await?;
     }
     Ok(spec
         .and_then(|s| s.ports.as_ref())
@@ -439,26 +407,11 @@ async fn sync_endpoints(
     let current = slices
         .list(&ListParams::default().labels(&format!("{SERVICE_NAME_LABEL}={name}")))
         .await
-        .map_err(|source| Error::Read {
-            kind: "EndpointSlice",
-            name: name.clone(),
-            source,
-        })?
+        .map_err(read_error("EndpointSlice", &name))?
         .items;
     let ours = current.iter().find(|s| s.name_any() == name);
     if !ours.is_some_and(|s| endpoints::slice_is_current(s, &desired)) {
-        slices
-            .patch(
-                &name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&desired),
-            )
-            .await
-            .map_err(|source| Error::Apply {
-                kind: "EndpointSlice",
-                name: name.clone(),
-                source,
-            })?;
+        objects::apply(&slices, &desired, "EndpointSlice").await?;
         let ready: Vec<String> = desired
             .endpoints
             .iter()
@@ -499,22 +452,18 @@ async fn remove_left_by_kubernetes(target: &Target, svc: &str, slices: &[String]
     let meta = legacy
         .get_metadata_opt(svc)
         .await
-        .map_err(|source| Error::Read {
-            kind: "Endpoints",
-            name: svc.to_owned(),
-            source,
-        })?;
+        .map_err(read_error("Endpoints", svc))?;
     if meta.is_some_and(|m| {
         m.labels()
             .get(endpoints::ENDPOINTS_MANAGED_BY_LABEL)
             .map(String::as_str)
             == Some(endpoints::KUBE_ENDPOINTS_CONTROLLER)
     }) {
-        report::delete_if_present(&legacy, "Endpoints", svc).await?;
+        objects::delete_if_present(&legacy, "Endpoints", svc).await?;
     }
     let api: Api<EndpointSlice> = target.api();
     for name in slices {
-        report::delete_if_present(&api, "EndpointSlice", name).await?;
+        objects::delete_if_present(&api, "EndpointSlice", name).await?;
     }
     warn!(service = %svc, ?slices, "deleted the endpoints Kubernetes kept from when the control-plane Service had a selector");
     Ok(())
@@ -559,7 +508,12 @@ async fn cleanup(
     let target = match target(ctx, kc).await {
         Ok(t) => t,
         Err(u) => {
-            write_status(api, kc, &ClusterState::HostingUnavailable(u.condition())).await?;
+            write_status(
+                api,
+                kc,
+                &ClusterState::HostingUnavailable(u.condition(CONDITION_HOSTING_CLUSTER_AVAILABLE)),
+            )
+            .await?;
             return Err(Error::HostingUnavailable(u.message));
         }
     };
@@ -567,8 +521,8 @@ async fn cleanup(
         let name = control_plane_service_name(&cluster.name_any());
         let owner = Owner::cluster(kc);
         // Only delete the Service and EndpointSlice this KVMCluster owns.
-        delete_owned(&target.api::<Service>(), "Service", &name, &owner).await?;
-        delete_owned(
+        objects::delete_if_owned(&target.api::<Service>(), "Service", &name, &owner).await?;
+        objects::delete_if_owned(
             &target.api::<EndpointSlice>(),
             "EndpointSlice",
             &name,
@@ -584,27 +538,8 @@ async fn cleanup(
     Ok(Action::await_change())
 }
 
-/// Deletes `name` when `owner` owns it (labels or owner reference).
-async fn delete_owned<K>(api: &Api<K>, kind: &'static str, name: &str, owner: &Owner) -> Result<()>
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    let current: Option<PartialObjectMeta<K>> =
-        api.get_metadata_opt(name)
-            .await
-            .map_err(|source| Error::Read {
-                kind,
-                name: name.to_owned(),
-                source,
-            })?;
-    if current.is_some_and(|o| owner.owns(&o.metadata)) {
-        report::delete_if_present(api, kind, name).await?;
-    }
-    Ok(())
-}
-
 async fn write_status(api: &Api<KVMCluster>, kc: &KVMCluster, state: &ClusterState) -> Result<()> {
-    report::write_status(
+    objects::write_status(
         api,
         kc,
         |k| k.status.as_ref(),

@@ -48,8 +48,6 @@ pub const ATTEMPT_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/etcd-clean
 pub const SINCE_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/etcd-cleanup-since";
 /// `app.kubernetes.io/component` of cleanup Pods.
 pub const COMPONENT: &str = "etcd-cleanup";
-/// The name of the machine Pod's etcd volume ([`super::pod`]).
-pub const ETCD_VOLUME: &str = "etcd";
 /// How long the cleanup may take, from its first attempt, before the directory is left (and
 /// said so): the node may never run the Pod (NotReady, unreachable).
 pub const GIVE_UP_AFTER: Duration = Duration::from_secs(10 * 60);
@@ -77,7 +75,7 @@ impl EtcdHostDir {
             .volumes
             .iter()
             .flatten()
-            .find(|v| v.name == ETCD_VOLUME)?
+            .find(|v| v.name == capk_api::constants::ETCD_VOLUME)?
             .host_path
             .as_ref()?
             .path
@@ -241,8 +239,7 @@ impl Attempt {
     /// How long to wait after this attempt failed before the next: 5 s, doubled each time, at
     /// most 80 s.
     pub fn backoff(&self) -> Duration {
-        let doublings = self.number.saturating_sub(1).min(4);
-        Duration::from_secs(5 << doublings)
+        crate::backoff::doubling(Duration::from_secs(5), Duration::from_secs(80), self.number)
     }
 }
 

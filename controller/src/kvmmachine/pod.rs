@@ -5,7 +5,9 @@
 use std::collections::BTreeMap;
 
 use capk_api::{
-    constants::{CLUSTER_NAME_LABEL, MACHINE_ROLE_LABEL, NODE_READY_GATE, ROLE_CONTROL_PLANE},
+    constants::{
+        CLUSTER_NAME_LABEL, ETCD_VOLUME, MACHINE_ROLE_LABEL, NODE_READY_GATE, ROLE_CONTROL_PLANE,
+    },
     v1alpha1::{Accel, EtcdStorageType, KVMMachine},
 };
 use k8s_openapi::{
@@ -164,7 +166,7 @@ pub fn machine_pod(
         let etcd_bytes = valid.etcd_disk;
         let volume = match storage {
             Some(s) if s.type_ == EtcdStorageType::PersistentVolume => Volume {
-                name: "etcd".into(),
+                name: ETCD_VOLUME.into(),
                 persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
                     claim_name: etcd_claim_name(km),
                     read_only: Some(false),
@@ -180,20 +182,20 @@ pub fn machine_pod(
                     km.meta().namespace.as_deref().unwrap_or("default"),
                     pod_name(km)
                 );
-                host_path("etcd", &dir, "DirectoryOrCreate")
+                host_path(ETCD_VOLUME, &dir, "DirectoryOrCreate")
             }
             // No storage configured: etcd lives next to the VM disks (lost with the Pod).
             None => {
                 empty_dir_bytes += etcd_bytes;
                 Volume {
-                    name: "etcd".into(),
+                    name: ETCD_VOLUME.into(),
                     empty_dir: Some(EmptyDirVolumeSource::default()),
                     ..Default::default()
                 }
             }
         };
         volumes.push(volume);
-        mounts.push(mount("etcd", ETCD_DIR, false));
+        mounts.push(mount(ETCD_VOLUME, ETCD_DIR, false));
         args.push(format!("--etcd-disk={ETCD_DIR}/etcd.img"));
         args.push(format!("--etcd-disk-size={etcd_bytes}"));
     } else {

@@ -458,6 +458,28 @@ pub fn status(
     out
 }
 
+/// Whether the KVMMachine's `Ready` condition already reports `reason` with `detail` in its
+/// message (so the Warning Event for it was published).
+pub fn has_ready_reason(km: &KVMMachine, reason: &str, detail: &str) -> bool {
+    km.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
+        .and_then(|cs| crate::conditions::find(cs, "Ready"))
+        .is_some_and(|c| c.reason == reason && c.message.contains(detail))
+}
+
+/// Whether the KVMMachine already shows condition `c` (same status, reason and message).
+pub fn has_condition(km: &KVMMachine, c: &crate::conditions::DesiredCondition) -> bool {
+    let status = if c.status { "True" } else { "False" };
+    km.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
+        .and_then(|cs| crate::conditions::find(cs, c.type_))
+        .is_some_and(|cur| {
+            cur.status == status && cur.reason == c.reason && cur.message == c.message
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
