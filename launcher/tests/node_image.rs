@@ -778,12 +778,10 @@ impl Admin {
                 .find(|f| f["path"] == path.as_str())
                 .unwrap_or_else(|| panic!("{path} in the bootstrap data"));
             let url = file["contents"]["source"].as_str().unwrap();
-            let (head, data) = url.split_once(',').unwrap();
-            let bytes = if head.ends_with(";base64") {
-                capk_bootstrap::content::decode_base64(data.as_bytes()).unwrap()
-            } else {
-                percent_decode(data)
-            };
+            let (bytes, _) = data_url::DataUrl::process(url)
+                .unwrap()
+                .decode_to_vec()
+                .unwrap();
             std::fs::write(dir.join(name), bytes).unwrap();
         }
         let d = dir.display();
@@ -917,27 +915,6 @@ impl Admin {
         }
         counts
     }
-}
-
-/// `%XX` escapes of a data URL's text.
-fn percent_decode(s: &str) -> Vec<u8> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%'
-            && let Some(v) = s
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-        {
-            out.push(v);
-            i += 3;
-            continue;
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    out
 }
 
 /// Clock ticks per second of /proc's CPU times.
