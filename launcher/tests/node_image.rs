@@ -534,7 +534,8 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
 // then measures CAPK_BENCH_IDLE_SECONDS (60) while the test reads QEMU's host CPU over the same
 // window. The guest prints its own split: CPU by process name, user/system/irq time, interrupts
 // and context switches per second. With CAPK_BENCH_PERF=1 the test also samples QEMU with
-// `perf` during the window.
+// `perf` during the window. With CAPK_BENCH_HOLD=1 the guest keeps running after the numbers
+// (the test prints how to reach it with kubectl and how to end it), to compare levers on one node.
 
 /// The guest's side of the idle benchmark (`CAPK-NODE idle-…` console lines). `@SETTLE@` and
 /// `@WINDOW@` are replaced by seconds. Short-lived processes (exec'd by probes, say) are not in the
@@ -1098,6 +1099,22 @@ fn bench_idle_control_plane() {
             .take(40)
         {
             println!("MEASURE   perf {line}");
+        }
+    }
+    // A developer comparing levers on the running node (edit a static Pod, restart the kubelet,
+    // measure QEMU again) keeps it: the guest runs until the file is removed.
+    if std::env::var("CAPK_BENCH_HOLD").as_deref() == Ok("1") {
+        let hold = work.path().join("hold");
+        std::fs::write(&hold, "").unwrap();
+        println!(
+            "HOLD QEMU pid {qemu}; kubectl: ip netns exec {} {} --kubeconfig {}; rm {} to end",
+            admin.netns,
+            repo_root().join("_output/bin/kubectl").display(),
+            admin.kubeconfig.display(),
+            hold.display()
+        );
+        while hold.exists() {
+            std::thread::sleep(Duration::from_secs(5));
         }
     }
 }
