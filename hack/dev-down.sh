@@ -2,7 +2,7 @@
 # Stops the local management cluster that hack/dev-up.sh started, in order: kubelet, the pods'
 # containers and sandboxes, containerd, kube-proxy (and its iptables rules), our firewall chains and
 # bridge, the control plane, etcd. Unmounts what the kubelet and containerd left under _output/dev
-# and checks that no process of ours is left. Idempotent.
+# and checks that nothing of ours is left (hack/dev/leftovers.sh). Idempotent.
 #
 #   make dev-down                      keep state (etcd, certificates, images): the next dev-up is warm
 #   bash hack/dev-down.sh --purge      also delete _output/dev (built binaries in _output/bin stay)
@@ -150,4 +150,7 @@ if $purge; then
   rm -rf "$DEV"
   log "removed ${DEV#"$ROOT"/}"
 fi
+# Nor anything else of it (mounts, bridge, namespaces, iptables rules, pod cgroups), once both
+# clusters are down.
+((MC == 2)) || bash "$ROOT/hack/dev/leftovers.sh"
 log "local management cluster $NODE_NAME is down"

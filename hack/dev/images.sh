@@ -120,7 +120,9 @@ rust_image() {
   local name=$1 dockerfile=$2 key logfile start old crate
   shift 2
   local manifests=()
-  mapfile -t manifests < <(cd "$ROOT" && ls -- */Cargo.toml)
+  # The members of the workspace, as Cargo.toml lists them (images/flatcar is two levels deep).
+  mapfile -t manifests < <(sed -n 's/^members = \[\(.*\)\]$/\1/p' "$ROOT/Cargo.toml" | tr -d '" ' | tr ',' '\n' | sed 's#$#/Cargo.toml#')
+  ((${#manifests[@]} > 1)) || die "no workspace members read from Cargo.toml's members = [...]"
   local sources=()
   for crate in "$@"; do sources+=("$crate/src"); done
   key=$(printf '%s\n' "tree $(tree_hash Cargo.toml Cargo.lock "${manifests[@]}" .dockerignore "$dockerfile" "${sources[@]}")" \
