@@ -13,13 +13,15 @@
 # artifacts/ (crashing inputs, per-run logs); bootstrap/fuzz/last-run.txt is the summary printed
 # at the end.
 set -euo pipefail
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+LOG_NAME=fuzz
+# shellcheck source=../../hack/lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../hack/lib/common.sh"
+HERE=$ROOT/bootstrap/fuzz
 FIXTURES=$HERE/../tests/fixtures
 SECONDS_PER_TARGET=${1:-20}
-[[ $SECONDS_PER_TARGET =~ ^[0-9]+$ ]] || { echo "fuzz: SECONDS_PER_TARGET must be a number" >&2; exit 2; }
+[[ $SECONDS_PER_TARGET =~ ^[0-9]+$ ]] || die "SECONDS_PER_TARGET must be a number, not '$SECONDS_PER_TARGET'"
 shift || true
-REPO=$(cd "$HERE/../.." && pwd)
-LAUNCHER=$REPO/launcher/fuzz
+LAUNCHER=$ROOT/launcher/fuzz
 ALL=(cloud_config ignition secret write_file heartbeat heartbeat_stream control_request)
 # The fuzz crate holding a target.
 crate_of() {
@@ -31,9 +33,8 @@ crate_of() {
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=("${ALL[@]}")
 
-command -v cargo-fuzz >/dev/null || { echo "fuzz: cargo-fuzz not found; run: cargo install cargo-fuzz" >&2; exit 1; }
-rustup toolchain list 2>/dev/null | grep -q '^nightly' ||
-  { echo "fuzz: a nightly toolchain is needed; run: rustup toolchain install nightly" >&2; exit 1; }
+command -v cargo-fuzz >/dev/null || die "cargo-fuzz not found; run: cargo install cargo-fuzz"
+rustup toolchain list 2>/dev/null | grep -q '^nightly' || die "a nightly toolchain is needed; run: rustup toolchain install nightly"
 
 seed() { # target, files...
   local dir=$HERE/corpus/$1; shift
@@ -59,7 +60,7 @@ for s in "$FIXTURES"/cabpk/*.secret.json; do
   esac
   mkdir -p "$HERE/corpus/$t"
   secret_value "$s" >"$HERE/corpus/$t/seed-$(basename "$s" .secret.json)" ||
-    echo "fuzz: neither jq nor python3 found; $(basename "$s") seeds only the secret target" >&2
+    log "neither jq nor python3 found; $(basename "$s") seeds only the secret target"
 done
 # write_file: first byte picks the encoding (see fuzz_targets/write_file.rs).
 mkdir -p "$HERE/corpus/write_file" "$HERE/corpus/heartbeat"
@@ -85,12 +86,12 @@ in_crate() { # target, command...
 }
 # Safe Rust only, except the launcher's ioctl code, which no target reaches: AddressSanitizer
 # adds build time and finds nothing panics would not.
-echo "fuzz: building ${targets[*]}"
+log "building ${targets[*]}"
 start=$SECONDS
 for t in "${targets[@]}"; do
   in_crate "$t" cargo +nightly fuzz build --sanitizer none "$t"
 done
-echo "fuzz: built in $((SECONDS - start))s"
+log "built in $((SECONDS - start))s"
 
 summary=$HERE/last-run.txt
 {
@@ -102,7 +103,7 @@ for t in "${targets[@]}"; do
   dir=$(crate_of "$t")
   mkdir -p "$dir/artifacts/$t" "$dir/corpus/$t"
   logf=$dir/artifacts/$t/last-run.log
-  echo "fuzz: $t for ${SECONDS_PER_TARGET}s (log: ${logf#"$REPO/"})"
+  log "$t for ${SECONDS_PER_TARGET}s (log: ${logf#"$ROOT/"})"
   rc=0
   in_crate "$t" cargo +nightly fuzz run --sanitizer none "$t" "corpus/$t" -- \
     -max_total_time="$SECONDS_PER_TARGET" -max_len=65536 -timeout=20 -rss_limit_mb=2048 \
@@ -116,14 +117,12 @@ for t in "${targets[@]}"; do
   if [[ $rc != 0 ]]; then
     result=FAILED
     failed+=("$t")
-    echo "fuzz: $t FAILED (exit $rc); the end of its log:" >&2
+    log "$t FAILED (exit $rc); the end of its log:"
     tail -n 30 "$logf" >&2
   fi
   printf '%-17s %-7s %12s %8s %8s %9s\n' "$t" "$result" "${execs:-?}" "${speed:-?}" "${corpus:-?}" "${cov:-?}" >>"$summary"
 done
 cat "$summary"
 if [[ ${#failed[@]} -gt 0 ]]; then
-  echo "fuzz: failures in ${failed[*]}; crashing inputs are in {bootstrap,launcher}/fuzz/artifacts/<target>/" >&2
-  echo "fuzz: reproduce with: cd {bootstrap,launcher}/fuzz && cargo +nightly fuzz run --sanitizer none <target> artifacts/<target>/<file>" >&2
-  exit 1
+  die "failures in ${failed[*]}; crashing inputs are in {bootstrap,launcher}/fuzz/artifacts/<target>/; reproduce with: cd {bootstrap,launcher}/fuzz && cargo +nightly fuzz run --sanitizer none <target> artifacts/<target>/<file>"
 fi

@@ -241,15 +241,20 @@ chmod 0644 "$env_tmp"
 if [[ -f $DEV/cert-manager.env ]] && cmp -s "$env_tmp" "$DEV/cert-manager.env"; then rm -f "$env_tmp"; else mv "$env_tmp" "$DEV/cert-manager.env"; fi
 
 if [[ $MODE == ensure ]]; then
-  bash "$ROOT/hack/build-capi.sh" clusterctl >/dev/null # prepares the CAPI wrapper module
-  wrap=$OUT/src/capi-wrapper-$CAPI_VERSION
-  [[ -f $wrap/go.sum ]] || die "no ${wrap#"$ROOT"/}/go.sum (hack/build-capi.sh prepares it)"
+  require go:golang
+  export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
   ens=$OUT/src/clusterctl-ensure-$CAPI_VERSION
-  mkdir -p "$ens"
-  sed 's#^module .*#module capk.local/clusterctl-ensure#' "$wrap/go.mod" >"$ens/go.mod"
-  cp "$wrap/go.sum" "$ens/go.sum"
+  if [[ ! -f $ens/go.sum ]]; then
+    # A wrapper module of the pinned Cluster API, as hack/build-capi.sh makes its own.
+    rm -rf "$ens"
+    mkdir -p "$ens"
+    go_wrapper_module "$ens" capk.local/clusterctl-ensure "$CAPI_VERSION" \
+      "sigs.k8s.io/cluster-api@$CAPI_VERSION" "sigs.k8s.io/cluster-api/api@$CAPI_VERSION"
+    cp "$ROOT/hack/dev/cert-manager/clusterctl-ensure.go" "$ens/main.go"
+    (cd "$ens" && go mod tidy >/dev/null)
+  fi
   cp "$ROOT/hack/dev/cert-manager/clusterctl-ensure.go" "$ens/main.go"
-  (cd "$ens" && CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod go build -trimpath -o clusterctl-ensure .)
+  (cd "$ens" && go build -trimpath -o clusterctl-ensure .)
   cat >"$WORK/clusterctl.yaml" <<EOF
 # Written by hack/dev/cert-manager.sh ensure: only the cert-manager part of the dev clusterctl.yaml.
 cert-manager:
