@@ -206,9 +206,8 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use rustls::ServerConfig;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio_rustls::TlsAcceptor;
+    use capk_readyz::testsupport::{Answer, tls_server};
+    use tokio::io::AsyncWriteExt;
 
     #[test]
     fn an_apiserver_leaves_after_two_failed_probes_and_returns_on_one_answer() {
@@ -288,75 +287,25 @@ mod tests {
         assert!(!fresh["uid-a"].answering, "forgotten: never answered");
     }
 
-    /// How a test apiserver on loopback answers.
-    #[derive(Clone, Copy)]
-    enum Answer {
-        Status(u16),
-        /// Accepts TCP and TLS, never answers the request.
-        Hang,
-    }
-
-    /// A TLS server with a self-signed certificate answering every request as told.
-    async fn tls_server(answer: Answer) -> SocketAddr {
-        let key = rcgen::generate_simple_self_signed(vec!["apiserver".into()]).unwrap();
-        let config =
-            ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-                .with_safe_default_protocol_versions()
-                .unwrap()
-                .with_no_client_auth()
-                .with_single_cert(
-                    vec![key.cert.der().clone()],
-                    rustls::pki_types::PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into()),
-                )
-                .unwrap();
-        let acceptor = TlsAcceptor::from(Arc::new(config));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            loop {
-                let (tcp, _) = listener.accept().await.unwrap();
-                let acceptor = acceptor.clone();
-                tokio::spawn(async move {
-                    let Ok(mut tls) = acceptor.accept(tcp).await else {
-                        return;
-                    };
-                    let mut buf = [0u8; 1024];
-                    let _ = tls.read(&mut buf).await;
-                    match answer {
-                        Answer::Status(code) => {
-                            let head = format!(
-                                "HTTP/1.1 {code} X\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
-                            );
-                            let _ = tls.write_all(head.as_bytes()).await;
-                            let _ = tls.shutdown().await;
-                        }
-                        Answer::Hang => std::future::pending::<()>().await,
-                    }
-                });
-            }
-        });
-        addr
-    }
-
     #[tokio::test]
     async fn the_real_probe_accepts_200_only() {
         let probe = HttpsReadyz;
         assert_eq!(
-            probe.readyz(tls_server(Answer::Status(200)).await).await,
+            probe.readyz(tls_server(Answer::status(200)).await.0).await,
             Ok(())
         );
         assert_eq!(
-            probe.readyz(tls_server(Answer::Status(500)).await).await,
+            probe.readyz(tls_server(Answer::status(500)).await.0).await,
             Err(ProbeError::Status(500)),
             "etcd down: the apiserver answers but is not ready"
         );
         assert_eq!(
-            probe.readyz(tls_server(Answer::Status(401)).await).await,
+            probe.readyz(tls_server(Answer::status(401)).await.0).await,
             Err(ProbeError::Status(401))
         );
         let started = std::time::Instant::now();
         assert_eq!(
-            probe.readyz(tls_server(Answer::Hang).await).await,
+            probe.readyz(tls_server(Answer::Hang).await.0).await,
             Err(ProbeError::NoAnswer),
             "a hung apiserver: connected, no answer"
         );

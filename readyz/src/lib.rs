@@ -199,79 +199,22 @@ impl ServerCertVerifier for AnyServerCert {
     }
 }
 
+#[cfg(any(test, feature = "testsupport"))]
+pub mod testsupport;
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    use rustls::ServerConfig;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio_rustls::TlsAcceptor;
+    use tokio::io::AsyncWriteExt;
+
+    use crate::testsupport::{Answer, tls_server};
 
     const CLIENT: Readyz = Readyz::new("capk-readyz-test", Duration::from_secs(2));
 
-    /// How a test apiserver on loopback answers.
-    #[derive(Clone)]
-    enum Answer {
-        /// This head, then close.
-        Head(String),
-        /// Accepts TCP and TLS, never answers the request.
-        Hang,
-    }
-
-    fn status(code: u16) -> Answer {
-        Answer::Head(format!(
-            "HTTP/1.1 {code} X\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
-        ))
-    }
-
-    /// A TLS server with a self-signed certificate (as kubeadm's apiserver looks to a client
-    /// without the cluster CA) answering every request as told; also returns the first request.
-    async fn tls_server(answer: Answer) -> (SocketAddr, tokio::sync::mpsc::Receiver<String>) {
-        let key = rcgen::generate_simple_self_signed(vec!["apiserver".into()]).unwrap();
-        let config =
-            ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-                .with_safe_default_protocol_versions()
-                .unwrap()
-                .with_no_client_auth()
-                .with_single_cert(
-                    vec![key.cert.der().clone()],
-                    rustls::pki_types::PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into()),
-                )
-                .unwrap();
-        let acceptor = TlsAcceptor::from(Arc::new(config));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (requests, received) = tokio::sync::mpsc::channel(8);
-        tokio::spawn(async move {
-            loop {
-                let (tcp, _) = listener.accept().await.unwrap();
-                let (acceptor, answer, requests) =
-                    (acceptor.clone(), answer.clone(), requests.clone());
-                tokio::spawn(async move {
-                    let Ok(mut tls) = acceptor.accept(tcp).await else {
-                        return;
-                    };
-                    let mut buf = [0u8; 1024];
-                    let n = tls.read(&mut buf).await.unwrap_or(0);
-                    let _ = requests
-                        .send(String::from_utf8_lossy(&buf[..n]).into_owned())
-                        .await;
-                    match answer {
-                        Answer::Head(head) => {
-                            let _ = tls.write_all(head.as_bytes()).await;
-                            let _ = tls.shutdown().await;
-                        }
-                        Answer::Hang => std::future::pending::<()>().await,
-                    }
-                });
-            }
-        });
-        (addr, received)
-    }
-
     #[tokio::test]
     async fn a_self_signed_apiserver_answering_200_is_ready_and_sees_one_plain_get() {
-        let (addr, mut requests) = tls_server(status(200)).await;
+        let (addr, mut requests) = tls_server(Answer::status(200)).await;
         CLIENT.probe(addr).await.unwrap();
         let request = requests.recv().await.unwrap();
         assert!(request.starts_with("GET /readyz HTTP/1.1\r\n"), "{request}");
@@ -290,7 +233,7 @@ mod tests {
     #[tokio::test]
     async fn any_other_status_is_reported_as_it_is() {
         for code in [500, 401, 404] {
-            let (addr, _) = tls_server(status(code)).await;
+            let (addr, _) = tls_server(Answer::status(code)).await;
             let e = CLIENT.probe(addr).await.unwrap_err();
             assert!(matches!(e, ReadyzError::Status(c) if c == code), "{e}");
         }
