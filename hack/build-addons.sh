@@ -8,11 +8,16 @@
 #                         by the proxy here). VXLAN, host-gw, wireguard, ipip, ipsec, udp, extension
 #                         and alloc are all in. CGO on, as upstream builds it (its udp backend is C).
 #   flannel-cni-plugin    github.com/containernetworking/plugins/plugins/meta/flannel@$FLANNEL_CNI_PLUGIN_VERSION
+#   metrics-server        sigs.k8s.io/metrics-server/cmd/metrics-server@$METRICS_SERVER_VERSION
+#   vpa-recommender, vpa-updater, vpa-admission-controller
+#                         k8s.io/autoscaler/vertical-pod-autoscaler/pkg/{recommender,updater,
+#                         admission-controller}@$VPA_VERSION
 #
-#   hack/build-addons.sh [coredns] [flanneld] [flannel-cni-plugin]   (default: all three)
+#   hack/build-addons.sh [NAME...]   (default: coredns, flanneld and flannel-cni-plugin; the local
+#                                     MC's CAPK_DEV_VPA=1 asks for metrics-server and vpa-*)
 #
-# CoreDNS and the CNI plugin have no replace directives, so `go install pkg@version` builds them
-# with the module's own go.sum; flanneld is built in a writable copy of its module (its go.sum
+# CoreDNS, the CNI plugin, metrics-server and the VPA have no replace directives, so `go install
+# pkg@version` builds them with the module's own go.sum; flanneld is built in a writable copy of its module (its go.sum
 # pins every dependency) with the one import line removed. A binary whose stamp (version + flags) matches is not rebuilt; Go's module
 # and build caches make a rebuild after `git clean` a link step.
 set -euo pipefail
@@ -27,12 +32,21 @@ declare -A PKG=(
   [coredns]=github.com/coredns/coredns@$COREDNS_VERSION
   [flanneld]=github.com/flannel-io/flannel@$FLANNEL_VERSION
   [flannel-cni-plugin]=github.com/containernetworking/plugins/plugins/meta/flannel@$FLANNEL_CNI_PLUGIN_VERSION
+  [metrics-server]=sigs.k8s.io/metrics-server/cmd/metrics-server@$METRICS_SERVER_VERSION
+  [vpa-recommender]=k8s.io/autoscaler/vertical-pod-autoscaler/pkg/recommender@$VPA_VERSION
+  [vpa-updater]=k8s.io/autoscaler/vertical-pod-autoscaler/pkg/updater@$VPA_VERSION
+  [vpa-admission-controller]=k8s.io/autoscaler/vertical-pod-autoscaler/pkg/admission-controller@$VPA_VERSION
 )
 # Version strings the programs print (their Makefiles set the same variables).
 declare -A LDFLAGS=(
   [coredns]="-X github.com/coredns/coredns/coremain.GitCommit=module-proxy-$COREDNS_VERSION"
   [flanneld]="-X github.com/flannel-io/flannel/pkg/version.Version=$FLANNEL_VERSION"
   [flannel-cni-plugin]="-X github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion=$FLANNEL_CNI_PLUGIN_VERSION"
+  [metrics-server]="-X k8s.io/client-go/pkg/version.gitVersion=$METRICS_SERVER_VERSION -X k8s.io/client-go/pkg/version.gitCommit=module-proxy-$METRICS_SERVER_VERSION"
+  # The VPA's version is a constant in its source (common/version.go).
+  [vpa-recommender]=""
+  [vpa-updater]=""
+  [vpa-admission-controller]=""
 )
 
 # build_flanneld OUTFILE: flannel's module source with main.go's tencentvpc import dropped.
