@@ -39,7 +39,17 @@ impl ReconcileBackoff {
 
     /// Records a success of `key`: its next failure waits [`FIRST`] again.
     pub fn succeeded(&self, key: &str) {
+        self.forget(key);
+    }
+
+    /// Forgets `key`'s failures: it succeeded, or its object is gone.
+    pub fn forget(&self, key: &str) {
         self.failures.lock().expect("backoff lock").remove(key);
+    }
+
+    /// How many objects have failures on record.
+    pub fn objects(&self) -> usize {
+        self.failures.lock().expect("backoff lock").len()
     }
 }
 

@@ -22,7 +22,7 @@ use kube::{
         watcher,
     },
 };
-use tracing::{debug, instrument, warn};
+use tracing::instrument;
 
 use crate::{
     caches::api,
@@ -88,6 +88,7 @@ pub async fn run(
     stopped: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let ns = ctx.settings.namespace.clone();
+    let (backoff, metrics) = (ctx.backoff.clone(), ctx.metrics.clone());
     Controller::new(
         api::<KVMMachineTemplate>(&ctx.client, ns.as_deref()),
         watcher::Config::default(),
@@ -95,11 +96,9 @@ pub async fn run(
     .with_config(config)
     .graceful_shutdown_on(stopped)
     .run(reconcile, error_policy, ctx)
-    .for_each(|res| async move {
-        match res {
-            Ok((obj, _)) => debug!(kvmmachinetemplate = %obj.name, "reconciled"),
-            Err(e) => warn!(error = %e, "KVMMachineTemplate reconcile error"),
-        }
+    .for_each(move |res| {
+        report::finished(&backoff, &metrics, "KVMMachineTemplate", res);
+        futures::future::ready(())
     })
     .await
 }

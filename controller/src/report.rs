@@ -2,15 +2,22 @@
 //! Events, bound a reconcile's time, and turn its outcome into a metric, a log line, a Warning
 //! Event and the wait before the next one. (Their writes are in [`crate::objects`].)
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{
     Resource, ResourceExt,
-    runtime::events::{Event, EventType},
+    runtime::{
+        controller,
+        events::{Event, EventType},
+        reflector::ObjectRef,
+    },
 };
 use tracing::{debug, info, warn};
 
 use crate::{
+    backoff::ReconcileBackoff,
     context::Context,
     error::{Error, Result},
+    metrics::Metrics,
 };
 
 /// The name of the Cluster API object of `kind` (`Cluster`, `Machine`) that owns `obj`.
@@ -57,10 +64,6 @@ where
     let gone = obj.meta().deletion_timestamp.is_some() && result.is_ok();
     ctx.metrics
         .object(kind, obj.meta(), obj.provisioned(), gone);
-    if result.is_ok() {
-        let key = crate::backoff::key(kind, obj.meta().namespace.as_deref(), &obj.name_any());
-        ctx.backoff.succeeded(&key);
-    }
     if let Err(e) = &result {
         ctx.metrics.failed(kind, e.category());
         if e.is_conflict() {
@@ -105,4 +108,101 @@ pub fn requeue_after<K: Resource>(
         ctx.backoff.failed(&key)
     });
     kube::runtime::controller::Action::requeue(after)
+}
+
+/// Takes what a controller yields for one reconcile request of a `kind` object. A request for an
+/// object that is no longer in the controller's cache ([`controller::Error::ObjectNotFound`]:
+/// the watch saw it deleted, or a back-off timer outlived it) means the object is gone, maybe
+/// without a reconcile that saw its deletion finish (`clusterctl move` pauses, strips the
+/// finalizer and deletes; a failed last reconcile leaves a back-off behind): its back-off
+/// entry and its per-object series are dropped, so neither outlives it, the series cannot
+/// keep an alert firing for a machine that has moved away, and a later object of the same
+/// name starts with a clean record.
+pub fn finished<K, ReconcileErr, QueueErr>(
+    backoff: &ReconcileBackoff,
+    metrics: &Metrics,
+    kind: &'static str,
+    result: std::result::Result<
+        (ObjectRef<K>, kube::runtime::controller::Action),
+        controller::Error<ReconcileErr, QueueErr>,
+    >,
+) where
+    K: Resource,
+    ReconcileErr: std::error::Error + 'static,
+    QueueErr: std::error::Error + 'static,
+{
+    let key = |obj: &ObjectRef<_>| crate::backoff::key(kind, obj.namespace.as_deref(), &obj.name);
+    match result {
+        Ok((obj, _)) => {
+            debug!(kind, object = %obj, "reconciled");
+            backoff.succeeded(&key(&obj.erase()));
+        }
+        Err(controller::Error::ObjectNotFound(obj)) => {
+            debug!(kind, object = %obj, "gone: its back-off and series are dropped");
+            backoff.forget(&key(&obj));
+            let meta = ObjectMeta {
+                name: Some(obj.name.clone()),
+                namespace: obj.namespace.clone(),
+                ..Default::default()
+            };
+            metrics.object(kind, &meta, false, true);
+        }
+        Err(e) => warn!(kind, error = %e, "reconcile error"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use capk_api::v1alpha1::KVMMachine;
+    use kube::runtime::{controller::Action, watcher};
+
+    use super::*;
+    use crate::backoff::{FIRST, key};
+
+    type Outcome = std::result::Result<
+        (ObjectRef<KVMMachine>, Action),
+        controller::Error<Error, watcher::Error>,
+    >;
+
+    #[test]
+    fn a_gone_object_leaves_no_back_off_and_no_series_and_a_success_resets_its_wait() {
+        let (backoff, metrics) = (ReconcileBackoff::default(), Metrics::default());
+        let meta = |name: &str| ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("team-a".into()),
+            ..Default::default()
+        };
+        let series = |name: &str| {
+            format!(
+                "capk_object_provisioned{{kind=\"KVMMachine\",namespace=\"team-a\",name=\"{name}\"}} 0"
+            )
+        };
+        for name in ["moved", "failing"] {
+            metrics.object("KVMMachine", &meta(name), false, false);
+            backoff.failed(&key("KVMMachine", Some("team-a"), name));
+            backoff.failed(&key("KVMMachine", Some("team-a"), name));
+        }
+        assert!(metrics.render().contains(&series("moved")));
+
+        let gone = ObjectRef::<KVMMachine>::new("moved").within("team-a");
+        let not_found: Outcome = Err(controller::Error::ObjectNotFound(Box::new(gone.erase())));
+        finished(&backoff, &metrics, "KVMMachine", not_found);
+        assert_eq!(
+            backoff.objects(),
+            1,
+            "only the failing machine has a record"
+        );
+        let text = metrics.render();
+        assert!(!text.contains("name=\"moved\""), "{text}");
+        assert!(text.contains(&series("failing")), "{text}");
+
+        let failing = ObjectRef::<KVMMachine>::new("failing").within("team-a");
+        let ok: Outcome = Ok((failing, Action::await_change()));
+        finished(&backoff, &metrics, "KVMMachine", ok);
+        assert_eq!(backoff.objects(), 0);
+        assert_eq!(
+            backoff.failed(&key("KVMMachine", Some("team-a"), "failing")),
+            FIRST
+        );
+    }
 }

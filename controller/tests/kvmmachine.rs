@@ -240,6 +240,67 @@ async fn a_paused_cluster_leaves_its_machines_alone() -> Result<()> {
     Ok(())
 }
 
+/// `clusterctl move` pauses a KVMMachine, strips its finalizer and deletes it: no reconcile sees
+/// its deletion finish. Its per-object series go with it all the same (else the source
+/// management cluster's stuck-provisioning alert would fire for it for as long as the
+/// controller runs), and so does its back-off record (the same path; unit-tested in `report`).
+#[tokio::test]
+async fn a_machine_moved_away_leaves_no_series_behind() -> Result<()> {
+    let ns = "kvmmachine-moved-series";
+    let client = TestEnv::shared().client().await?;
+    create_namespace(&client, ns).await?;
+    let metrics = std::sync::Arc::new(capk_controller::metrics::Metrics::new(16));
+    let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let settings = capk_controller::Settings {
+        namespace: Some(ns.to_owned()),
+        ..Default::default()
+    };
+    tokio::spawn(capk_controller::run_with_metrics(
+        client.clone(),
+        settings,
+        metrics.clone(),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    world(&client, ns, "demo-cp-0", CLOUD_CONFIG).await?;
+    let series = format!(
+        "capk_object_provisioned{{kind=\"KVMMachine\",namespace=\"{ns}\",name=\"demo-cp-0\"}}"
+    );
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    eventually(30, "the machine Pod and the machine's series", || async {
+        let pod = pods.get_opt("demo-cp-0").await?;
+        Ok((pod.is_some() && metrics.render().contains(&series)).then_some(()))
+    })
+    .await?;
+
+    // What clusterctl move does to the source's objects.
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let pause =
+        json!({"metadata": {"annotations": {capk_api::constants::PAUSED_ANNOTATION: "true"}}});
+    kms.patch("demo-cp-0", &PatchParams::default(), &Patch::Merge(&pause))
+        .await?;
+    eventually(30, "Paused=True", || async {
+        let km = kms.get("demo-cp-0").await?;
+        Ok(condition(&km, "Paused").filter(|c| c.0 == "True"))
+    })
+    .await?;
+    let strip = json!({"metadata": {"finalizers": null}});
+    kms.patch("demo-cp-0", &PatchParams::default(), &Patch::Merge(&strip))
+        .await?;
+    kms.delete("demo-cp-0", &DeleteParams::default()).await?;
+    eventually(30, "the KVMMachine gone", || async {
+        Ok(kms.get_opt("demo-cp-0").await?.is_none().then_some(()))
+    })
+    .await?;
+    eventually(10, "the machine's series gone from /metrics", || async {
+        let text = metrics.render();
+        Ok((!text.contains("name=\"demo-cp-0\"")).then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_kvmmachine_follows_its_pod_from_pending_to_bootstrapped() -> Result<()> {
     let ns = "kvmmachine-pod-story";

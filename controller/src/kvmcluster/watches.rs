@@ -34,12 +34,12 @@ use kube::{
         watcher,
     },
 };
-use tracing::{debug, warn};
 
 use crate::{
     caches::{Caches, Changes, Events, api, named_by_label},
     context::Context,
     hosting::{HostingKey, OnChange},
+    report,
 };
 
 /// The Cluster a KVMCluster belongs to: its owner, else its cluster-name label.
@@ -221,6 +221,7 @@ pub async fn run(
 ) {
     let ns = ctx.settings.namespace.clone();
     let client = ctx.client.clone();
+    let (backoff, metrics) = (ctx.backoff.clone(), ctx.metrics.clone());
     Controller::new(
         api::<KVMCluster>(&client, ns.as_deref()),
         watcher::Config::default(),
@@ -235,11 +236,9 @@ pub async fn run(
     .reconcile_on(wakes)
     .graceful_shutdown_on(stopped)
     .run(super::reconcile, super::error_policy, ctx)
-    .for_each(|res| async move {
-        match res {
-            Ok((obj, _)) => debug!(kvmcluster = %obj.name, "reconciled"),
-            Err(e) => warn!(error = %e, "KVMCluster reconcile error"),
-        }
+    .for_each(move |res| {
+        report::finished(&backoff, &metrics, "KVMCluster", res);
+        futures::future::ready(())
     })
     .await
 }

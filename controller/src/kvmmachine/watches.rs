@@ -34,13 +34,13 @@ use kube::{
         reflector::{ObjectRef, Store},
     },
 };
-use tracing::{debug, warn};
 
 use crate::{
     caches::{Caches, Events, named_by_label},
     context::Context,
     hosting::{HostingKey, OnChange},
     kvmcluster::watches::cluster_of,
+    report,
     workload::OnNodeChange,
 };
 
@@ -304,6 +304,7 @@ pub async fn run(
         caches.kvm_machines.clone(),
     );
     let moves = HostingMoves::default();
+    let (backoff, metrics) = (ctx.backoff.clone(), ctx.metrics.clone());
     Controller::for_stream(kvm_machines, caches.kvm_machines.clone())
         .with_config(config)
         .watches_stream(pods, move |pod: Pod| kvmmachines_of_pod(&pod, &by_pod))
@@ -321,11 +322,9 @@ pub async fn run(
         .reconcile_on(wakes)
         .graceful_shutdown_on(stopped)
         .run(super::reconcile, super::error_policy, ctx)
-        .for_each(|res| async move {
-            match res {
-                Ok((obj, _)) => debug!(kvmmachine = %obj.name, "reconciled"),
-                Err(e) => warn!(error = %e, "KVMMachine reconcile error"),
-            }
+        .for_each(move |res| {
+            report::finished(&backoff, &metrics, "KVMMachine", res);
+            futures::future::ready(())
         })
         .await
 }
