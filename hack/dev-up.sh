@@ -13,6 +13,8 @@
 # Cluster API and cert-manager built here (hack/dev/images.sh, hack/dev/cert-manager.sh), the real
 # `clusterctl init` of Cluster API and CAPK from a local repository (hack/dev/capi.sh), and a sample
 # cluster whose control-plane VM boots (hack/dev/sample.sh; CAPK_DEV_SAMPLE=0 skips it).
+# CAPK_DEV_VPA=1: metrics-server and the VerticalPodAutoscaler (hack/dev/vpa.sh);
+# CAPK_DEV_MONITORING=1: Prometheus scraping the controller (hack/dev/monitoring.sh).
 #
 # Network: the apiserver and kubelet listen on the node bridge's address (capk0, 10.240.0.1), the
 # rest on loopback. Pods get a default route to the node, as on any real cluster (kubeadm, the
@@ -115,8 +117,24 @@ start_apiserver() {
     --service-cluster-ip-range="$SERVICE_CIDR" \
     --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
     --allow-privileged=true --profiling=false --v=1 \
+    --requestheader-client-ca-file="$PKI/front-proxy-ca.crt" --requestheader-allowed-names=front-proxy-client \
+    --requestheader-username-headers=X-Remote-User --requestheader-group-headers=X-Remote-Group \
+    --requestheader-extra-headers-prefix=X-Remote-Extra- \
+    --proxy-client-cert-file="$PKI/front-proxy-client.crt" --proxy-client-key-file="$PKI/front-proxy-client.key" \
     ${AGGREGATOR_ROUTING:+--enable-aggregator-routing=true}
 }
+# The aggregation layer's front proxy (requestheader and proxy-client flags, as kubeadm sets them),
+# for aggregated APIs such as metrics-server's (hack/dev/vpa.sh). An apiserver started before
+# dev-up had them is restarted with them.
+apiserver_has_front_proxy() {
+  local child
+  child=$(cat "$RUN/kube-apiserver.child" 2>/dev/null) || return 1
+  tr '\0' ' ' <"/proc/$child/cmdline" 2>/dev/null | grep -q -- --proxy-client-cert-file
+}
+if pid_alive kube-apiserver && ! apiserver_has_front_proxy; then
+  log "kube-apiserver runs without the front proxy flags: restarting it"
+  stop_daemon kube-apiserver 60
+fi
 serve kube-apiserver 120 start_apiserver kc get --raw /readyz
 
 start_controller_manager() {
@@ -350,6 +368,11 @@ elif [[ ${CAPK_DEV_PROVIDERS:-1} != 0 ]]; then
   bash "$ROOT/hack/dev/images.sh"
   bash "$ROOT/hack/dev/cert-manager.sh"
   bash "$ROOT/hack/dev/capi.sh" >/dev/null
+  # Operating the provider (issue 22): CAPK_DEV_VPA=1 adds metrics-server and the VPA's
+  # recommender, updater and admission controller; CAPK_DEV_MONITORING=1 a Prometheus scraping the
+  # controller. Unset, what an earlier run installed stays.
+  [[ ${CAPK_DEV_VPA:-0} == 0 ]] || bash "$ROOT/hack/dev/vpa.sh"
+  [[ ${CAPK_DEV_MONITORING:-0} == 0 ]] || bash "$ROOT/hack/dev/monitoring.sh"
   [[ ${CAPK_DEV_NODE_IMAGE:-1} == 0 ]] || bash "$ROOT/hack/dev/node-image.sh"
   [[ ${CAPK_DEV_SAMPLE:-1} == 0 ]] || bash "$ROOT/hack/dev/sample.sh"
 fi

@@ -236,3 +236,25 @@ oci_image_import() {
   rm -f "$work/layer.tar" "$work/image.oci.tar"
   ctr_has_image "$name" || die "import did not produce $name"
 }
+
+# binary_image IMAGE BINARY CREATED_BY CONFIG_FLAG...: IMAGE in containerd (k8s.io) made of the one
+# static BINARY at /NAME (its file name; the entrypoint) and an empty /tmp, configured by `buildah
+# config` flags, unless containerd already has IMAGE labelled with BINARY's digest: a rebuilt
+# binary is imported again. Prints that digest (for a Pod annotation that rolls a Deployment).
+binary_image() {
+  local image=$1 binary=$2 created_by=$3 digest work
+  shift 3
+  digest=$(sha256sum "$binary" | cut -c1-16)
+  if ! ctr_has_image "$image" "name==$image,labels.\"capk.binary\"==$digest" 2>/dev/null; then
+    work=$DEV/images/$(basename "$binary")
+    rm -rf "$work"
+    mkdir -p "$work/rootfs/tmp"
+    chmod 1777 "$work/rootfs/tmp"
+    install -m 0755 "$binary" "$work/rootfs/$(basename "$binary")"
+    oci_image_import "$image" "$work" "$created_by" --entrypoint "[\"/$(basename "$binary")\"]" --cmd '' --workingdir / "$@"
+    ctr_k8s images label "$image" "capk.binary=$digest" >/dev/null
+    rm -rf "$work"
+    log "image $image imported"
+  fi
+  echo "$digest"
+}

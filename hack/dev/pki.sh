@@ -18,9 +18,17 @@ if [[ ! -f ca.crt ]]; then
     -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature"
 fi
 
-# cert NAME SUBJECT EXTKEYUSAGE [SANS]
+# The front proxy's own CA, as kubeadm makes it: aggregated API servers (metrics-server) trust the
+# apiserver's forwarded user headers only from a client certificate of this CA.
+if [[ ! -f front-proxy-ca.crt ]]; then
+  key front-proxy-ca
+  openssl req -x509 -new -key front-proxy-ca.key -subj "/CN=front-proxy-ca" -days 3650 -out front-proxy-ca.crt \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature"
+fi
+
+# cert NAME SUBJECT EXTKEYUSAGE [SANS [CA]]: signed by CA (default: ca)
 cert() {
-  local name=$1 subj=$2 eku=$3 sans=${4:-}
+  local name=$1 subj=$2 eku=$3 sans=${4:-} ca=${5:-ca}
   [[ -f $name.crt ]] && return 0
   key "$name"
   {
@@ -30,7 +38,7 @@ cert() {
     [[ -z $sans ]] || echo "subjectAltName=$sans"
   } >"$name.ext"
   openssl req -new -key "$name.key" -subj "$subj" |
-    openssl x509 -req -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -extfile "$name.ext" -out "$name.crt" 2>/dev/null
+    openssl x509 -req -CA "$ca.crt" -CAkey "$ca.key" -CAcreateserial -days 3650 -extfile "$name.ext" -out "$name.crt" 2>/dev/null
   rm -f "$name.ext"
 }
 
@@ -42,6 +50,7 @@ cert controller-manager "/CN=system:kube-controller-manager" clientAuth
 cert scheduler "/CN=system:kube-scheduler" clientAuth
 cert kube-proxy "/CN=system:kube-proxy" clientAuth
 cert kubelet "/O=system:nodes/CN=system:node:$NODE_NAME" clientAuth
+cert front-proxy-client "/CN=front-proxy-client" clientAuth "" front-proxy-ca
 [[ -f sa.key ]] || openssl genrsa -out sa.key 2048 2>/dev/null
 [[ -f sa.pub ]] || openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
 

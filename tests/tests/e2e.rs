@@ -12,6 +12,9 @@
 //!
 //! Every step asserts with a timeout; on failure everything useful goes to `_output/e2e/`.
 //!
+//! [`operating`]: the controller's metrics as a real Prometheus scrapes them, and the shipped
+//! VerticalPodAutoscaler object under the real VPA (issue 22).
+//!
 //! `make e2e-move` adds a second local management cluster and moves a cluster to it with the
 //! real `clusterctl move` (issue 12; [`pivot`]).
 
@@ -25,6 +28,8 @@ use std::{
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::{Value, json};
 
+#[path = "e2e/operating.rs"]
+mod operating;
 #[path = "e2e/pivot.rs"]
 mod pivot;
 #[path = "e2e/workload.rs"]
@@ -194,6 +199,10 @@ impl E2e {
             "events.txt",
             &["get", "events", "-A", "--sort-by=.lastTimestamp"],
         );
+        dump(
+            "verticalpodautoscalers.yaml",
+            &["get", "-A", "-o", "yaml", "verticalpodautoscalers"],
+        );
         for (ns, deploy) in [
             (CAPK_NS, CAPK_DEPLOYMENT),
             ("capi-system", "capi-controller-manager"),
@@ -205,6 +214,12 @@ impl E2e {
                 "capi-kubeadm-control-plane-system",
                 "capi-kubeadm-control-plane-controller-manager",
             ),
+            // CAPK_DEV_VPA=1 and CAPK_DEV_MONITORING=1 ([`operating`]).
+            ("kube-system", "metrics-server"),
+            ("kube-system", "vpa-recommender"),
+            ("kube-system", "vpa-updater"),
+            ("kube-system", "vpa-admission-controller"),
+            ("monitoring", "prometheus"),
         ] {
             dump(
                 &format!("{deploy}.log"),
@@ -1139,6 +1154,12 @@ fn cluster_journey_on_the_local_management_cluster() {
 #[ignore = "a real workload cluster on the local management cluster, minutes under TCG: `make e2e`"]
 fn workload_cluster_journey_on_the_local_management_cluster() {
     run_scenario("capk-e2e-workload", workload::workload_journey);
+}
+
+#[test]
+#[ignore = "metrics scraped by Prometheus and the controller under the VPA, on the local management cluster: `make e2e`"]
+fn operating_the_controller_on_the_local_management_cluster() {
+    run_scenario("capk-e2e-operating", operating::operating_journey);
 }
 
 #[test]
