@@ -263,6 +263,13 @@ async fn invalid_machines_are_rejected_with_readable_messages() -> Result<()> {
         ),
         (
             machine_with(
+                "flatcar-current",
+                json!({"image": {"flatcar": {"channel": "stable", "version": "current"}}}),
+            ),
+            vec!["flatcar.version must be a pinned release such as 4230.2.3"],
+        ),
+        (
+            machine_with(
                 "bad-sha",
                 json!({"image": {"url": {"url": "https://images.example/f.img", "sha256": "xyz"}}}),
             ),

@@ -221,9 +221,10 @@ pub struct NodeImage {
 pub struct FlatcarImage {
     /// Release channel.
     pub channel: FlatcarChannel,
-    /// Release version such as `4230.2.3`, or `current`.
+    /// Release version such as `4230.2.3`: a pinned release, so that machines made later boot
+    /// what their peers boot (a moving name such as `current` is refused).
     #[schemars(length(max = 64))]
-    #[x_kube(validation = Rule::new("self == 'current' || self.matches('^[0-9]+\\\\.[0-9]+\\\\.[0-9]+$')").message("flatcar.version must look like 4230.2.3 or be 'current'"))]
+    #[x_kube(validation = Rule::new("self.matches('^[0-9]+\\\\.[0-9]+\\\\.[0-9]+$')").message("flatcar.version must be a pinned release such as 4230.2.3 ('current' would boot a different release in machines made later)"))]
     pub version: String,
 }
 

@@ -216,7 +216,8 @@ pub fn validate(
         );
     }
     // What the machine Pod's fetch-image init container is given: a pinned release, a URL it
-    // can hand to curl.
+    // can hand to curl. (The CRD refuses `current` too; objects admitted under an older CRD
+    // may still name it.)
     if let Some(f) = spec.image.as_ref().and_then(|i| i.flatcar.as_ref())
         && !crate::settings::is_flatcar_release(&f.version)
     {
