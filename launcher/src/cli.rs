@@ -170,7 +170,8 @@ pub struct FetchImageArgs {
     #[arg(long, default_value = "50Gi")]
     pub max_cache_size: ByteSize,
     /// Seconds an image stays after its last use before it may be evicted (a Pod between this
-    /// init container and its launcher does not hold its image yet).
+    /// init container and its launcher does not hold its image yet, nor does a launcher waiting
+    /// out the kubelet's restart back-off, at most 300 s: keep this longer).
     #[arg(long, default_value_t = 600)]
     pub keep_used_seconds: u64,
     /// Seconds a connection may take.

@@ -323,7 +323,12 @@ pub fn observe(r: &DiskRequest) -> Result<DiskState, DiskError> {
 /// Opens a base image read-only for QEMU (which gets the descriptor) and checks again, on the
 /// open file, that a qcow2 names no other file: what QEMU reads is what was checked, even if the
 /// path was replaced after planning. The open file holds a shared `flock` for as long as the VM
-/// runs: the node-image cache never evicts an image so held (`image_cache`).
+/// runs: the node-image cache never evicts an image so held (`image_cache`). Every start also
+/// marks the image used (its modification time, as the `fetch-image` init container does): a
+/// crash-looping launcher holds no lock between its restarts, and the init container does not
+/// run again for them, so without the mark its image would look idle once the kubelet's back-off
+/// (at most 5 minutes) outlasted the cache's grace period since the Pod started, be evicted,
+/// and the Pod's next start would find nothing.
 pub fn open_base(b: &BaseImage) -> Result<std::fs::File, DiskError> {
     let f = std::fs::File::open(&b.path).map_err(|source| DiskError::Io {
         action: "open",
@@ -335,6 +340,10 @@ pub fn open_base(b: &BaseImage) -> Result<std::fs::File, DiskError> {
         path: b.path.clone(),
         source,
     })?;
+    // Best effort: an image on a read-only medium is in no cache.
+    if let Err(e) = f.set_modified(std::time::SystemTime::now()) {
+        tracing::debug!(error = %e, image = %b.path.display(), "the node image's use is not marked");
+    }
     if b.format == DiskFormat::Qcow2 {
         let h =
             qcow2::read_from(&f).map_err(|e| DiskError::Image(b.path.clone(), e.to_string()))?;

@@ -12,11 +12,12 @@
 //!   [`capk_flatcar_image::fetch`]) matched; a mismatch deletes it. A killed download leaves a
 //!   `.part` that the next run continues with an HTTP Range request (or starts over when the
 //!   server does not do ranges, or the continued file does not verify).
-//! - **Least recently used files go first, never one in use**: every Pod start touches its
-//!   file's modification time (use = mtime); a running launcher holds a shared `flock` on the
-//!   node image it booted ([`crate::disk::open_base`]). When the cache is over its limit, the
-//!   files least recently used, not locked, and not touched within the grace period (a Pod
-//!   between its init container and its launcher holds no lock yet) are deleted.
+//! - **Least recently used files go first, never one in use**: every Pod start and every
+//!   launcher start touch the file's modification time (use = mtime); a running launcher holds a
+//!   shared `flock` on the node image it booted ([`crate::disk::open_base`]). When the cache is
+//!   over its limit, the files least recently used, not locked, and not touched within the grace
+//!   period (a Pod between its init container and its launcher, or a launcher waiting out the
+//!   kubelet's restart back-off of at most 5 minutes, holds no lock) are deleted.
 
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};

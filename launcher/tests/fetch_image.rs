@@ -559,6 +559,45 @@ fn the_cache_evicts_the_least_recently_used_image_no_launcher_holds() -> Result<
     Ok(())
 }
 
+/// A crash-looping launcher holds no lock while the kubelet backs off its restarts, and its Pod's
+/// init container does not run again: each launcher start marks its image used, so an image
+/// fetched when its Pod started hours ago is not evicted between two restarts.
+#[test]
+fn a_crash_looping_launchers_image_is_not_evicted_between_its_restarts() -> Result<()> {
+    use capk_launcher::qemu::argv::{BaseImage, DiskFormat};
+    let Served { sum, url, .. } = serve_disk(1 << 20, 7, Behaviour::default())?;
+    let pod = Pod::new()?;
+    // Fetched when their Pods started: the crash-looping machine's five hours ago, an image no
+    // machine uses any more three hours ago.
+    for (name, hours) in [("sha256-crashing.img", 5), ("sha256-idle.img", 3)] {
+        let path = pod.cache.join(name);
+        std::fs::write(&path, vec![0u8; 1 << 20])?;
+        std::fs::File::options()
+            .append(true)
+            .open(&path)?
+            .set_modified(SystemTime::now() - Duration::from_secs(hours * 3600))?;
+    }
+    // The crash-looping launcher's latest start: it opened its image for QEMU, then exited.
+    let base = BaseImage {
+        path: pod.cache.join("sha256-crashing.img"),
+        format: DiskFormat::Raw,
+    };
+    drop(capk_launcher::disk::open_base(&base)?);
+
+    // Another Pod's image arrives; room for two images.
+    let out = pod.run(&["--url", &url, "--sha256", &sum, "--max-cache-size", "2Mi"])?;
+    assert!(out.status.success(), "{}", log(&out));
+    let mut kept = vec![format!("sha256-{sum}.img"), "sha256-crashing.img".to_owned()];
+    kept.sort();
+    assert_eq!(
+        pod.cached(),
+        kept,
+        "the unused image went, the crash-looping machine's stayed: {}",
+        log(&out)
+    );
+    Ok(())
+}
+
 /// A signed release tree (the throwaway key of images/flatcar), served by the test server.
 fn serve_tree(server: &Server, root: &Path, prefix: &str) -> Result<()> {
     let mut walk = vec![root.to_path_buf()];
