@@ -587,7 +587,10 @@ fn a_crash_looping_launchers_image_is_not_evicted_between_its_restarts() -> Resu
     // Another Pod's image arrives; room for two images.
     let out = pod.run(&["--url", &url, "--sha256", &sum, "--max-cache-size", "2Mi"])?;
     assert!(out.status.success(), "{}", log(&out));
-    let mut kept = vec![format!("sha256-{sum}.img"), "sha256-crashing.img".to_owned()];
+    let mut kept = vec![
+        format!("sha256-{sum}.img"),
+        "sha256-crashing.img".to_owned(),
+    ];
     kept.sort();
     assert_eq!(
         pod.cached(),
