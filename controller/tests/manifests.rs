@@ -368,6 +368,8 @@ async fn clusterctl_generates_every_flavor_from_the_required_variables_only() ->
         "KubeadmConfigTemplate",
         "KubeadmControlPlane",
         "MachineDeployment",
+        "MachineHealthCheck",
+        "MachineHealthCheck",
     ];
     /// The node-image flavor also installs its CNI (flannel) by a ClusterResourceSet.
     const KUBEADM_WITH_CNI: &[&str] = &[
@@ -380,6 +382,8 @@ async fn clusterctl_generates_every_flavor_from_the_required_variables_only() ->
         "KubeadmConfigTemplate",
         "KubeadmControlPlane",
         "MachineDeployment",
+        "MachineHealthCheck",
+        "MachineHealthCheck",
     ];
     /// A flavor, the variables it requires besides KUBERNETES_VERSION, the kinds it renders and
     /// the bootstrap format of its kubeadm configs (`None`: CABPK's default, cloud-config).
@@ -1442,6 +1446,50 @@ async fn control_plane_service_variables_make_an_endpoint_outside_the_management
         .as_deref(),
         Some("demo-apiserver.flavors.svc.cluster.local")
     );
+
+    // The topology flavor: the same variables set the ClusterClass's controlPlaneService, whose
+    // patch writes them into the KVMCluster the topology controller makes from the class.
+    let class = class_objects()?;
+    let version = kubernetes_version();
+    for (env, want) in [
+        (
+            vec![
+                ("CONTROL_PLANE_SERVICE_TYPE", "NodePort"),
+                ("CONTROL_PLANE_ENDPOINT_HOST", "nodes.example.com"),
+                ("CONTROL_PLANE_NODE_PORT", "31443"),
+            ],
+            ("nodes.example.com", Some(31443)),
+        ),
+        (vec![], ("demo-apiserver.flavors.svc.cluster.local", None)),
+    ] {
+        let cluster = docs(&generate_flavor("cluster-template-topology.yaml", &env)?)?
+            .into_iter()
+            .next()
+            .context("the Cluster")?;
+        let t = topology(&class, &cluster, &version)?;
+        let kc = json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
+            "metadata": {"name": CLUSTER, "namespace": FLAVOR_NS},
+            "spec": t.kvm_cluster_template["spec"]["template"]["spec"],
+        });
+        apply(&client, &kc, true)
+            .await
+            .with_context(|| format!("the topology's KVMCluster for {env:?}"))?;
+        let kc: KVMCluster = serde_json::from_value(kc)?;
+        let endpoint = capk_controller::kvmcluster::build::endpoint_to_set(
+            &kc,
+            CLUSTER,
+            "cluster.local",
+            &home,
+            want.1,
+        )
+        .context("the controller sets the endpoint")?;
+        assert_eq!(
+            (endpoint.host.as_deref(), endpoint.port),
+            (Some(want.0), Some(want.1.unwrap_or(6443))),
+            "topology flavor with {env:?}"
+        );
+    }
     Ok(())
 }
 
@@ -1523,6 +1571,7 @@ fn render_patch_template(template: &str, variables: &Value) -> Result<Value> {
 /// The class's templates after its inline patches, as the topology controller makes them for
 /// one Cluster.
 struct Topology {
+    kvm_cluster_template: Value,
     kcp_template: Value,
     kct: Value,
     control_plane_machine: Value,
@@ -1553,6 +1602,10 @@ fn topology(class: &[Value], cluster: &Value, version: &str) -> Result<Topology>
             .to_owned()
     };
     let mut t = Topology {
+        kvm_cluster_template: by_kind_name(
+            "KVMClusterTemplate",
+            &name(&cc["spec"]["infrastructure"]),
+        )?,
         kcp_template: by_kind_name("KubeadmControlPlaneTemplate", &name(cp))?,
         kct: by_kind_name("KubeadmConfigTemplate", &name(&md["bootstrap"]))?,
         control_plane_machine: by_kind_name(
@@ -1597,6 +1650,13 @@ fn topology(class: &[Value], cluster: &Value, version: &str) -> Result<Topology>
                         .is_some_and(|n| n.contains(&json!(md_class)));
                 let mut targets: Vec<&mut Value> = Vec::new();
                 match selector["kind"].as_str() {
+                    Some("KVMClusterTemplate") => {
+                        if control_plane_side
+                            && selector["matchResources"]["infrastructureCluster"] == json!(true)
+                        {
+                            targets.push(&mut t.kvm_cluster_template);
+                        }
+                    }
                     Some("KubeadmControlPlaneTemplate") => {
                         if control_plane {
                             targets.push(&mut t.kcp_template);
@@ -1677,6 +1737,107 @@ fn topology_objects(class: &[Value], cluster: &Value, version: &str) -> Result<S
         out.push_str(&serde_yaml_ng::to_string(o)?);
     }
     Ok(out)
+}
+
+/// The labels Cluster API gives the Machines of a flavor's KubeadmControlPlane or
+/// MachineDeployment `o` (its own, and its machine template's).
+fn machine_labels(o: &Value) -> BTreeMap<String, String> {
+    let name = o["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let (own, template) = match o["kind"].as_str() {
+        Some("KubeadmControlPlane") => (
+            [
+                ("cluster.x-k8s.io/control-plane", String::new()),
+                ("cluster.x-k8s.io/control-plane-name", name),
+            ],
+            &o["spec"]["machineTemplate"]["metadata"]["labels"],
+        ),
+        _ => (
+            [
+                ("cluster.x-k8s.io/deployment-name", name),
+                ("cluster.x-k8s.io/cluster-name", CLUSTER.to_owned()),
+            ],
+            &o["spec"]["template"]["metadata"]["labels"],
+        ),
+    };
+    let mut labels: BTreeMap<String, String> =
+        own.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    for (k, v) in template.as_object().into_iter().flatten() {
+        labels.insert(k.clone(), v.as_str().unwrap_or_default().to_owned());
+    }
+    labels
+}
+
+/// Every non-topology flavor ships a MachineHealthCheck for the control plane and one for the
+/// workers, each selecting exactly the Machines it is for, with the timeouts of its variables;
+/// MACHINE_HEALTH_CHECK_ENABLED=false leaves them selecting no Machine at all.
+#[test]
+fn machine_health_checks_cover_the_flavors_machines_unless_turned_off() -> Result<()> {
+    for flavor in [
+        "cluster-template.yaml",
+        "cluster-template-node-image.yaml",
+        "cluster-template-ignition.yaml",
+    ] {
+        for enabled in [None, Some("false")] {
+            let mut env = vec![
+                ("KVM_NODE_IMAGE", NODE_IMAGE),
+                ("MACHINE_HEALTH_CHECK_UNHEALTHY_SECONDS", "120"),
+            ];
+            env.extend(enabled.map(|e| ("MACHINE_HEALTH_CHECK_ENABLED", e)));
+            let objs = docs(&generate_flavor(flavor, &env)?)?;
+            let of_kind = |kind: &'static str| objs.iter().filter(move |o| o["kind"] == kind);
+            let owners: Vec<(&Value, BTreeMap<String, String>)> = of_kind("KubeadmControlPlane")
+                .chain(of_kind("MachineDeployment"))
+                .map(|o| (o, machine_labels(o)))
+                .collect();
+            let checks: Vec<&Value> = of_kind("MachineHealthCheck").collect();
+            assert_eq!(checks.len(), 2, "{flavor}");
+            for mhc in checks {
+                let what = format!("{flavor} {enabled:?} {}", mhc["metadata"]["name"]);
+                assert_eq!(mhc["spec"]["clusterName"], CLUSTER, "{what}");
+                let selector = mhc["spec"]["selector"]["matchLabels"]
+                    .as_object()
+                    .context("matchLabels")?;
+                let selected: Vec<&str> = owners
+                    .iter()
+                    .filter(|(_, labels)| {
+                        selector
+                            .iter()
+                            .all(|(k, v)| labels.get(k).map(String::as_str) == v.as_str())
+                    })
+                    .map(|(o, _)| o["kind"].as_str().unwrap_or_default())
+                    .collect();
+                let for_control_plane = mhc["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.ends_with("-control-plane"));
+                let want: &[&str] = match (enabled, for_control_plane) {
+                    (Some(_), _) => &[],
+                    (None, true) => &["KubeadmControlPlane"],
+                    (None, false) => &["MachineDeployment"],
+                };
+                assert_eq!(selected, want, "{what}");
+                let checks = &mhc["spec"]["checks"];
+                assert_eq!(checks["nodeStartupTimeoutSeconds"], 1800, "{what}");
+                for c in checks["unhealthyNodeConditions"]
+                    .as_array()
+                    .context("conditions")?
+                {
+                    assert_eq!(c["type"], "Ready", "{what}");
+                    assert_eq!(c["timeoutSeconds"], 120, "{what}");
+                }
+                // A second control-plane replacement at once would risk etcd's quorum.
+                if for_control_plane {
+                    assert_eq!(
+                        mhc["spec"]["remediation"]["triggerIf"]["unhealthyLessThanOrEqualTo"], 1,
+                        "{what}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The topology flavor: the ClusterClass's patch brings the sysext of the Cluster's version
