@@ -507,6 +507,44 @@ fn launcher_status(e: &E2e, pod: &str) -> Result<Value> {
     serde_json::from_str(&text).with_context(|| format!("capk-launcher status: {text}"))
 }
 
+/// QEMU's uid and gid in a machine Pod: the launcher's `--qemu-uid`/`--qemu-gid` default, which
+/// the controller does not change.
+const QEMU_ID: &str = "107";
+
+/// What the launcher promises of QEMU in a real machine Pod (issue 20), read from QEMU's
+/// `/proc/<pid>/status` through `kubectl exec` (`status`: the launcher's, naming QEMU's pid): it
+/// runs as the unprivileged user with no root group, no capability in any set, `no_new_privs`
+/// and its `-sandbox` seccomp filter, so a guest that escapes into QEMU holds none of the
+/// privileged Pod's powers.
+fn qemu_runs_unprivileged(e: &E2e, pod: &str, status: &Value) -> Result<()> {
+    let qemu = status["qemu_pid"]
+        .as_u64()
+        .with_context(|| format!("qemu_pid in capk-launcher status: {status}"))?;
+    let proc_status = exec_launcher(e, pod, &["cat", &format!("/proc/{qemu}/status")])?;
+    let field = |name: &str| -> Result<String> {
+        proc_status
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
+            .with_context(|| format!("no {name} in /proc/{qemu}/status of {pod}:\n{proc_status}"))
+    };
+    let what = format!("QEMU (pid {qemu}) in {pod}:\n{proc_status}");
+    assert!(field("Name")?.starts_with("qemu-system"), "{what}");
+    let id = [QEMU_ID; 4].join(" ");
+    assert_eq!(field("Uid")?, id, "{what}");
+    assert_eq!(field("Gid")?, id, "{what}");
+    assert!(
+        !field("Groups")?.split(' ').any(|g| g == "0"),
+        "QEMU keeps root's group: {what}"
+    );
+    for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(field(caps)?, "0000000000000000", "{caps}: {what}");
+    }
+    assert_eq!(field("NoNewPrivs")?, "1", "{what}");
+    assert_eq!(field("Seccomp")?, "2", "QEMU's -sandbox filter: {what}");
+    Ok(())
+}
+
 /// Pauses or unpauses the Cluster (`spec.paused`), as a user does.
 fn set_paused(e: &E2e, paused: bool) -> Result<()> {
     let patch = json!({"spec": {"paused": paused}}).to_string();
@@ -719,7 +757,8 @@ fn create_cluster(e: &E2e) -> Result<ControlPlane> {
         status["bootstrap_succeeded"], true,
         "capk-launcher status: {status}"
     );
-    eprintln!("e2e: 1. create: control plane {cp} up at {cp_ip}");
+    qemu_runs_unprivileged(e, &cp, &status)?;
+    eprintln!("e2e: 1. create: control plane {cp} up at {cp_ip}, QEMU unprivileged");
     Ok(ControlPlane {
         kvmmachine: cp,
         first_marker,
