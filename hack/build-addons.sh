@@ -16,8 +16,9 @@
 #   hack/build-addons.sh [NAME...]   (default: coredns, flanneld and flannel-cni-plugin; the local
 #                                     MC's CAPK_DEV_VPA=1 asks for metrics-server and vpa-*)
 #
-# CoreDNS, the CNI plugin, metrics-server and the VPA have no replace directives, so `go install
-# pkg@version` builds them with the module's own go.sum; flanneld is built in a writable copy of its module (its go.sum
+# CoreDNS, the CNI plugin and metrics-server have no replace directives, so `go install
+# pkg@version` builds them with the module's own go.sum; the VPA's commands are built in a wrapper
+# module (its go.mod has exclude directives, which `go install` refuses); flanneld is built in a writable copy of its module (its go.sum
 # pins every dependency) with the one import line removed. A binary whose stamp (version + flags) matches is not rebuilt; Go's module
 # and build caches make a rebuild after `git clean` a link step.
 set -euo pipefail
@@ -65,6 +66,17 @@ build_flanneld() {
   (cd "$src" && CGO_ENABLED=1 go build -trimpath -ldflags "-s -w ${LDFLAGS[flanneld]}" -o "$1" .)
 }
 
+# build_vpa OUTFILE PKG@VERSION: a VPA command, in a wrapper module (go_wrapper_module): the VPA's
+# go.mod has exclude directives, which `go install pkg@version` refuses; -mod=mod fills go.sum.
+build_vpa() {
+  local wrap=$OUT/src/vpa-${2##*@}
+  if [[ ! -f $wrap/go.mod ]]; then
+    mkdir -p "$wrap"
+    go_wrapper_module "$wrap" capk.local/vpa "${2##*@}" "k8s.io/autoscaler/vertical-pod-autoscaler@${2##*@}"
+  fi
+  (cd "$wrap" && go build -trimpath -ldflags "-s -w" -o "$1" "${2%@*}")
+}
+
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(coredns flanneld flannel-cni-plugin)
 require go:golang
@@ -81,6 +93,8 @@ for t in "${targets[@]}"; do
   gobin=$(mktemp -d "$OUT/.gobin.XXXXXX")
   if [[ $t == flanneld ]]; then
     build_flanneld "$gobin/flanneld"
+  elif [[ $t == vpa-* ]]; then
+    build_vpa "$gobin/$t" "${PKG[$t]}"
   else
     GOBIN=$gobin go install -trimpath -ldflags "-s -w ${LDFLAGS[$t]}" "${PKG[$t]}"
   fi
