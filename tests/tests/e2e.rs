@@ -1107,8 +1107,11 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
     e.run(
         {
             let mut c = Command::new("bash");
+            // Only the apiserver is restarted: what containerd already holds stays, and a
+            // local MC brought up without the node image (make e2e-stub) does not import it now.
             c.arg(e.root.join("hack/dev-up.sh"))
-                .env("CAPK_DEV_SAMPLE", "0");
+                .env("CAPK_DEV_SAMPLE", "0")
+                .env("CAPK_DEV_NODE_IMAGE", "0");
             c
         },
         None,
