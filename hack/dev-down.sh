@@ -57,6 +57,7 @@ if ((MC == 2)); then
   iptables -w -t nat -F "$NAT_CHAIN_MC2" 2>/dev/null || true
   iptables -w -t nat -X "$NAT_CHAIN_MC2" 2>/dev/null || true
   while iptables -w -D "$FW_CHAIN_INPUT" -d "$SERVICE_CIDR" -j DROP 2>/dev/null; do :; done
+  ip route del "$SERVICE_CIDR" dev "$BRIDGE" 2>/dev/null || true
 else
 stop_daemon kube-proxy
 if [[ -x $BIN/kube-proxy ]]; then

@@ -53,6 +53,8 @@ if ((MC == 2)); then
   iptables -w -t nat -C PREROUTING -j "$NAT_CHAIN_MC2" 2>/dev/null || iptables -w -t nat -I PREROUTING 1 -j "$NAT_CHAIN_MC2"
   iptables -w -C "$FW_CHAIN_INPUT" -d "$SERVICE_CIDR" -j DROP 2>/dev/null ||
     iptables -w -A "$FW_CHAIN_INPUT" -d "$SERVICE_CIDR" -j DROP
+  # Its Service range on the bridge, as the first's (below).
+  ip route replace "$SERVICE_CIDR" dev "$BRIDGE" src "$NODE_IP"
 else
 # Remember the host's forwarding setting once, so dev-down can restore it.
 [[ -f $RUN/ip_forward.orig ]] || cat /proc/sys/net/ipv4/ip_forward >"$RUN/ip_forward.orig"
@@ -65,6 +67,13 @@ fi
 ip addr show dev "$BRIDGE" | grep -q "inet $NODE_IP/" || ip addr add "$NODE_IP/${POD_CIDR#*/}" dev "$BRIDGE"
 ip link set "$BRIDGE" up
 sysctl -qw "net.ipv6.conf.$BRIDGE.disable_ipv6=1" 2>/dev/null || true
+# The Service range is routed onto the bridge, so that what this machine sends to a ClusterIP that
+# kube-proxy has no rule for yet stays here (unanswered) instead of following the default route
+# out of the machine. It happened: the apiserver's first connections to a just-created APIService
+# went out that way, were answered 404 by whatever was there, and being kept alive never met the
+# DNAT rule that came a second later (the metrics API stayed unavailable). The route goes with
+# the bridge.
+ip route replace "$SERVICE_CIDR" dev "$BRIDGE" src "$NODE_IP"
 
 fw_chain() { # CHAIN HOOK: (re)create our chain and hook it first into HOOK
   iptables -w -N "$1" 2>/dev/null || iptables -w -F "$1"
