@@ -106,7 +106,8 @@ spec:
         imagePullPolicy: IfNotPresent
         args:
         - --config.file=/etc/prometheus/prometheus.yml
-        - --storage.tsdb.path=/prometheus
+        # Not /prometheus: the image's binary is /prometheus (binary_image puts it at the root).
+        - --storage.tsdb.path=/data
         - --storage.tsdb.retention.time=6h
         - --web.listen-address=:9090
         ports:
@@ -126,7 +127,7 @@ spec:
           capabilities: {drop: [ALL]}
         volumeMounts:
         - {name: config, mountPath: /etc/prometheus, readOnly: true}
-        - {name: data, mountPath: /prometheus}
+        - {name: data, mountPath: /data}
       volumes:
       - name: config
         configMap: {name: prometheus}
