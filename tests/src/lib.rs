@@ -8,11 +8,16 @@ use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 
-/// The repository root.
+/// The repository root: the parent of the running test's package directory, which Cargo gives
+/// every test it runs (`CARGO_MANIFEST_DIR`; every package is one level below the root). The
+/// directory the binary was compiled in is only the fallback: Cargo's build cache is shared
+/// between checkouts (`.ci/run`'s clone and a developer's tree use `$CAPK_CACHE/target`), and a
+/// test binary Cargo finds fresh may have been compiled in the other checkout.
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
         .parent()
-        .expect("tests/ has a parent")
+        .expect("a package directory has a parent")
         .to_path_buf()
 }
 
