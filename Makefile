@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build check test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node testenv testenv-down dev-up dev-down e2e e2e-stub e2e-operating e2e-workload fuzz clean help node-image test-node-image
+.PHONY: all build check test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node bench-idle-nodes testenv testenv-down dev-up dev-down e2e e2e-stub e2e-operating e2e-workload fuzz clean help node-image test-node-image
 
 all: build
 
@@ -86,6 +86,10 @@ e2e-move: ## clusterctl move of a running cluster to a second local management c
 bench-e2e: ## On the local MC: machine created -> guest up (test guest, P50/P95 over 10 machines), then real nodes (make bench-e2e-workload)
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --test-threads=1 --exact bench_e2e_machine_boot_and_pod_overhead bench_e2e_workload_nodes
+
+bench-idle-nodes: ## Real nodes under TCG, idle: one control plane and one worker of the node-image flavor on the local MC, each machine Pod's host CPU over 60 s once every Pod is ready, and the time to both Nodes Ready (about 30 minutes)
+	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact bench_idle_nodes
 
 bench-e2e-workload: ## Real nodes under TCG: Machine created -> Node Ready per step (P50 over 5 workers), kubeadm init, guest and Pod memory (about an hour)
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh

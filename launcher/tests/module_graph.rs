@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// Top-level module → the top-level modules its non-test code names (`crate::<module>`).
 fn graph() -> BTreeMap<String, (BTreeSet<String>, String)> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let src = package_dir().join("src");
     let mut graph: BTreeMap<String, (BTreeSet<String>, String)> = BTreeMap::new();
     let mut files = Vec::new();
     for entry in std::fs::read_dir(&src).unwrap() {
@@ -100,4 +100,12 @@ fn clap_stays_at_the_binarys_edge() {
         offenders.is_empty(),
         "domain modules using the command line's types or clap: {offenders:?}"
     );
+}
+
+/// This package's directory: Cargo's `CARGO_MANIFEST_DIR` of this test run, falling back to the
+/// one it was compiled with. Checkouts share Cargo's build cache (`$CAPK_CACHE/target`), so a
+/// binary Cargo finds fresh may have been compiled in another checkout.
+fn package_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), Into::into)
 }

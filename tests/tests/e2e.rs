@@ -1236,7 +1236,9 @@ struct PodMemory {
     guest_ram_rss_kib: u64,
 }
 
-fn pod_memory(e: &E2e, pod: &str, guest_kib: u64) -> Result<PodMemory> {
+/// A Pod's cgroup directory under a cgroup v1 `controller` (`memory`, `cpuacct`; cgroupfs
+/// driver): kubepods/[<qos>/]pod<uid>.
+fn pod_cgroup(e: &E2e, pod: &str, controller: &str) -> Result<PathBuf> {
     let p = e.json(&["-n", ns(), "get", "pod", pod])?;
     let uid = p["metadata"]["uid"].as_str().context("pod uid")?;
     // Guaranteed Pods sit directly under kubepods, the others under their QoS class.
@@ -1245,7 +1247,25 @@ fn pod_memory(e: &E2e, pod: &str, guest_kib: u64) -> Result<PodMemory> {
         Some("BestEffort") => "besteffort/",
         _ => "",
     };
-    let dir = PathBuf::from(format!("/sys/fs/cgroup/memory/kubepods/{qos}pod{uid}"));
+    Ok(PathBuf::from(format!(
+        "/sys/fs/cgroup/{controller}/kubepods/{qos}pod{uid}"
+    )))
+}
+
+/// CPU time a Pod's processes (for a machine Pod: QEMU and the launcher) have used, from its
+/// cgroup's `cpuacct.usage`.
+fn pod_cpu_time(e: &E2e, pod: &str) -> Result<Duration> {
+    let file = pod_cgroup(e, pod, "cpuacct")?.join("cpuacct.usage");
+    let ns: u64 = std::fs::read_to_string(&file)
+        .with_context(|| file.display().to_string())?
+        .trim()
+        .parse()
+        .with_context(|| file.display().to_string())?;
+    Ok(Duration::from_nanos(ns))
+}
+
+fn pod_memory(e: &E2e, pod: &str, guest_kib: u64) -> Result<PodMemory> {
+    let dir = pod_cgroup(e, pod, "memory")?;
     let read = |f: &str| {
         std::fs::read_to_string(dir.join(f)).with_context(|| format!("{}/{f}", dir.display()))
     };
@@ -1380,4 +1400,10 @@ fn bench_e2e_machine_boot_and_pod_overhead() {
 #[ignore = "benchmark of real nodes on the local management cluster: `make bench-e2e-workload`"]
 fn bench_e2e_workload_nodes() {
     run_scenario("capk-bench-workload", workload::workload_bench);
+}
+
+#[test]
+#[ignore = "benchmark of an idle real cluster on the local management cluster: `make bench-idle-nodes`"]
+fn bench_idle_nodes() {
+    run_scenario("capk-bench-idle", workload::idle_nodes_bench);
 }

@@ -9,7 +9,7 @@ use capk_bootstrap::overlay::{DataDisk, Dns, EtcdDisk, FsFormat, Heartbeat, Host
 use capk_bootstrap::{BootstrapFormat, MachineFacts, MachineOverlay};
 
 pub fn crate_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    package_dir()
 }
 
 /// A fixture file: bootstrap data plus the format its name declares.
@@ -184,4 +184,12 @@ pub fn readable(json: &[u8]) -> serde_json::Value {
     let mut v: serde_json::Value = serde_json::from_slice(json).unwrap();
     walk(&mut v);
     v
+}
+
+/// This package's directory: Cargo's `CARGO_MANIFEST_DIR` of this test run, falling back to the
+/// one it was compiled with. Checkouts share Cargo's build cache (`$CAPK_CACHE/target`), so a
+/// binary Cargo finds fresh may have been compiled in another checkout.
+fn package_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), Into::into)
 }

@@ -14,10 +14,7 @@ pub const QEMU_ID: u32 = 107;
 
 /// The repository's root (the launcher crate's parent).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
+    package_dir().parent().unwrap().to_path_buf()
 }
 
 /// Whether the test runs as root (network namespaces, taps, QEMU's user).
@@ -368,4 +365,12 @@ impl Drop for Launcher {
             let _ = self.child.wait();
         }
     }
+}
+
+/// This package's directory: Cargo's `CARGO_MANIFEST_DIR` of this test run, falling back to the
+/// one it was compiled with. Checkouts share Cargo's build cache (`$CAPK_CACHE/target`), so a
+/// binary Cargo finds fresh may have been compiled in another checkout.
+fn package_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), Into::into)
 }

@@ -1134,6 +1134,81 @@ pub(super) fn workload_bench(e: &E2e) -> Result<()> {
     Ok(())
 }
 
+/// `make bench-idle-nodes`: the smallest real cluster (one control plane, one worker) of the
+/// node-image flavor as the workload journey makes it, and what it costs the host once idle:
+/// each machine Pod's CPU (QEMU and the launcher, from its cgroup) over 60 s, 30 s after the
+/// Nodes and every Pod of the workload cluster are ready.
+pub(super) fn idle_nodes_bench(e: &E2e) -> Result<()> {
+    const SETTLE: Duration = Duration::from_secs(30);
+    const WINDOW: Duration = Duration::from_secs(60);
+    let (cp, created) = create_workload_cluster(e)?;
+    eprintln!(
+        "bench-idle-nodes: kubeadm init done {:.0}s after apply",
+        created.elapsed().as_secs_f64()
+    );
+    scale_machine_deployment(e, 1)?;
+    let w = Workload::fetch(e)?;
+    let nodes = wait("both Nodes Ready", NODE_READY, || {
+        let ready = ready_nodes(&w, e)?;
+        Ok((ready.len() == 2).then_some(ready))
+    })?;
+    let nodes_ready = created.elapsed();
+    wait("every workload Pod ready", NODE_READY, || {
+        let pods = w.items(e, &["get", "pods", "--all-namespaces"])?;
+        let waiting: Vec<String> = pods
+            .iter()
+            .filter(|p| p["status"]["phase"] != "Succeeded" && !condition_true(p, "Ready"))
+            .map(|p| {
+                let namespace = p["metadata"]["namespace"].as_str().unwrap_or_default();
+                format!("{namespace}/{}", name(p))
+            })
+            .collect();
+        if waiting.is_empty() && !pods.is_empty() {
+            Ok(Some(()))
+        } else {
+            Err(anyhow!("not ready: {waiting:?}"))
+        }
+    })?;
+    let pods_ready = created.elapsed();
+    std::thread::sleep(SETTLE);
+    let worker = nodes
+        .iter()
+        .find(|n| **n != cp)
+        .cloned()
+        .context("worker Node")?;
+    let machines = [("control plane, 2 vCPU", cp), ("worker, 1 vCPU", worker)];
+    let before = machines
+        .iter()
+        .map(|(_, m)| pod_cpu_time(e, m))
+        .collect::<Result<Vec<_>>>()?;
+    let start = Instant::now();
+    std::thread::sleep(WINDOW);
+    let after = machines
+        .iter()
+        .map(|(_, m)| pod_cpu_time(e, m))
+        .collect::<Result<Vec<_>>>()?;
+    let window = start.elapsed().as_secs_f64();
+    println!(
+        "bench-idle-nodes: both Nodes Ready {:.0}s after apply, every Pod ready at {:.0}s",
+        nodes_ready.as_secs_f64(),
+        pods_ready.as_secs_f64()
+    );
+    let mut total = 0.0;
+    for (((what, machine), b), a) in machines.iter().zip(&before).zip(&after) {
+        let pct = (*a - *b).as_secs_f64() / window * 100.0;
+        total += pct;
+        println!(
+            "bench-idle-nodes: {machine} ({what}): {pct:.0} % of one host core over {window:.0} s idle"
+        );
+    }
+    println!(
+        "bench-idle-nodes: control plane + worker: {total:.0} % of one host core (targets: control plane alone <= 50 %, both <= 100 %, both Nodes Ready <= 480 s)"
+    );
+    e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=900s"])?;
+    e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
+    Ok(())
+}
+
 /// How long the bootstrap commands (kubeadm) ran on a machine, from its console: the runcmd unit
 /// (cloud-config) or kubeadm.service (Ignition) from Starting to Finished.
 fn kubeadm_run_seconds(e: &E2e, machine: &str) -> Result<f64> {
