@@ -1,7 +1,5 @@
 //! The checked-in CRDs in manifests/crd must be exactly what the Rust types generate.
 
-use std::path::PathBuf;
-
 #[test]
 fn checked_in_crds_match_the_rust_types() {
     let dir = package_dir().join("../manifests/crd");
