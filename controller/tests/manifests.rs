@@ -154,7 +154,7 @@ async fn infrastructure_components_follow_the_clusterctl_contract() -> Result<()
         .context("a ServiceMonitor")?;
     let service = objs
         .iter()
-        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == "capk-controller-metrics")
+        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == "capkvm-controller-metrics")
         .context("the metrics Service")?;
     for (k, v) in monitor["spec"]["selector"]["matchLabels"]
         .as_object()
@@ -584,13 +584,13 @@ fn clusterctl_knows_the_provider_kvm_from_the_release_repository() -> Result<()>
 /// A client that authenticates as the controller's ServiceAccount.
 async fn service_account_client(admin: &Client) -> Result<Client> {
     let sa: Api<k8s_openapi::api::core::v1::ServiceAccount> =
-        Api::namespaced(admin.clone(), "capk-system");
+        Api::namespaced(admin.clone(), "capkvm-system");
     let req = json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
                      "spec": {"expirationSeconds": 3600}});
     let resp: Value = sa
         .create_subresource(
             "token",
-            "capk-controller-manager",
+            "capkvm-controller-manager",
             &PostParams::default(),
             &req,
         )
@@ -630,7 +630,7 @@ async fn shipped_rbac_client(admin: &Client) -> Result<Client> {
 }
 
 /// The metrics endpoint's TokenReviews and SubjectAccessReviews work with the shipped role, and
-/// the shipped capk-metrics-reader ClusterRole is what a scraper needs.
+/// the shipped capkvm-metrics-reader ClusterRole is what a scraper needs.
 #[tokio::test]
 async fn metrics_are_served_with_only_the_shipped_rbac() -> Result<()> {
     use capk_controller::metrics::{
@@ -644,7 +644,7 @@ async fn metrics_are_served_with_only_the_shipped_rbac() -> Result<()> {
     let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
         "metadata": {"name": "metrics-rbac-scraper"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": "capk-metrics-reader"},
+                    "name": "capkvm-metrics-reader"},
         "subjects": [{"kind": "ServiceAccount", "name": "scraper", "namespace": ns}]});
     apply(&admin, &binding, false).await?;
     let scraper = support::scrape::token_for(&admin, ns, "scraper").await?;
@@ -667,7 +667,7 @@ async fn metrics_are_served_with_only_the_shipped_rbac() -> Result<()> {
         let (code, body) = get(Some(scraper.as_str())).await?;
         assert_eq!(
             code, 200,
-            "the scraper bound to capk-metrics-reader: {body}"
+            "the scraper bound to capkvm-metrics-reader: {body}"
         );
         assert!(
             body.contains("controller_runtime_reconcile_total"),
@@ -693,9 +693,9 @@ async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
     let restricted = shipped_rbac_client(&admin).await?;
 
     // Leader election (--leader-elect, as the Deployment runs it): take the Lease in
-    // capk-system, renew it, give it back.
+    // capkvm-system, renew it, give it back.
     let lease =
-        capk_controller::leader::lease_manager(restricted.clone(), "capk-system", "rbac-check")
+        capk_controller::leader::lease_manager(restricted.clone(), "capkvm-system", "rbac-check")
             .await
             .context("Lease under the shipped RBAC")?;
     let held = tokio::time::timeout(std::time::Duration::from_secs(20), lease.changed())
