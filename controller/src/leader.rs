@@ -4,7 +4,7 @@ use kube::Client;
 use kube_lease_manager::{LeaseManager, LeaseManagerBuilder};
 
 /// Name of the leader-election Lease.
-pub const LEASE_NAME: &str = "capk-controller-leader";
+pub const LEASE_NAME: &str = "capkvm-controller-leader";
 
 /// The Lease manager for `identity` in `namespace`: a 15 s lease renewed 5 s before it ends.
 /// Needs get, create and patch on `coordination.k8s.io` leases there.

@@ -73,7 +73,7 @@ struct Cli {
     default_node_image: String,
     /// Address of the Prometheus metrics endpoint (`/metrics`, as Cluster API's managers'
     /// `--diagnostics-address`): HTTPS, for callers whose token may `get` the non-resource URL
-    /// `/metrics` (ClusterRole capk-metrics-reader), unless --insecure-diagnostics.
+    /// `/metrics` (ClusterRole capkvm-metrics-reader), unless --insecure-diagnostics.
     #[arg(long, alias = "metrics-addr", default_value = "0.0.0.0:8443")]
     diagnostics_address: std::net::SocketAddr,
     /// Serve `/metrics` as plain HTTP, without authentication or authorization.
@@ -160,7 +160,7 @@ struct Cli {
     /// Reconciles that run at once, per kind.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     concurrency: u16,
-    /// Run only while holding the Lease `capk-controller-leader` (for more than one replica).
+    /// Run only while holding the Lease `capkvm-controller-leader` (for more than one replica).
     #[arg(long)]
     leader_elect: bool,
     /// Namespace of the leader-election Lease (default: $POD_NAMESPACE, else the kubeconfig's).

@@ -154,12 +154,12 @@ async fn metrics_need_a_token_allowed_to_read_them() -> Result<()> {
     )?)?;
     let pp = PatchParams::apply("metrics-auth-test").force();
     Api::<ClusterRole>::all(admin.clone())
-        .patch("capk-metrics-reader", &pp, &Patch::Apply(&reader))
+        .patch("capkvm-metrics-reader", &pp, &Patch::Apply(&reader))
         .await?;
     let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
         "metadata": {"name": "metrics-auth-scraper"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": "capk-metrics-reader"},
+                    "name": "capkvm-metrics-reader"},
         "subjects": [{"kind": "ServiceAccount", "name": "scraper", "namespace": ns}]});
     Api::<ClusterRoleBinding>::all(admin.clone())
         .patch("metrics-auth-scraper", &pp, &Patch::Apply(&binding))

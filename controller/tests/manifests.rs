@@ -1,7 +1,8 @@
 //! The shipped manifests: the clusterctl contract of infrastructure-components.yaml, every
 //! flavor rendered by the real clusterctl and checked against the real Cluster API CRDs and, as
 //! the nodes boot it, through CABPK's own bootstrap code, our Ignition conversion and upstream
-//! `ignition-validate`; and the controller working with nothing but the shipped RBAC.
+//! `ignition-validate`; the controller working with nothing but the shipped RBAC; and component
+//! names that coexist with cluster-api-provider-kubevirt's.
 
 mod support;
 
@@ -154,7 +155,7 @@ async fn infrastructure_components_follow_the_clusterctl_contract() -> Result<()
         .context("a ServiceMonitor")?;
     let service = objs
         .iter()
-        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == "capk-controller-metrics")
+        .find(|o| o["kind"] == "Service" && o["metadata"]["name"] == "capkvm-controller-metrics")
         .context("the metrics Service")?;
     for (k, v) in monitor["spec"]["selector"]["matchLabels"]
         .as_object()
@@ -237,24 +238,19 @@ fn clusterctl(args: &[&str], env: &[(&str, &str)]) -> Result<String> {
     Ok(String::from_utf8(out.stdout)?)
 }
 
-/// `clusterctl init --infrastructure kvm` with no variables set: every variable of the
-/// components has a default clusterctl accepts (it calls `${VAR:=}` unset), and the optional
-/// settings come out empty, i.e. all namespaces and Flatcar.
-#[test]
-fn clusterctl_processes_the_components_with_no_variables_set() -> Result<()> {
-    let dir = release_dir()?;
-    let file = dir.join("infrastructure-components.yaml");
-    // What `clusterctl init` runs before applying: variables and image references (which must
-    // be canonical, e.g. localhost/capk/...:dev, not capk-controller:dev).
+/// The components as `clusterctl init --infrastructure kvm` applies them, with no variables set:
+/// what it runs before applying (variables and image references, which must be canonical, e.g.
+/// localhost/capk/...:dev, not capk-controller:dev) on the release's infrastructure-components.yaml.
+fn provider_components(release: &std::path::Path) -> Result<Vec<Value>> {
     let config = tempfile::Builder::new().suffix(".yaml").tempfile()?;
     std::fs::write(
         config.path(),
         format!(
             "providers:\n  - name: kvm\n    type: InfrastructureProvider\n    url: file://{}\n",
-            file.display()
+            release.join("infrastructure-components.yaml").display()
         ),
     )?;
-    let objs = docs(&clusterctl(
+    docs(&clusterctl(
         &[
             "generate",
             "provider",
@@ -264,7 +260,15 @@ fn clusterctl_processes_the_components_with_no_variables_set() -> Result<()> {
             &config.path().to_string_lossy(),
         ],
         &[],
-    )?)?;
+    )?)
+}
+
+/// `clusterctl init --infrastructure kvm` with no variables set: every variable of the
+/// components has a default clusterctl accepts (it calls `${VAR:=}` unset), and the optional
+/// settings come out empty, i.e. all namespaces and Flatcar.
+#[test]
+fn clusterctl_processes_the_components_with_no_variables_set() -> Result<()> {
+    let objs = provider_components(&release_dir()?)?;
     let deploy = objs
         .iter()
         .find(|o| o["kind"] == "Deployment")
@@ -308,6 +312,125 @@ fn clusterctl_processes_the_components_with_no_variables_set() -> Result<()> {
     let bin = std::path::Path::new(env!("CARGO_BIN_EXE_capk-controller"));
     run_with_input(bin, &argv, b"#cloud-config\n")
         .context("capk-controller refuses the Deployment's arguments")?;
+    Ok(())
+}
+
+/// An object's place in a cluster: kind, namespace (`-`: cluster-scoped; `*`: a namespace the
+/// user chooses) and name.
+type ObjectKey = (String, String, String);
+
+/// The objects cluster-api-provider-kubevirt puts in a cluster, pinned from upstream (see the
+/// file's header).
+fn kubevirt_provider_objects() -> Result<Vec<ObjectKey>> {
+    let path =
+        capk_tests::repo_root().join("controller/tests/fixtures/kubevirt-provider-objects.txt");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+    let mut out = Vec::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+    {
+        match line.split_whitespace().collect::<Vec<_>>()[..] {
+            [kind, ns, name] => out.push((kind.into(), ns.into(), name.into())),
+            _ => bail!("{}: not `kind namespace name`: {line}", path.display()),
+        }
+    }
+    Ok(out)
+}
+
+/// Where an object of ours goes: cluster-scoped kinds have no namespace (kustomize writes one on
+/// ValidatingAdmissionPolicies too; the apiserver drops it), the others go to `namespace`.
+fn object_key(o: &Value, namespace: &str) -> Result<ObjectKey> {
+    const CLUSTER_SCOPED: &[&str] = &[
+        "Namespace",
+        "CustomResourceDefinition",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ];
+    const NAMESPACED: &[&str] = &[
+        "ServiceAccount",
+        "Secret",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "Deployment",
+        "VerticalPodAutoscaler",
+        "ServiceMonitor",
+        "PrometheusRule",
+    ];
+    let kind = o["kind"].as_str().context("kind")?;
+    let name = o["metadata"]["name"].as_str().context("metadata.name")?;
+    let ns = if CLUSTER_SCOPED.contains(&kind) {
+        "-"
+    } else if NAMESPACED.contains(&kind) {
+        namespace
+    } else {
+        bail!("{kind} {name}: add the kind to CLUSTER_SCOPED or NAMESPACED in object_key")
+    };
+    Ok((kind.into(), ns.into(), name.into()))
+}
+
+/// cluster-api-provider-kubevirt, which upstream also abbreviates CAPK, installs into its own
+/// namespace with `capk-` names. Installing both providers (the way off KubeVirt) must overwrite
+/// none of its objects, and it none of ours: no object of our release (the components
+/// `clusterctl init` applies, the Lease the controller takes, the optional VPA and monitoring
+/// components in the provider's namespace, the hosting cluster's RBAC) has the kind, namespace
+/// and name of one of its (controller/tests/fixtures/kubevirt-provider-objects.txt).
+#[test]
+fn components_share_no_name_with_cluster_api_provider_kubevirt() -> Result<()> {
+    let theirs = kubevirt_provider_objects()?;
+    let dir = release_dir()?;
+    let components = provider_components(&dir)?;
+    let namespace = components
+        .iter()
+        .find(|o| o["kind"] == "Namespace")
+        .and_then(|o| o["metadata"]["name"].as_str())
+        .context("the components' Namespace")?
+        .to_owned();
+    let mut ours = Vec::new();
+    for o in &components {
+        let ns = o["metadata"]["namespace"].as_str().unwrap_or(&namespace);
+        ours.push(object_key(o, ns)?);
+    }
+    ours.push((
+        "Lease".into(),
+        namespace.clone(),
+        capk_controller::leader::LEASE_NAME.into(),
+    ));
+    for file in ["vpa.yaml", "monitoring.yaml"] {
+        for o in docs(&std::fs::read_to_string(dir.join(file))?)? {
+            ours.push(object_key(&o, &namespace)?);
+        }
+    }
+    // Applied in a hosting cluster, in a namespace the user chooses (the file says so).
+    for o in docs(&std::fs::read_to_string(dir.join("hosting-rbac.yaml"))?)? {
+        ours.push(object_key(&o, "*")?);
+    }
+    for kind in [
+        "Namespace",
+        "Deployment",
+        "ClusterRole",
+        "Service",
+        "PrometheusRule",
+    ] {
+        assert!(ours.iter().any(|o| o.0 == kind), "no {kind} among {ours:?}");
+    }
+
+    let same = |a: &ObjectKey, b: &ObjectKey| {
+        a.0 == b.0 && a.2 == b.2 && (a.1 == b.1 || a.1 == "*" || b.1 == "*")
+    };
+    let clashes: Vec<&ObjectKey> = ours
+        .iter()
+        .filter(|o| theirs.iter().any(|t| same(o, t)))
+        .collect();
+    assert!(
+        clashes.is_empty(),
+        "objects cluster-api-provider-kubevirt installs too (one provider would overwrite the \
+         other's): {clashes:?}\nall of ours: {ours:?}"
+    );
     Ok(())
 }
 
@@ -584,13 +707,13 @@ fn clusterctl_knows_the_provider_kvm_from_the_release_repository() -> Result<()>
 /// A client that authenticates as the controller's ServiceAccount.
 async fn service_account_client(admin: &Client) -> Result<Client> {
     let sa: Api<k8s_openapi::api::core::v1::ServiceAccount> =
-        Api::namespaced(admin.clone(), "capk-system");
+        Api::namespaced(admin.clone(), "capkvm-system");
     let req = json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
                      "spec": {"expirationSeconds": 3600}});
     let resp: Value = sa
         .create_subresource(
             "token",
-            "capk-controller-manager",
+            "capkvm-controller-manager",
             &PostParams::default(),
             &req,
         )
@@ -630,7 +753,7 @@ async fn shipped_rbac_client(admin: &Client) -> Result<Client> {
 }
 
 /// The metrics endpoint's TokenReviews and SubjectAccessReviews work with the shipped role, and
-/// the shipped capk-metrics-reader ClusterRole is what a scraper needs.
+/// the shipped capkvm-metrics-reader ClusterRole is what a scraper needs.
 #[tokio::test]
 async fn metrics_are_served_with_only_the_shipped_rbac() -> Result<()> {
     use capk_controller::metrics::{
@@ -644,7 +767,7 @@ async fn metrics_are_served_with_only_the_shipped_rbac() -> Result<()> {
     let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
         "metadata": {"name": "metrics-rbac-scraper"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": "capk-metrics-reader"},
+                    "name": "capkvm-metrics-reader"},
         "subjects": [{"kind": "ServiceAccount", "name": "scraper", "namespace": ns}]});
     apply(&admin, &binding, false).await?;
     let scraper = support::scrape::token_for(&admin, ns, "scraper").await?;
@@ -667,7 +790,7 @@ async fn metrics_are_served_with_only_the_shipped_rbac() -> Result<()> {
         let (code, body) = get(Some(scraper.as_str())).await?;
         assert_eq!(
             code, 200,
-            "the scraper bound to capk-metrics-reader: {body}"
+            "the scraper bound to capkvm-metrics-reader: {body}"
         );
         assert!(
             body.contains("controller_runtime_reconcile_total"),
@@ -693,9 +816,9 @@ async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
     let restricted = shipped_rbac_client(&admin).await?;
 
     // Leader election (--leader-elect, as the Deployment runs it): take the Lease in
-    // capk-system, renew it, give it back.
+    // capkvm-system, renew it, give it back.
     let lease =
-        capk_controller::leader::lease_manager(restricted.clone(), "capk-system", "rbac-check")
+        capk_controller::leader::lease_manager(restricted.clone(), "capkvm-system", "rbac-check")
             .await
             .context("Lease under the shipped RBAC")?;
     let held = tokio::time::timeout(std::time::Duration::from_secs(20), lease.changed())

@@ -136,13 +136,13 @@ done | sha256sum | cut -c1-16)
 if [[ -f $RUN/capi.images && $(<"$RUN/capi.images") != "$image_digests" ]]; then
   log "manager images changed: restarting the Deployments"
   for d in capi-system/capi-controller-manager capi-kubeadm-bootstrap-system/capi-kubeadm-bootstrap-controller-manager \
-    capi-kubeadm-control-plane-system/capi-kubeadm-control-plane-controller-manager capk-system/capk-controller-manager; do
+    capi-kubeadm-control-plane-system/capi-kubeadm-control-plane-controller-manager capkvm-system/capkvm-controller-manager; do
     kc -n "${d%/*}" rollout restart "deployment/${d#*/}" >/dev/null
   done
 fi
 echo "$image_digests" >"$RUN/capi.images"
 for d in capi-system/capi-controller-manager capi-kubeadm-bootstrap-system/capi-kubeadm-bootstrap-controller-manager \
-  capi-kubeadm-control-plane-system/capi-kubeadm-control-plane-controller-manager capk-system/capk-controller-manager; do
+  capi-kubeadm-control-plane-system/capi-kubeadm-control-plane-controller-manager capkvm-system/capkvm-controller-manager; do
   kc -n "${d%/*}" rollout status "deployment/${d#*/}" --timeout=300s >/dev/null ||
     die "deployment $d is not available (kubectl -n ${d%/*} describe deployment ${d#*/})"
 done

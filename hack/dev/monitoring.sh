@@ -8,11 +8,11 @@
 #   (PROMETHEUS_VERSION in hack/versions.env; hack/build-promtool.sh prometheus, no service
 #   discovery plugins), a FROM-scratch image made with buildah (binary_image in lib.sh).
 # - Namespace `monitoring`: ServiceAccount `prometheus`, bound to the provider's ClusterRole
-#   capk-metrics-reader (the one a user binds to their scraper), a Deployment and a Service
+#   capkvm-metrics-reader (the one a user binds to their scraper), a Deployment and a Service
 #   `prometheus` (9090, cluster-internal; the tests query it through the apiserver's service proxy).
 # - No Prometheus Operator: the scrape is a static config of what the shipped ServiceMonitor says
-#   (manifests/components/monitoring/monitoring.yaml): the Service capk-controller-metrics in
-#   capk-system, port 8443, HTTPS with the controller's self-signed certificate, authorized by the
+#   (manifests/components/monitoring/monitoring.yaml): the Service capkvm-controller-metrics in
+#   capkvm-system, port 8443, HTTPS with the controller's self-signed certificate, authorized by the
 #   Pod's own ServiceAccount token (read from its file at each scrape, never in an argument), job
 #   name = the Service's name as the operator would set it. The PrometheusRule's groups are loaded
 #   as a rule file, so the shipped alerts are evaluated against the real controller.
@@ -27,8 +27,8 @@ NS=monitoring
 IMAGE=localhost/capk/prometheus:$PROMETHEUS_VERSION
 
 bash "$ROOT/hack/build-promtool.sh" promtool prometheus >&2
-kc get clusterrole capk-metrics-reader >/dev/null 2>&1 ||
-  die "ClusterRole capk-metrics-reader missing: CAPK is not installed (make dev-up without CAPK_DEV_PROVIDERS=0)"
+kc get clusterrole capkvm-metrics-reader >/dev/null 2>&1 ||
+  die "ClusterRole capkvm-metrics-reader missing: CAPK is not installed (make dev-up without CAPK_DEV_PROVIDERS=0)"
 digest=$(binary_image "$IMAGE" "$BIN/prometheus" \
   "hack/dev/monitoring.sh: prometheus $PROMETHEUS_VERSION from the Go module proxy" --user 65534 --port 9090)
 
@@ -42,7 +42,7 @@ global:
 rule_files: [/etc/prometheus/capk-rules.yaml]
 scrape_configs:
   # What manifests/components/monitoring's ServiceMonitor asks of the Prometheus Operator.
-  - job_name: capk-controller-metrics
+  - job_name: capkvm-controller-metrics
     scheme: https
     authorization:
       credentials_file: /var/run/secrets/kubernetes.io/serviceaccount/token
@@ -50,7 +50,7 @@ scrape_configs:
       insecure_skip_verify: true
     honor_labels: true
     static_configs:
-      - targets: [capk-controller-metrics.capk-system.svc:8443]
+      - targets: [capkvm-controller-metrics.capkvm-system.svc:8443]
 EOF
 # The PrometheusRule's spec (a rule file, indented under `spec:` in the second document).
 awk '/^---$/ { doc++; next } doc == 1 && /^spec:/ { on = 1; next } on && /^[^ #]/ { on = 0 } on { sub(/^  /, ""); print }' \
@@ -73,8 +73,8 @@ metadata: {name: prometheus, namespace: $NS}
 # The binding a user makes for their scraper (README "Operating").
 apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRoleBinding
-metadata: {name: capk-dev-prometheus-capk-metrics}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: capk-metrics-reader}
+metadata: {name: capk-dev-prometheus-capkvm-metrics}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: capkvm-metrics-reader}
 subjects: [{kind: ServiceAccount, name: prometheus, namespace: $NS}]
 EOF
 kc -n "$NS" create configmap prometheus --from-file="$WORK/prometheus.yml" --from-file="$WORK/capk-rules.yaml" \
@@ -153,7 +153,7 @@ kc -n "$NS" rollout status deployment/prometheus --timeout=180s >/dev/null ||
 API=/api/v1/namespaces/$NS/services/http:prometheus:web/proxy/api/v1
 target_up() {
   local answer
-  answer=$(kc get --raw "$API/query?query=up%7Bjob%3D%22capk-controller-metrics%22%7D") &&
+  answer=$(kc get --raw "$API/query?query=up%7Bjob%3D%22capkvm-controller-metrics%22%7D") &&
     grep -q '"value":\[[0-9.]*,"1"\]' <<<"$answer"
 }
 start=$SECONDS
@@ -162,5 +162,5 @@ until target_up 2>/dev/null; do
     die "Prometheus does not scrape the CAPK controller after 120 s; its target: $(kc get --raw "$API/targets" 2>&1 | grep -o '"lastError":"[^"]*"' | head -1)"
   sleep 2
 done
-log "Prometheus scrapes the CAPK controller: up{job=\"capk-controller-metrics\"} == 1 after $((SECONDS - start))s"
+log "Prometheus scrapes the CAPK controller: up{job=\"capkvm-controller-metrics\"} == 1 after $((SECONDS - start))s"
 log "Prometheus $PROMETHEUS_VERSION scrapes the CAPK controller ($((SECONDS - t0))s; query: kubectl get --raw '/api/v1/namespaces/$NS/services/http:prometheus:web/proxy/api/v1/query?query=up')"

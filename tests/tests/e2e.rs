@@ -49,8 +49,8 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const CLUSTER: &str = "e2e";
 const OWNED: &str =
     "cluster.x-k8s.io/cluster-name=e2e,app.kubernetes.io/managed-by=capk-controller";
-const CAPK_NS: &str = "capk-system";
-const CAPK_DEPLOYMENT: &str = "capk-controller-manager";
+const CAPK_NS: &str = "capkvm-system";
+const CAPK_DEPLOYMENT: &str = "capkvm-controller-manager";
 
 struct E2e {
     root: PathBuf,

@@ -2,7 +2,7 @@
 //! its own port, for the kubelet's probes. `/metrics` is served the way Cluster API's managers
 //! serve theirs (controller-runtime's `WithAuthenticationAndAuthorization`): HTTPS, and only to a
 //! caller whose bearer token the apiserver accepts (TokenReview) and who may `get` the
-//! non-resource URL `/metrics` (SubjectAccessReview; the `capk-metrics-reader` ClusterRole
+//! non-resource URL `/metrics` (SubjectAccessReview; the `capkvm-metrics-reader` ClusterRole
 //! grants it). Plain HTTP without either is the operator's explicit choice
 //! (`--insecure-diagnostics`).
 //!
@@ -387,7 +387,7 @@ pub fn self_signed_names() -> Vec<String> {
     if let Ok(ns) = std::env::var("POD_NAMESPACE")
         && !ns.is_empty()
     {
-        names.push(format!("capk-controller-metrics.{ns}.svc"));
+        names.push(format!("capkvm-controller-metrics.{ns}.svc"));
     }
     names
 }

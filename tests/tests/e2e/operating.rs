@@ -3,7 +3,7 @@
 //! VPA. `CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 make dev-up` installs them (hack/dev/vpa.sh:
 //! metrics-server, the VPA's recommender, updater and admission controller; hack/dev/monitoring.sh:
 //! Prometheus scraping the controller's HTTPS /metrics with a ServiceAccount token bound to
-//! `capk-metrics-reader`, and evaluating the shipped alert rules).
+//! `capkvm-metrics-reader`, and evaluating the shipped alert rules).
 //!
 //! 0. The components run, else the test fails naming the command that installs them; a
 //!    controller Pod changed by an earlier run is replaced by a pristine one.
@@ -27,14 +27,14 @@ use super::*;
 const INSTALLED_BY: &str =
     "CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 make dev-up (make e2e and make e2e-stub do it)";
 /// The shipped VPA object's name (manifests/components/vpa/vpa.yaml).
-const VPA: &str = "capk-controller-manager";
+const VPA: &str = "capkvm-controller-manager";
 /// The controller Pods' label.
 const CONTROLLER_PODS: &str = "app.kubernetes.io/name=capk-controller";
 /// Prometheus' HTTP API through the apiserver's service proxy (hack/dev/monitoring.sh).
 const PROMETHEUS_API: &str =
     "/api/v1/namespaces/monitoring/services/http:prometheus:web/proxy/api/v1";
 /// The scrape job: the metrics Service's name, as the ServiceMonitor gives it.
-const JOB: &str = r#"job="capk-controller-metrics""#;
+const JOB: &str = r#"job="capkvm-controller-metrics""#;
 
 pub(crate) fn operating_journey(e: &E2e) -> Result<()> {
     require_components(e)?;
