@@ -17,7 +17,10 @@ use kube::{
     api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
 };
 use serde_json::json;
-use support::{create_namespace, eventually, start_controller, start_controller_with};
+use support::{
+    HUNG, NOT_READY, POD_NET, READY, StandInApiServer, create_namespace, eventually, in_own_netns,
+    start_controller, start_controller_with,
+};
 
 async fn setup(ns: &str) -> Result<(Client, tokio::sync::oneshot::Sender<()>)> {
     let client = TestEnv::shared().client().await?;
@@ -343,130 +346,7 @@ async fn a_service_type_the_operator_does_not_allow_is_refused() -> Result<()> {
 // Running with an address, and the "VM" at that address is a TLS server the test runs.
 // EndpointSlices refuse loopback addresses, so these tests run again in a network namespace of
 // their own, where the Pod addresses live on its `lo` and nothing routes anywhere else.
-
-/// Set in the re-run of a test inside its own network namespace.
-const NETNS_ENV: &str = "CAPK_TEST_IN_NETNS";
-/// Pod addresses (TEST-NET-2), on `lo` of the test's network namespace.
-const POD_NET: &str = "198.51.100";
-
-/// Runs the test `name` of this binary again in a network namespace of its own; `true` in that
-/// re-run (go on with the test), `false` in the caller once the re-run passed.
-fn in_own_netns(name: &str) -> Result<bool> {
-    if std::env::var_os(NETNS_ENV).is_some() {
-        for args in [
-            vec!["link", "set", "lo", "up"],
-            vec!["addr", "add", &format!("{POD_NET}.0/24"), "dev", "lo"],
-        ] {
-            let out = std::process::Command::new("ip").args(&args).output()?;
-            anyhow::ensure!(
-                out.status.success(),
-                "ip {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        return Ok(true);
-    }
-    let root = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?) == 0;
-    let mut cmd = std::process::Command::new("unshare");
-    if !root {
-        cmd.args(["--user", "--map-root-user"]);
-    }
-    cmd.args(["--net", "--"])
-        .arg(std::env::current_exe()?)
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env(NETNS_ENV, "1");
-    let out = cmd.output().context("run unshare")?;
-    print!("{}", String::from_utf8_lossy(&out.stdout));
-    eprint!("{}", String::from_utf8_lossy(&out.stderr));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if stderr.starts_with("unshare:") {
-        anyhow::bail!(
-            "this test needs a network namespace of its own: run it as root, or allow \
-             unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1); {stderr}"
-        );
-    }
-    anyhow::ensure!(
-        out.status.success(),
-        "{name} failed in its network namespace ({})",
-        out.status
-    );
-    Ok(false)
-}
-
-/// How a stand-in apiserver answers `/readyz`.
-const READY: u8 = 0;
-/// Accepts TCP and TLS, never answers: a hung apiserver, a frozen VM's last breath.
-const HUNG: u8 = 1;
-/// Answers `/readyz` with 500: alive, not ready (etcd slow or down).
-const NOT_READY: u8 = 2;
-
-/// A TLS server on `<addr>:6443` with a throwaway self-signed certificate, answering
-/// `GET /readyz` with 200 `ok` while READY (kube-apiserver's answer when healthy).
-struct StandInApiServer {
-    mode: std::sync::Arc<std::sync::atomic::AtomicU8>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl StandInApiServer {
-    async fn start(ip: &str) -> Result<Self> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let key = rcgen::generate_simple_self_signed(vec![ip.to_owned()])?;
-        let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![key.cert.der().clone()],
-            rustls::pki_types::PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into()),
-        )?;
-        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
-        let listener = tokio::net::TcpListener::bind((ip, 6443))
-            .await
-            .with_context(|| format!("listen on {ip}:6443"))?;
-        let mode = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(READY));
-        let m = mode.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                let (acceptor, m) = (acceptor.clone(), m.clone());
-                tokio::spawn(async move {
-                    let Ok(mut tls) = acceptor.accept(tcp).await else {
-                        return;
-                    };
-                    let mut buf = [0u8; 2048];
-                    let Ok(n) = tls.read(&mut buf).await else {
-                        return;
-                    };
-                    if m.load(std::sync::atomic::Ordering::SeqCst) == HUNG {
-                        return std::future::pending().await;
-                    }
-                    let ok = buf[..n].starts_with(b"GET /readyz ");
-                    let not_ready = m.load(std::sync::atomic::Ordering::SeqCst) == NOT_READY;
-                    let answer: &[u8] = if ok && not_ready {
-                        b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    } else if ok {
-                        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
-                    } else {
-                        b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    };
-                    let _ = tls.write_all(answer).await;
-                    let _ = tls.shutdown().await;
-                });
-            }
-        });
-        Ok(Self { mode, task })
-    }
-
-    fn set(&self, mode: u8) {
-        self.mode.store(mode, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-impl Drop for StandInApiServer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+// The harness (a network namespace of its own, stand-in apiservers) is in `support`.
 
 /// A Cluster `name` and its KVMCluster, owned as Cluster API sets it.
 async fn owned_kvmcluster(client: &Client, ns: &str, name: &str) -> Result<KVMCluster> {
