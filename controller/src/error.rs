@@ -125,6 +125,20 @@ impl Error {
             _ => false,
         }
     }
+
+    /// Whether the message holds only names and the controller's own words, nothing a server,
+    /// a kubeconfig or bootstrap data said: an Event shows it as it is, names the user must act
+    /// on included (redaction would take a name with digits for a secret).
+    pub fn is_own_words(&self) -> bool {
+        match self {
+            Error::Foreign { .. } | Error::MachinesRemain(_) => true,
+            Error::Finalizer(f) => matches!(
+                f.as_ref(),
+                kube::runtime::finalizer::Error::CleanupFailed(e) | kube::runtime::finalizer::Error::ApplyFailed(e) if e.is_own_words()
+            ),
+            _ => false,
+        }
+    }
 }
 
 impl Error {

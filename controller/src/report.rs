@@ -77,7 +77,12 @@ where
             warn!(error = %e, "reconcile failed");
             // Servers' answers are quoted in the error, and a tenant's cluster may be the
             // server: the Event shows them like other untrusted text.
-            let note = crate::redact::untrusted_message(&e.to_string());
+            let text = e.to_string();
+            let note = if e.is_own_words() {
+                crate::redact::cap(&text, crate::redact::MAX_MESSAGE_BYTES)
+            } else {
+                crate::redact::untrusted_message(&text)
+            };
             publish(ctx, obj, EventType::Warning, e.category(), note).await;
         }
     }
