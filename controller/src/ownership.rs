@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use capk_api::{
     constants::{
         GROUP, KVMCLUSTER_LABEL, KVMMACHINE_LABEL, MAX_LABEL_LEN, OWNER_NAMESPACE_LABEL,
-        OWNER_UID_LABEL, bounded_name,
+        OWNER_UID_LABEL, bounded_name, name_hash,
     },
     v1alpha1::{KVMCluster, KVMMachine},
 };
@@ -35,6 +35,22 @@ pub struct Home {
     /// The objects live in the management cluster, next to their owner, so they also carry an
     /// owner reference to it.
     pub management: bool,
+}
+
+impl Home {
+    /// The name of an object made here for an owner in `owner_namespace`: `<base><suffix>` in
+    /// the owner's own namespace (always so in the management cluster); in another namespace,
+    /// which owners of several management namespaces may share, qualified by the owner's:
+    /// `<base>-<hash of owner_namespace><suffix>`, so that same-named owners of two namespaces
+    /// never want one name. At most `max` bytes, cut and hashed as [`bounded_name`] does: a DNS
+    /// label (or subdomain) whenever `base` is one and `suffix` ends in a letter or is empty.
+    pub fn name_for(&self, owner_namespace: &str, base: &str, suffix: &str, max: usize) -> String {
+        if self.namespace == owner_namespace {
+            return bounded_name(base, suffix, max);
+        }
+        let qualified = format!("-{}{suffix}", name_hash(owner_namespace));
+        bounded_name(base, &qualified, max)
+    }
 }
 
 /// The KVMMachine or KVMCluster that objects belong to.

@@ -12,7 +12,7 @@ use capk_api::{
     capi::{Cluster, Machine},
     v1alpha1::{KVMCluster, KVMMachine},
 };
-use capk_tests::env::{EnvOptions, TestEnv};
+use capk_tests::env::TestEnv;
 use k8s_openapi::api::{
     core::v1::{Pod, Secret, Service},
     discovery::v1::EndpointSlice,
@@ -25,7 +25,14 @@ use kube::{
     discovery,
 };
 use serde_json::{Value, json};
-use support::{Relay, control_plane_machine, create_namespace, eventually, start_controller};
+use support::{
+    POD_NET, Relay, StandInApiServer, control_plane_machine, create_namespace, eventually,
+    in_own_netns, start_controller,
+};
+
+const OWNER_NS_LABEL: &str = "infrastructure.cluster.x-k8s.io/owner-namespace";
+const OWNER_UID_LABEL: &str = "infrastructure.cluster.x-k8s.io/owner-uid";
+const KVMMACHINE_LABEL: &str = "infrastructure.cluster.x-k8s.io/kvmmachine";
 
 /// The namespace `hosting-rbac.yaml` grants.
 const HOSTING_NS: &str = "capk-hosting";
@@ -34,26 +41,7 @@ const BOOTSTRAP: &str = "#cloud-config\nruncmd:\n- echo ok\n";
 /// The hosting cluster's apiserver, one per test binary (each test relays to it on its own).
 fn hosting_env() -> &'static TestEnv {
     static ENV: OnceLock<TestEnv> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let dir = tempfile::Builder::new()
-            .prefix("capk-hosting-")
-            .tempdir()
-            .expect("a directory for the hosting cluster")
-            .keep();
-        std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("tokio runtime")
-                .block_on(TestEnv::start(EnvOptions {
-                    dir,
-                    stop_with_current_process: true,
-                }))
-        })
-        .join()
-        .expect("hosting cluster thread")
-        .unwrap_or_else(|e| panic!("starting the hosting cluster's apiserver failed: {e:#}"))
-    })
+    ENV.get_or_init(|| support::start_env("capk-hosting-"))
 }
 
 /// `hack/release-manifests.sh`'s output directory, made once per test binary.
@@ -303,6 +291,16 @@ async fn run_pod(pods: &Api<Pod>, name: &str, ip: &str) -> Result<()> {
     Ok(())
 }
 
+/// The name the controller gives an object of an owner in management namespace `owner_ns`
+/// in a hosting namespace of another name: `<base>-<hash of owner_ns><suffix>`
+/// (controller/src/ownership.rs, `Home::name_for`; short names are not cut).
+fn qualified(base: &str, owner_ns: &str, suffix: &str) -> String {
+    format!(
+        "{base}-{}{suffix}",
+        capk_api::constants::name_hash(owner_ns)
+    )
+}
+
 fn labels_of(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
 ) -> BTreeMap<String, String> {
@@ -320,6 +318,10 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
     let hosted_slices: Api<EndpointSlice> = Api::namespaced(hosting.admin.clone(), HOSTING_NS);
     let hosted_pods: Api<Pod> = Api::namespaced(hosting.admin.clone(), HOSTING_NS);
     let hosted_secrets: Api<Secret> = Api::namespaced(hosting.admin.clone(), HOSTING_NS);
+    // A namespace other than the management namespace's: the names say whose they are.
+    let svc_name = qualified("demo", ns, "-apiserver");
+    let pod_name = qualified("demo-cp-0", ns, "");
+    let cleanup_name = format!("{pod_name}-etcd-cleanup");
 
     // The KVMCluster: its Service and EndpointSlice in the hosting cluster, named by labels; the
     // endpoint is where the VMs (Pods there) resolve it.
@@ -344,9 +346,9 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
             .control_plane_endpoint
             .as_ref()
             .and_then(|e| e.host.as_deref()),
-        Some("demo-apiserver.capk-hosting.svc.cluster.local")
+        Some(format!("{svc_name}.capk-hosting.svc.cluster.local").as_str())
     );
-    let svc = hosted_services.get("demo-apiserver").await?;
+    let svc = hosted_services.get(&svc_name).await?;
     assert_eq!(svc.metadata.owner_references, None);
     let labels = labels_of(&svc.metadata);
     assert_eq!(
@@ -359,7 +361,7 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
         kc.uid().context("uid")?
     );
     eventually(30, "the EndpointSlice in the hosting cluster", || async {
-        Ok(hosted_slices.get_opt("demo-apiserver").await?)
+        Ok(hosted_slices.get_opt(&svc_name).await?)
     })
     .await?;
     assert!(
@@ -384,7 +386,7 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
     // cluster; the Pod's status (seen through the hosting watch) makes it provisioned.
     control_plane_machine(&mc, ns, "demo-cp-0", BOOTSTRAP).await?;
     let pod = eventually(60, "the machine Pod in the hosting cluster", || async {
-        Ok(hosted_pods.get_opt("demo-cp-0").await?)
+        Ok(hosted_pods.get_opt(&pod_name).await?)
     })
     .await?;
     assert_eq!(pod.metadata.owner_references, None);
@@ -402,7 +404,7 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
         labels["infrastructure.cluster.x-k8s.io/owner-uid"],
         km.uid().context("uid")?
     );
-    let ignition = hosted_secrets.get("demo-cp-0-ignition").await?;
+    let ignition = hosted_secrets.get(&format!("{pod_name}-ignition")).await?;
     assert_eq!(ignition.metadata.owner_references, None);
     assert!(
         Api::<Pod>::namespaced(mc.clone(), ns)
@@ -422,17 +424,12 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
     Api::<k8s_openapi::api::core::v1::Node>::all(hosting.admin.clone())
         .create(&PostParams::default(), &node)
         .await?;
-    let binding = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "demo-cp-0"},
+    let binding = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod_name},
         "target": {"apiVersion": "v1", "kind": "Node", "name": "hosting-node-1"}});
     hosted_pods
-        .create_subresource::<Value, Value>(
-            "binding",
-            "demo-cp-0",
-            &PostParams::default(),
-            &binding,
-        )
+        .create_subresource::<Value, Value>("binding", &pod_name, &PostParams::default(), &binding)
         .await?;
-    run_pod(&hosted_pods, "demo-cp-0", "10.240.0.7").await?;
+    run_pod(&hosted_pods, &pod_name, "10.240.0.7").await?;
     eventually(60, "KVMMachine Ready from the hosted Pod", || async {
         let km = kms.get("demo-cp-0").await?;
         let ready = machine_condition(&km, "Ready")
@@ -443,7 +440,7 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
     both_say(&kcs, &kms, "demo-cp-0", "True", "HostingClusterConnected").await?;
     // The readiness gate is written in the hosting cluster (pods/status).
     eventually(30, "the readiness gate on the hosted Pod", || async {
-        let pod = hosted_pods.get("demo-cp-0").await?;
+        let pod = hosted_pods.get(&pod_name).await?;
         let gate = pod
             .status
             .and_then(|s| s.conditions)
@@ -478,7 +475,7 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
     let (_, _, message) = cluster_condition(&kc, "HostingClusterAvailable").context("condition")?;
     assert!(message.contains("does not answer"), "{message}");
     assert_eq!(
-        hosted_pods.get("demo-cp-0").await?.uid(),
+        hosted_pods.get(&pod_name).await?.uid(),
         pod.uid(),
         "the VM runs on"
     );
@@ -498,12 +495,12 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
         kcs.get_opt("demo").await?.is_some(),
         "waits for its machines"
     );
-    assert!(hosted_services.get_opt("demo-apiserver").await?.is_some());
+    assert!(hosted_services.get_opt(&svc_name).await?.is_some());
     kms.delete("demo-cp-0", &DeleteParams::default()).await?;
     // The test is the hosting cluster's kubelet: it confirms the machine Pod's deletion, then
     // runs the etcd cleanup Pod, which is made there, on the machine's node, owned by labels.
     eventually(30, "the hosted machine Pod being deleted", || async {
-        let pod = hosted_pods.get_opt("demo-cp-0").await?;
+        let pod = hosted_pods.get_opt(&pod_name).await?;
         Ok(pod
             .is_none_or(|p| p.metadata.deletion_timestamp.is_some())
             .then_some(()))
@@ -511,7 +508,7 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
     .await?;
     let _ = hosted_pods
         .delete(
-            "demo-cp-0",
+            &pod_name,
             &DeleteParams {
                 grace_period_seconds: Some(0),
                 ..Default::default()
@@ -521,7 +518,7 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
     let cleanup = eventually(
         30,
         "the etcd cleanup Pod in the hosting cluster",
-        || async { Ok(hosted_pods.get_opt("demo-cp-0-etcd-cleanup").await?) },
+        || async { Ok(hosted_pods.get_opt(&cleanup_name).await?) },
     )
     .await?;
     assert_eq!(cleanup.metadata.owner_references, None);
@@ -553,25 +550,22 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
     );
     hosted_pods
         .patch_status(
-            "demo-cp-0-etcd-cleanup",
+            &cleanup_name,
             &PatchParams::default(),
             &Patch::Merge(&json!({"status": {"phase": "Succeeded"}})),
         )
         .await?;
     eventually(60, "everything gone from the hosting cluster", || async {
         let gone = kms.get_opt("demo-cp-0").await?.is_none()
-            && hosted_pods
-                .get_opt("demo-cp-0-etcd-cleanup")
-                .await?
-                .is_none()
+            && hosted_pods.get_opt(&cleanup_name).await?.is_none()
             && kcs.get_opt("demo").await?.is_none()
-            && hosted_pods.get_opt("demo-cp-0").await?.is_none()
+            && hosted_pods.get_opt(&pod_name).await?.is_none()
             && hosted_secrets
-                .get_opt("demo-cp-0-ignition")
+                .get_opt(&format!("{pod_name}-ignition"))
                 .await?
                 .is_none()
-            && hosted_services.get_opt("demo-apiserver").await?.is_none()
-            && hosted_slices.get_opt("demo-apiserver").await?.is_none();
+            && hosted_services.get_opt(&svc_name).await?.is_none()
+            && hosted_slices.get_opt(&svc_name).await?.is_none();
         Ok(gone.then_some(()))
     })
     .await?;
@@ -603,13 +597,17 @@ async fn a_recreated_kvmmachine_adopts_its_labelled_objects() -> Result<()> {
     let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
     let hosted_pods: Api<Pod> = Api::namespaced(hosting.admin.clone(), hosted_ns);
     let hosted_services: Api<Service> = Api::namespaced(hosting.admin.clone(), hosted_ns);
+    let (pod_name, svc_name) = (
+        qualified("demo-cp-0", ns, ""),
+        qualified("demo", ns, "-apiserver"),
+    );
     let pod = eventually(60, "the machine Pod in the hosting cluster", || async {
-        Ok(hosted_pods.get_opt("demo-cp-0").await?)
+        Ok(hosted_pods.get_opt(&pod_name).await?)
     })
     .await?;
-    run_pod(&hosted_pods, "demo-cp-0", "10.240.0.9").await?;
+    run_pod(&hosted_pods, &pod_name, "10.240.0.9").await?;
     let svc = eventually(60, "the Service in the hosting cluster", || async {
-        Ok(hosted_services.get_opt("demo-apiserver").await?)
+        Ok(hosted_services.get_opt(&svc_name).await?)
     })
     .await?;
     let old_km = kms.get("demo-cp-0").await?;
@@ -642,7 +640,7 @@ async fn a_recreated_kvmmachine_adopts_its_labelled_objects() -> Result<()> {
 
     // The new objects find theirs by the labels: same Pod, same Service, the UID label updated.
     let pod_now = eventually(60, "the Pod adopted by the new KVMMachine", || async {
-        let p = hosted_pods.get("demo-cp-0").await?;
+        let p = hosted_pods.get(&pod_name).await?;
         Ok(
             (labels_of(&p.metadata).get("infrastructure.cluster.x-k8s.io/owner-uid")
                 == new_km.uid().as_ref())
@@ -663,7 +661,7 @@ async fn a_recreated_kvmmachine_adopts_its_labelled_objects() -> Result<()> {
     )
     .await?;
     let svc_now = eventually(60, "the Service adopted by the new KVMCluster", || async {
-        let s = hosted_services.get("demo-apiserver").await?;
+        let s = hosted_services.get(&svc_name).await?;
         Ok(
             (labels_of(&s.metadata).get("infrastructure.cluster.x-k8s.io/owner-uid")
                 == new_kc.uid().as_ref())
@@ -865,8 +863,12 @@ async fn an_unrelated_secret_with_the_ignition_secrets_name_is_left_alone() -> R
     let (ns, hosted_ns) = ("hosting-foreign-secret", "foreign-secret");
     let hosting = hosting_as_admin(hosted_ns).await?;
     let hosted_secrets: Api<Secret> = Api::namespaced(hosting.admin.clone(), hosted_ns);
+    let (pod_name, ignition_name) = (
+        qualified("demo-cp-0", ns, ""),
+        qualified("demo-cp-0", ns, "-ignition"),
+    );
     let unrelated: Secret = serde_json::from_value(json!({
-        "metadata": {"name": "demo-cp-0-ignition"},
+        "metadata": {"name": ignition_name},
         "stringData": {"value": "someone else's"},
     }))?;
     hosted_secrets
@@ -884,7 +886,7 @@ async fn an_unrelated_secret_with_the_ignition_secrets_name_is_left_alone() -> R
     })
     .await?;
     assert!(
-        ev.note.unwrap_or_default().contains("demo-cp-0-ignition"),
+        ev.note.unwrap_or_default().contains(&ignition_name),
         "the Event names the Secret"
     );
     let value = |s: &Secret| {
@@ -893,11 +895,11 @@ async fn an_unrelated_secret_with_the_ignition_secrets_name_is_left_alone() -> R
             .and_then(|d| d.get("value"))
             .map(|v| v.0.clone())
     };
-    let kept = hosted_secrets.get("demo-cp-0-ignition").await?;
+    let kept = hosted_secrets.get(&ignition_name).await?;
     assert_eq!(value(&kept), Some(b"someone else's".to_vec()));
     assert!(
         Api::<Pod>::namespaced(hosting.admin.clone(), hosted_ns)
-            .get_opt("demo-cp-0")
+            .get_opt(&pod_name)
             .await?
             .is_none(),
         "a machine Pod started on someone else's Secret"
@@ -910,7 +912,316 @@ async fn an_unrelated_secret_with_the_ignition_secrets_name_is_left_alone() -> R
         Ok(kms.get_opt("demo-cp-0").await?.is_none().then_some(()))
     })
     .await?;
-    let kept = hosted_secrets.get("demo-cp-0-ignition").await?;
+    let kept = hosted_secrets.get(&ignition_name).await?;
     assert_eq!(value(&kept), Some(b"someone else's".to_vec()));
+    Ok(())
+}
+
+fn secret_value(s: &Secret) -> Option<Vec<u8>> {
+    s.data
+        .as_ref()
+        .and_then(|d| d.get("value"))
+        .map(|v| v.0.clone())
+}
+
+/// Two management namespaces, each with a cluster `demo` and a machine `demo-cp-0`, host them in
+/// one namespace of the hosting cluster: each gets its own machine Pod, Ignition Secret,
+/// Service and EndpointSlice there, and both become Ready with their own apiserver (and only
+/// it) behind their own Service. Someone's Secret of the name both Ignition Secrets would once
+/// have had is never touched. One machine's deletion leaves the other's running.
+#[tokio::test]
+async fn same_named_clusters_of_two_namespaces_share_one_hosting_namespace() -> Result<()> {
+    if !in_own_netns("same_named_clusters_of_two_namespaces_share_one_hosting_namespace")? {
+        return Ok(());
+    }
+    let shared = "shared-tenants";
+    let hosting = hosting_as_admin(shared).await?;
+    let hosted_pods: Api<Pod> = Api::namespaced(hosting.admin.clone(), shared);
+    let hosted_secrets: Api<Secret> = Api::namespaced(hosting.admin.clone(), shared);
+    let hosted_services: Api<Service> = Api::namespaced(hosting.admin.clone(), shared);
+    let hosted_slices: Api<EndpointSlice> = Api::namespaced(hosting.admin.clone(), shared);
+    let unrelated: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "demo-cp-0-ignition"},
+        "stringData": {"value": "someone else's"},
+    }))?;
+    hosted_secrets
+        .create(&PostParams::default(), &unrelated)
+        .await?;
+
+    let mc = TestEnv::shared().client().await?;
+    let tenants = [
+        ("tenant-a", format!("{POD_NET}.31")),
+        ("tenant-b", format!("{POD_NET}.32")),
+    ];
+    let mut running = Vec::new();
+    for (ns, ip) in &tenants {
+        create_namespace(&mc, ns).await?;
+        let stop = start_controller(mc.clone(), ns);
+        hosted_cluster(&mc, ns, "demo-hosting", &hosting.kubeconfig, Some(shared)).await?;
+        control_plane_machine(&mc, ns, "demo-cp-0", BOOTSTRAP).await?;
+        running.push((stop, StandInApiServer::start(ip).await?));
+    }
+
+    // Each its own Pod (found by its labels), mounting its own Ignition Secret.
+    let mut pod_names = Vec::new();
+    for (ns, ip) in &tenants {
+        let selector = format!("{OWNER_NS_LABEL}={ns},{KVMMACHINE_LABEL}=demo-cp-0");
+        let lp = ListParams::default().labels(&selector);
+        let pod = eventually(60, &format!("{ns}'s machine Pod"), || async {
+            Ok(hosted_pods.list(&lp).await?.items.pop())
+        })
+        .await?;
+        let mounted = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.volumes.as_ref())
+            .and_then(|v| {
+                v.iter()
+                    .find_map(|v| v.secret.as_ref()?.secret_name.clone())
+            })
+            .context("the Ignition Secret volume")?;
+        let secret = eventually(60, &format!("{ns}'s Ignition Secret"), || async {
+            Ok(hosted_secrets.get_opt(&mounted).await?)
+        })
+        .await?;
+        assert_eq!(
+            labels_of(&secret.metadata).get(OWNER_NS_LABEL),
+            Some(&ns.to_string()),
+            "{ns}'s Pod mounts its own Secret"
+        );
+        run_pod(&hosted_pods, &pod.name_any(), ip).await?;
+        pod_names.push(pod.name_any());
+    }
+    assert_ne!(pod_names[0], pod_names[1]);
+    // Both Ready; each Service has its own apiserver as its only endpoint.
+    let mut service_names = Vec::new();
+    for (ns, ip) in &tenants {
+        let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
+        eventually(60, &format!("{ns}'s KVMMachine Ready"), || async {
+            let km = kms.get("demo-cp-0").await?;
+            let ready = machine_condition(&km, "Ready")
+                .is_some_and(|(s, r, _)| s == "True" && r == "VMRunning");
+            Ok(ready.then_some(()))
+        })
+        .await?;
+        let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
+        let kc = eventually(
+            60,
+            &format!("{ns}'s apiserver behind its Service"),
+            || async {
+                let kc = kcs.get("demo").await?;
+                let answering = cluster_condition(&kc, "ControlPlaneEndpointsReady")
+                    .is_some_and(|(s, r, _)| s == "True" && r == "APIServersAnswering");
+                Ok(answering.then_some(kc))
+            },
+        )
+        .await?;
+        assert_eq!(kc.status.as_ref().and_then(|s| s.ready), Some(true));
+        // The endpoint the workload cluster is made with: its Service there.
+        let host = kc
+            .spec
+            .control_plane_endpoint
+            .as_ref()
+            .and_then(|e| e.host.clone())
+            .context("controlPlaneEndpoint")?;
+        let svc_name = host
+            .strip_suffix(&format!(".{shared}.svc.cluster.local"))
+            .with_context(|| format!("{host} is not a Service in {shared}"))?
+            .to_owned();
+        let svc = hosted_services.get(&svc_name).await?;
+        assert_eq!(labels_of(&svc.metadata)[OWNER_NS_LABEL], *ns);
+        let slice = hosted_slices.get(&svc_name).await?;
+        let addresses: Vec<String> = slice
+            .endpoints
+            .iter()
+            .flat_map(|e| e.addresses.clone())
+            .collect();
+        assert_eq!(addresses, vec![ip.clone()], "{ns}'s apiserver only");
+        service_names.push(svc_name);
+    }
+    assert_ne!(service_names[0], service_names[1]);
+    // As named: `<name>-<hash of the namespace>`.
+    for (i, (ns, _)) in tenants.iter().enumerate() {
+        assert_eq!(pod_names[i], qualified("demo-cp-0", ns, ""));
+        assert_eq!(service_names[i], qualified("demo", ns, "-apiserver"));
+    }
+    // Nothing under the unqualified names.
+    assert!(hosted_pods.get_opt("demo-cp-0").await?.is_none());
+    assert!(hosted_services.get_opt("demo-apiserver").await?.is_none());
+    let kept = hosted_secrets.get("demo-cp-0-ignition").await?;
+    assert_eq!(secret_value(&kept), Some(b"someone else's".to_vec()));
+    assert_eq!(kept.metadata.labels, None, "not adopted either");
+
+    // Tenant A's machine goes (the test confirms its Pod's deletion, as a kubelet would): its
+    // objects go, tenant B's and the unrelated Secret stay.
+    let a = tenants[0].0;
+    let (a_pod, b_pod) = (&pod_names[0], &pod_names[1]);
+    let b_uid = hosted_pods.get(b_pod).await?.uid();
+    let a_kms: Api<KVMMachine> = Api::namespaced(mc.clone(), a);
+    a_kms.delete("demo-cp-0", &DeleteParams::default()).await?;
+    eventually(30, "tenant A's machine Pod being deleted", || async {
+        let pod = hosted_pods.get_opt(a_pod).await?;
+        Ok(pod
+            .is_none_or(|p| p.metadata.deletion_timestamp.is_some())
+            .then_some(()))
+    })
+    .await?;
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    let _ = hosted_pods.delete(a_pod, &now).await;
+    eventually(60, "tenant A's machine gone", || async {
+        let gone = a_kms.get_opt("demo-cp-0").await?.is_none()
+            && hosted_secrets
+                .get_opt(&format!("{a_pod}-ignition"))
+                .await?
+                .is_none();
+        Ok(gone.then_some(()))
+    })
+    .await?;
+    let b_now = hosted_pods.get(b_pod).await?;
+    assert_eq!(b_now.uid(), b_uid, "tenant B's VM runs on");
+    assert!(b_now.metadata.deletion_timestamp.is_none());
+    assert!(
+        hosted_secrets
+            .get_opt(&format!("{b_pod}-ignition"))
+            .await?
+            .is_some()
+    );
+    let kept = hosted_secrets.get("demo-cp-0-ignition").await?;
+    assert_eq!(secret_value(&kept), Some(b"someone else's".to_vec()));
+    Ok(())
+}
+
+/// A cluster hosted in a namespace of another name since before names there were qualified: the
+/// machine Pod, its Ignition Secret and the Service the controller made then keep their names
+/// (a renamed Pod would be a second VM; the endpoint names the Service), adopted by their
+/// labels; nothing is made twice, and the machine's deletion still finds its Pod.
+#[tokio::test]
+async fn objects_made_before_names_were_qualified_keep_their_names() -> Result<()> {
+    let (ns, hosted_ns) = ("hosting-unqualified", "unqualified");
+    let hosting = hosting_as_admin(hosted_ns).await?;
+    let hosted_pods: Api<Pod> = Api::namespaced(hosting.admin.clone(), hosted_ns);
+    let hosted_secrets: Api<Secret> = Api::namespaced(hosting.admin.clone(), hosted_ns);
+    let hosted_services: Api<Service> = Api::namespaced(hosting.admin.clone(), hosted_ns);
+    // What the controller made there before (the UIDs of then), labelled as it labels them.
+    let labels = |owner_label: &str, owner: &str| {
+        json!({"app.kubernetes.io/managed-by": "capk-controller",
+               "cluster.x-k8s.io/cluster-name": "demo",
+               "infrastructure.cluster.x-k8s.io/machine-role": "control-plane",
+               OWNER_NS_LABEL: ns, owner_label: owner, OWNER_UID_LABEL: "uid-of-then"})
+    };
+    let old_pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "demo-cp-0",
+                     "labels": labels("infrastructure.cluster.x-k8s.io/kvmmachine", "demo-cp-0")},
+        "spec": {"containers": [{"name": "launcher", "image": "capk-launcher"}],
+                 "volumes": [{"name": "ignition", "secret": {"secretName": "demo-cp-0-ignition"}}]},
+    }))?;
+    let old_pod = hosted_pods.create(&PostParams::default(), &old_pod).await?;
+    let mut svc_labels = labels("infrastructure.cluster.x-k8s.io/kvmcluster", "demo");
+    svc_labels
+        .as_object_mut()
+        .context("labels")?
+        .remove("infrastructure.cluster.x-k8s.io/machine-role");
+    let old_svc: Service = serde_json::from_value(json!({
+        "metadata": {"name": "demo-apiserver", "labels": svc_labels},
+        "spec": {"ports": [{"name": "apiserver", "port": 6443, "targetPort": 6443}]},
+    }))?;
+    let old_svc = hosted_services
+        .create(&PostParams::default(), &old_svc)
+        .await?;
+
+    let (mc, _stop, _) = controller_and_hosted_cluster(ns, &hosting, hosted_ns).await?;
+    control_plane_machine(&mc, ns, "demo-cp-0", BOOTSTRAP).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
+    let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
+    let km = eventually(60, "the KVMMachine's UID", || async {
+        Ok(kms.get_opt("demo-cp-0").await?)
+    })
+    .await?;
+    let pod = eventually(60, "the old Pod adopted", || async {
+        let p = hosted_pods.get("demo-cp-0").await?;
+        Ok((labels_of(&p.metadata).get(OWNER_UID_LABEL) == km.uid().as_ref()).then_some(p))
+    })
+    .await?;
+    assert_eq!(pod.uid(), old_pod.uid(), "the VM was not recreated");
+    let kc = eventually(60, "the KVMCluster provisioned", || async {
+        let kc = kcs.get("demo").await?;
+        Ok((kc.status.as_ref().and_then(|s| s.ready) == Some(true)).then_some(kc))
+    })
+    .await?;
+    assert_eq!(
+        kc.spec
+            .control_plane_endpoint
+            .as_ref()
+            .and_then(|e| e.host.clone()),
+        Some(format!("demo-apiserver.{hosted_ns}.svc.cluster.local"))
+    );
+    let svc = hosted_services.get("demo-apiserver").await?;
+    assert_eq!(svc.uid(), old_svc.uid());
+    assert_eq!(
+        labels_of(&svc.metadata).get(OWNER_UID_LABEL),
+        kc.uid().as_ref()
+    );
+    // The Ignition Secret the Pod mounts, made under the name it mounts.
+    let ignition = eventually(60, "the Ignition Secret the old Pod mounts", || async {
+        Ok(hosted_secrets.get_opt("demo-cp-0-ignition").await?)
+    })
+    .await?;
+    assert_eq!(labels_of(&ignition.metadata)[OWNER_NS_LABEL], ns);
+    run_pod(&hosted_pods, "demo-cp-0", "10.240.0.21").await?;
+    eventually(60, "the KVMMachine Ready from the old Pod", || async {
+        let km = kms.get("demo-cp-0").await?;
+        let ready = machine_condition(&km, "Ready")
+            .is_some_and(|(s, r, _)| s == "True" && r == "VMRunning");
+        Ok(ready.then_some(()))
+    })
+    .await?;
+    let pod_name = qualified("demo-cp-0", ns, "");
+    assert!(
+        hosted_pods.get_opt(&pod_name).await?.is_none(),
+        "no second VM"
+    );
+    assert!(
+        hosted_secrets
+            .get_opt(&format!("{pod_name}-ignition"))
+            .await?
+            .is_none()
+    );
+    assert!(
+        hosted_services
+            .get_opt(&qualified("demo", ns, "-apiserver"))
+            .await?
+            .is_none()
+    );
+    assert_eq!(
+        hosted_pods.list(&ListParams::default()).await?.items.len(),
+        1
+    );
+
+    // Deletion finds the Pod under its old name.
+    kms.delete("demo-cp-0", &DeleteParams::default()).await?;
+    eventually(30, "the old Pod being deleted", || async {
+        let pod = hosted_pods.get_opt("demo-cp-0").await?;
+        Ok(pod
+            .is_none_or(|p| p.metadata.deletion_timestamp.is_some())
+            .then_some(()))
+    })
+    .await?;
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    let _ = hosted_pods.delete("demo-cp-0", &now).await;
+    eventually(60, "the machine and its Secret gone", || async {
+        let gone = kms.get_opt("demo-cp-0").await?.is_none()
+            && hosted_secrets
+                .get_opt("demo-cp-0-ignition")
+                .await?
+                .is_none();
+        Ok(gone.then_some(()))
+    })
+    .await?;
     Ok(())
 }

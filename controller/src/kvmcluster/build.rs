@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use capk_api::{
     constants::{
         API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_PAUSED, CONDITION_READY, MANAGED_BY,
-        control_plane_service_name,
+        MAX_LABEL_LEN, control_plane_service_name,
     },
     v1alpha1::{ApiEndpoint, Initialization, KVMCluster, KVMClusterStatus, ServiceType},
 };
@@ -15,7 +15,7 @@ use k8s_openapi::{
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
     jiff::Timestamp,
 };
-use kube::Resource;
+use kube::{Resource, ResourceExt};
 
 use crate::{
     conditions::{self, DesiredCondition},
@@ -35,6 +35,44 @@ pub fn owned_labels(cluster: &str) -> BTreeMap<String, String> {
     ])
 }
 
+/// The control-plane Service's name when made in `home` ([`Home::name_for`]):
+/// `<cluster>-apiserver` in the KVMCluster's own namespace; in another (a hosting namespace
+/// several management namespaces may share) `<cluster>-<hash of its namespace>-apiserver`, so
+/// that same-named clusters of two namespaces never want one Service. A DNS-1035 label of at
+/// most 63 characters, as a Service name must be.
+pub fn service_name_in(kc: &KVMCluster, cluster: &str, home: &Home) -> String {
+    let ns = kc.namespace().unwrap_or_default();
+    home.name_for(&ns, cluster, "-apiserver", MAX_LABEL_LEN)
+}
+
+/// The control-plane Service's name in `home`, given the metadata of the Service there under
+/// the unqualified name `<cluster>-apiserver` (`unqualified`, when one exists). That name stays
+/// while that Service is this KVMCluster's (made before names in a shared hosting namespace were
+/// qualified), and whenever the `controlPlaneEndpoint` recorded is its DNS name (the workload
+/// cluster's certificates and kubeconfigs name it: someone else's Service there is then
+/// reported, never silently served). Otherwise [`service_name_in`]: someone else's Service of
+/// the unqualified name is left to them.
+pub fn service_name(
+    kc: &KVMCluster,
+    cluster: &str,
+    home: &Home,
+    unqualified: Option<&ObjectMeta>,
+) -> String {
+    let old = control_plane_service_name(cluster);
+    let ours = unqualified.is_some_and(|m| Owner::cluster(kc).owns(m));
+    let recorded = kc
+        .spec
+        .control_plane_endpoint
+        .as_ref()
+        .and_then(|e| e.host.as_deref())
+        .is_some_and(|h| h.starts_with(&format!("{old}.{}.svc.", home.namespace)));
+    if ours || recorded {
+        old
+    } else {
+        service_name_in(kc, cluster, home)
+    }
+}
+
 /// The control-plane Service: port 6443 of the cluster's control-plane machines.
 ///
 /// No selector: its EndpointSlice is the controller's ([`super::endpoints`]), with a machine's
@@ -42,8 +80,9 @@ pub fn owned_labels(cluster: &str) -> BTreeMap<String, String> {
 /// from the Pod's readiness, which comes long after the first control-plane VM needs its own
 /// apiserver through this Service during `kubeadm init`; publishing not-ready addresses instead
 /// (what this Service did before) sends traffic to dead control planes too. Applying this
-/// Service removes both fields from a Service made that way. It lives in `home`.
-pub fn control_plane_service(kc: &KVMCluster, cluster: &str, home: &Home) -> Service {
+/// Service removes both fields from a Service made that way. It is `name` ([`service_name`]) in
+/// `home`.
+pub fn control_plane_service(kc: &KVMCluster, cluster: &str, name: &str, home: &Home) -> Service {
     let svc_spec = kc.spec.control_plane_service.clone().unwrap_or_default();
     let service_type = svc_spec.type_.unwrap_or_default();
     let type_ = match service_type {
@@ -60,7 +99,7 @@ pub fn control_plane_service(kc: &KVMCluster, cluster: &str, home: &Home) -> Ser
     labels.extend(owner.labels());
     Service {
         metadata: ObjectMeta {
-            name: Some(control_plane_service_name(cluster)),
+            name: Some(name.to_owned()),
             namespace: Some(home.namespace.clone()),
             labels: Some(labels),
             annotations: svc_spec.annotations.filter(|a| !a.is_empty()),
@@ -84,13 +123,13 @@ pub fn control_plane_service(kc: &KVMCluster, cluster: &str, home: &Home) -> Ser
 }
 
 /// The endpoint to record when the user left `spec.controlPlaneEndpoint` empty. Host: the
-/// external host when configured, else the DNS name of the Service in `home` (which the VMs,
+/// external host when configured, else the DNS name of Service `service` in `home` (which the VMs,
 /// Pods there, resolve). Port: with type NodePort and an external host (which then reaches the
 /// nodes), `node_port`, the node port of the applied Service; else the Service's port, 6443.
 /// `None` keeps the user's value, or waits for a node port not known yet.
 pub fn endpoint_to_set(
     kc: &KVMCluster,
-    cluster: &str,
+    service: &str,
     cluster_domain: &str,
     home: &Home,
     node_port: Option<i32>,
@@ -110,12 +149,7 @@ pub fn endpoint_to_set(
         _ => API_SERVER_PORT,
     };
     let ns = &home.namespace;
-    let host = external.unwrap_or_else(|| {
-        format!(
-            "{}.{ns}.svc.{cluster_domain}",
-            control_plane_service_name(cluster)
-        )
-    });
+    let host = external.unwrap_or_else(|| format!("{service}.{ns}.svc.{cluster_domain}"));
     Some(ApiEndpoint {
         host: Some(host),
         port: Some(port),
@@ -284,7 +318,7 @@ mod tests {
             }),
             ..Default::default()
         });
-        let svc = control_plane_service(&kc, "demo", &management());
+        let svc = control_plane_service(&kc, "demo", "demo-apiserver", &management());
         let spec = svc.spec.as_ref().unwrap();
         assert_eq!(spec.selector, None);
         assert_eq!(spec.publish_not_ready_addresses, None);
@@ -295,7 +329,7 @@ mod tests {
     fn endpoint_defaults_to_the_service_dns_name_and_keeps_a_user_value() {
         let kc = kvm_cluster(KVMClusterSpec::default());
         assert_eq!(
-            endpoint_to_set(&kc, "demo", "cluster.local", &management(), None),
+            endpoint_to_set(&kc, "demo-apiserver", "cluster.local", &management(), None),
             Some(ApiEndpoint {
                 host: Some("demo-apiserver.team-a.svc.cluster.local".into()),
                 port: Some(6443)
@@ -309,9 +343,15 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(
-            endpoint_to_set(&external, "demo", "cluster.local", &management(), None)
-                .and_then(|e| e.host)
-                .as_deref(),
+            endpoint_to_set(
+                &external,
+                "demo-apiserver",
+                "cluster.local",
+                &management(),
+                None
+            )
+            .and_then(|e| e.host)
+            .as_deref(),
             Some("demo.k8s.example.com")
         );
         let user = kvm_cluster(KVMClusterSpec {
@@ -322,7 +362,13 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(
-            endpoint_to_set(&user, "demo", "cluster.local", &management(), Some(31000)),
+            endpoint_to_set(
+                &user,
+                "demo-apiserver",
+                "cluster.local",
+                &management(),
+                Some(31000)
+            ),
             None
         );
     }
@@ -343,14 +389,14 @@ mod tests {
             })
         };
         let requested = node_port(Some(31443));
-        let svc = control_plane_service(&requested, "demo", &management());
+        let svc = control_plane_service(&requested, "demo", "demo-apiserver", &management());
         let spec = svc.spec.unwrap();
         assert_eq!(spec.type_.as_deref(), Some("NodePort"));
         assert_eq!(spec.ports.unwrap()[0].node_port, Some(31443));
         assert_eq!(
             endpoint_to_set(
                 &requested,
-                "demo",
+                "demo-apiserver",
                 "cluster.local",
                 &management(),
                 Some(31443)
@@ -361,17 +407,23 @@ mod tests {
             })
         );
         let allocated = node_port(Some(0));
-        let svc = control_plane_service(&allocated, "demo", &management());
+        let svc = control_plane_service(&allocated, "demo", "demo-apiserver", &management());
         assert_eq!(svc.spec.unwrap().ports.unwrap()[0].node_port, None);
         assert_eq!(
-            endpoint_to_set(&allocated, "demo", "cluster.local", &management(), None),
+            endpoint_to_set(
+                &allocated,
+                "demo-apiserver",
+                "cluster.local",
+                &management(),
+                None
+            ),
             None,
             "no node port known yet: the endpoint waits for it"
         );
         assert_eq!(
             endpoint_to_set(
                 &allocated,
-                "demo",
+                "demo-apiserver",
                 "cluster.local",
                 &management(),
                 Some(30123)
@@ -388,7 +440,13 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(
-            endpoint_to_set(&cluster_ip, "demo", "cluster.local", &management(), None),
+            endpoint_to_set(
+                &cluster_ip,
+                "demo-apiserver",
+                "cluster.local",
+                &management(),
+                None
+            ),
             Some(ApiEndpoint {
                 host: Some("demo-apiserver.team-a.svc.cluster.local".into()),
                 port: Some(6443)
@@ -453,7 +511,8 @@ mod tests {
             namespace: "tenant-1".into(),
             management: false,
         };
-        let svc = control_plane_service(&kc, "demo", &hosted);
+        let name = service_name_in(&kc, "demo", &hosted);
+        let svc = control_plane_service(&kc, "demo", &name, &hosted);
         assert_eq!(svc.metadata.namespace.as_deref(), Some("tenant-1"));
         assert_eq!(svc.metadata.owner_references, None);
         let labels = svc.metadata.labels.unwrap();
@@ -468,8 +527,99 @@ mod tests {
         );
         // The VMs resolve the Service where it is.
         assert_eq!(
-            endpoint_to_set(&kc, "demo", "cluster.local", &hosted, None).and_then(|e| e.host),
-            Some("demo-apiserver.tenant-1.svc.cluster.local".into())
+            endpoint_to_set(&kc, &name, "cluster.local", &hosted, None).and_then(|e| e.host),
+            Some(format!("{name}.tenant-1.svc.cluster.local"))
+        );
+    }
+
+    fn is_dns_1035_label(s: &str) -> bool {
+        (1..=63).contains(&s.len())
+            && s.starts_with(|c: char| c.is_ascii_lowercase())
+            && s.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+            && s.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+    }
+
+    #[test]
+    fn in_a_namespace_of_another_name_the_service_is_named_after_its_owners_namespace_too() {
+        let of = |ns: &str| {
+            let mut kc = kvm_cluster(KVMClusterSpec::default());
+            kc.metadata.namespace = Some(ns.into());
+            kc
+        };
+        let shared = Home {
+            namespace: "shared".into(),
+            management: false,
+        };
+        let (a, b) = (of("team-a"), of("team-b"));
+        let name_a = service_name_in(&a, "demo", &shared);
+        let name_b = service_name_in(&b, "demo", &shared);
+        assert_ne!(name_a, name_b, "same-named clusters of two namespaces");
+        assert!(
+            name_a.starts_with("demo-") && name_a.ends_with("-apiserver"),
+            "{name_a}"
+        );
+        assert_eq!(name_a, service_name_in(&a, "demo", &shared), "stable");
+        // Its own namespace, in the management cluster or a hosting cluster: as always.
+        assert_eq!(service_name_in(&a, "demo", &management()), "demo-apiserver");
+        let own = Home {
+            namespace: "team-a".into(),
+            management: false,
+        };
+        assert_eq!(service_name_in(&a, "demo", &own), "demo-apiserver");
+        // The longest cluster names still give a Service name, distinct per namespace.
+        let long = format!("c{}", "x".repeat(62));
+        let (la, lb) = (
+            service_name_in(&a, &long, &shared),
+            service_name_in(&b, &long, &shared),
+        );
+        for n in [&name_a, &name_b, &la, &lb] {
+            assert!(is_dns_1035_label(n), "{n}");
+        }
+        assert_ne!(la, lb);
+        assert_ne!(la, service_name_in(&a, &format!("{long}y"), &shared));
+    }
+
+    #[test]
+    fn a_service_made_before_names_were_qualified_keeps_its_name() {
+        let kc = kvm_cluster(KVMClusterSpec::default());
+        let shared = Home {
+            namespace: "shared".into(),
+            management: false,
+        };
+        let qualified = service_name_in(&kc, "demo", &shared);
+        let meta = |ns: &str, owner: &str| -> ObjectMeta {
+            serde_json::from_value(serde_json::json!({"name": "demo-apiserver", "labels": {
+                "infrastructure.cluster.x-k8s.io/owner-namespace": ns,
+                "infrastructure.cluster.x-k8s.io/kvmcluster": owner}}))
+            .unwrap()
+        };
+        // Ours (the UID may differ: a move), by the owner labels: kept.
+        let ours = meta("team-a", "demo");
+        assert_eq!(
+            service_name(&kc, "demo", &shared, Some(&ours)),
+            "demo-apiserver"
+        );
+        // Another namespace's cluster of the same name, or anyone's: theirs; ours is qualified.
+        for theirs in [meta("team-b", "demo"), ObjectMeta::default()] {
+            assert_eq!(service_name(&kc, "demo", &shared, Some(&theirs)), qualified);
+        }
+        assert_eq!(service_name(&kc, "demo", &shared, None), qualified);
+        // The endpoint recorded names the unqualified Service: that name, made again when gone;
+        // held by someone else, it is theirs and the reconcile says so (ForeignObject) rather
+        // than leave the endpoint naming their Service.
+        let mut recorded = kc.clone();
+        recorded.spec.control_plane_endpoint = Some(ApiEndpoint {
+            host: Some("demo-apiserver.shared.svc.cluster.local".into()),
+            port: Some(6443),
+        });
+        assert_eq!(
+            service_name(&recorded, "demo", &shared, None),
+            "demo-apiserver"
+        );
+        assert_eq!(
+            service_name(&recorded, "demo", &shared, Some(&meta("team-b", "demo"))),
+            "demo-apiserver"
         );
     }
 

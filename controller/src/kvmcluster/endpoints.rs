@@ -12,7 +12,6 @@ use capk_api::{
     constants::{
         API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_CONTROL_PLANE_ENDPOINTS_READY,
         ENDPOINT_SLICE_MANAGED_BY, MACHINE_ROLE_LABEL, ROLE_CONTROL_PLANE,
-        control_plane_service_name,
     },
     v1alpha1::KVMCluster,
 };
@@ -106,14 +105,15 @@ pub fn control_plane_members<'a>(
 /// The control-plane Service's EndpointSlice: one endpoint per member, ready while its apiserver
 /// answers and its Pod is not being deleted. `serving` ignores deletion, so that kube-proxy
 /// still reaches a terminating control plane when it is the last one answering. It lives next
-/// to the Service, in `home`.
+/// to Service `service` in `home`, and has its name.
 pub fn endpoint_slice(
     kc: &KVMCluster,
     cluster: &str,
+    service: &str,
     members: &[(ControlPlaneMember, EndpointHealth)],
     home: &Home,
 ) -> EndpointSlice {
-    let svc = control_plane_service_name(cluster);
+    let svc = service.to_owned();
     let owner = Owner::cluster(kc);
     let mut labels = owned_labels(cluster);
     labels.extend(owner.labels());
@@ -406,6 +406,7 @@ mod tests {
         insta::assert_yaml_snapshot!(endpoint_slice(
             &kvm_cluster(),
             "demo",
+            "demo-apiserver",
             &members,
             &management()
         ));
@@ -413,7 +414,7 @@ mod tests {
 
     #[test]
     fn no_members_make_an_empty_slice() {
-        let slice = endpoint_slice(&kvm_cluster(), "demo", &[], &management());
+        let slice = endpoint_slice(&kvm_cluster(), "demo", "demo-apiserver", &[], &management());
         assert!(slice.endpoints.is_empty());
         assert_eq!(slice.labels()[SERVICE_NAME_LABEL], "demo-apiserver");
     }
@@ -424,7 +425,13 @@ mod tests {
             member("demo-cp-a", [10, 0, 0, 1], false),
             health(true, None),
         )];
-        let desired = endpoint_slice(&kvm_cluster(), "demo", &members, &management());
+        let desired = endpoint_slice(
+            &kvm_cluster(),
+            "demo",
+            "demo-apiserver",
+            &members,
+            &management(),
+        );
         // As read back: the apiserver added metadata of its own.
         let mut current = desired.clone();
         current.metadata.resource_version = Some("42".into());
@@ -441,7 +448,13 @@ mod tests {
         )];
         assert!(!slice_is_current(
             &current,
-            &endpoint_slice(&kvm_cluster(), "demo", &flipped, &management())
+            &endpoint_slice(
+                &kvm_cluster(),
+                "demo",
+                "demo-apiserver",
+                &flipped,
+                &management()
+            )
         ));
         current.metadata.owner_references = None;
         assert!(!slice_is_current(&current, &desired), "owner missing");
@@ -450,7 +463,8 @@ mod tests {
             namespace: "team-a".into(),
             management: false,
         };
-        let desired_hosted = endpoint_slice(&kvm_cluster(), "demo", &members, &hosted);
+        let desired_hosted =
+            endpoint_slice(&kvm_cluster(), "demo", "demo-apiserver", &members, &hosted);
         assert!(!slice_is_current(&desired, &desired_hosted), "stale owner");
         assert!(slice_is_current(&desired_hosted, &desired_hosted));
     }
@@ -548,12 +562,18 @@ mod tests {
             (leaving.clone(), gone(ProbeError::Status(500))),
         ];
         let ready = |members: &[(ControlPlaneMember, EndpointHealth)]| -> Vec<String> {
-            endpoint_slice(&kvm_cluster(), "demo", members, &management())
-                .endpoints
-                .iter()
-                .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
-                .map(|e| e.addresses[0].clone())
-                .collect()
+            endpoint_slice(
+                &kvm_cluster(),
+                "demo",
+                "demo-apiserver",
+                members,
+                &management(),
+            )
+            .endpoints
+            .iter()
+            .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+            .map(|e| e.addresses[0].clone())
+            .collect()
         };
         assert_eq!(ready(&members), ["10.0.0.1", "10.0.0.2"]);
         let c = endpoints_condition(&members);

@@ -193,14 +193,15 @@ async fn apply(
         label_for_move(ctx, key).await?;
     }
 
-    let service = build::control_plane_service(kc, &cluster_name, &target.home);
-    refuse_foreign_service(kc, &target, &service.name_any()).await?;
+    let name = service_name(kc, &cluster_name, &target).await?;
+    let service = build::control_plane_service(kc, &cluster_name, &name, &target.home);
+    refuse_foreign_service(kc, &target, &name).await?;
     let node_port = apply_service(&target, &service).await?;
-    let (endpoints, recheck) = sync_endpoints(kc, &cluster_name, &ns, &target, ctx).await?;
+    let (endpoints, recheck) = sync_endpoints(kc, &cluster_name, &name, &ns, &target, ctx).await?;
 
     if let Some(endpoint) = build::endpoint_to_set(
         kc,
-        &cluster_name,
+        &name,
         &ctx.settings.cluster_domain,
         &target.home,
         node_port,
@@ -297,6 +298,33 @@ async fn label_for_move(ctx: &Context, key: &HostingKey) -> Result<()> {
     Ok(())
 }
 
+/// The control-plane Service's name in `target` ([`build::service_name`]): one made under the
+/// unqualified name before names in a shared hosting namespace were qualified keeps it. A
+/// hosting cluster's cache shows only Services labelled as the controller's: while it shows
+/// neither name, the apiserver is asked for the unqualified one.
+async fn service_name(kc: &KVMCluster, cluster: &str, target: &Target) -> Result<String> {
+    let wanted = build::service_name_in(kc, cluster, &target.home);
+    let old = control_plane_service_name(cluster);
+    if wanted == old || target.service(&wanted).is_some() {
+        return Ok(wanted);
+    }
+    let meta = match target.service(&old) {
+        Some(cached) => Some(cached.metadata.clone()),
+        None => target
+            .api::<Service>()
+            .get_metadata_opt(&old)
+            .await
+            .map_err(read_error("Service", &old))?
+            .map(|m| m.metadata),
+    };
+    Ok(build::service_name(
+        kc,
+        cluster,
+        &target.home,
+        meta.as_ref(),
+    ))
+}
+
 /// Refuses a Service of the control-plane Service's name that belongs to someone else (the
 /// apply would take it over). Ours carry our label, so are cached; one the cache does not show
 /// is looked up.
@@ -343,13 +371,14 @@ async fn apply_service(target: &Target, svc: &Service) -> Result<Option<i32>> {
         .and_then(|p| p.node_port))
 }
 
-/// The control-plane Service's endpoints: probes every control-plane machine's apiserver, writes
-/// the EndpointSlice when it changed, and deletes what Kubernetes' controllers wrote while the
-/// Service had a selector. Returns the `ControlPlaneEndpointsReady` condition and when to probe
-/// again.
+/// The endpoints of control-plane Service `service`: probes every control-plane machine's
+/// apiserver, writes the EndpointSlice when it changed, and deletes what Kubernetes' controllers
+/// wrote while the Service had a selector. Returns the `ControlPlaneEndpointsReady` condition
+/// and when to probe again.
 async fn sync_endpoints(
     kc: &KVMCluster,
     cluster: &str,
+    service: &str,
     ns: &str,
     target: &Target,
     ctx: &Context,
@@ -399,7 +428,7 @@ async fn sync_endpoints(
     let condition = endpoints::endpoints_condition(&observed);
     let recheck = apiserver_health::recheck_after(observed.iter().map(|(_, h)| h));
 
-    let desired = endpoints::endpoint_slice(kc, cluster, &observed, &target.home);
+    let desired = endpoints::endpoint_slice(kc, cluster, service, &observed, &target.home);
     let name = desired.name_any();
     let slices: Api<EndpointSlice> = target.api();
     // A consistent read: a stale copy that happened to equal the desired slice would skip a
@@ -518,17 +547,20 @@ async fn cleanup(
         }
     };
     if let Some(cluster) = cluster {
-        let name = control_plane_service_name(&cluster.name_any());
+        let cluster_name = cluster.name_any();
         let owner = Owner::cluster(kc);
-        // Only delete the Service and EndpointSlice this KVMCluster owns.
-        objects::delete_if_owned(&target.api::<Service>(), "Service", &name, &owner).await?;
-        objects::delete_if_owned(
-            &target.api::<EndpointSlice>(),
-            "EndpointSlice",
-            &name,
-            &owner,
-        )
-        .await?;
+        // Only delete the Service and EndpointSlice this KVMCluster owns, under either name
+        // they may have: qualified, or made before names were qualified.
+        let mut names = vec![
+            build::service_name_in(kc, &cluster_name, &target.home),
+            control_plane_service_name(&cluster_name),
+        ];
+        names.dedup();
+        for name in &names {
+            objects::delete_if_owned(&target.api::<Service>(), "Service", name, &owner).await?;
+            let slices = target.api::<EndpointSlice>();
+            objects::delete_if_owned(&slices, "EndpointSlice", name, &owner).await?;
+        }
         // The workload cluster goes with it: stop watching its Nodes.
         ctx.workloads.forget(&ns, &cluster.name_any());
     }

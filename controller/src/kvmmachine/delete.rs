@@ -23,7 +23,7 @@ use tracing::{info, warn};
 
 use super::{
     etcd_cleanup::{self, Attempt, EtcdHostDir, RemovableDir},
-    names,
+    names::MachineNames,
     status::{MachineState, has_ready_reason},
     writes,
 };
@@ -66,11 +66,33 @@ pub async fn delete(
     };
     let owner = Owner::machine(km);
     let pods: Api<Pod> = there.api();
-    let name = names::pod_name(km);
-    let pod = pods
-        .get_opt(&name)
-        .await
-        .map_err(read_error("Pod", &name))?;
+    // Under every name the machine's objects may have there: qualified, or made before names
+    // were qualified.
+    let candidates = MachineNames::candidates(km, &there.home);
+    for name in candidates.iter().map(|n| &n.pod) {
+        delete_pod(api, km, &pods, name, &owner, &there).await?;
+    }
+    let secrets: Api<Secret> = there.api();
+    let pvcs: Api<PersistentVolumeClaim> = there.api();
+    for names in &candidates {
+        objects::delete_if_owned(&secrets, "Secret", &names.ignition_secret, &owner).await?;
+        let claim = &names.etcd_claim;
+        objects::delete_if_owned(&pvcs, "PersistentVolumeClaim", claim, &owner).await?;
+    }
+    remove_etcd_data(api, km, &there, ctx).await
+}
+
+/// Deletes machine Pod `name` when it is this machine's, and fails until it is gone (the
+/// launcher shuts the guest down meanwhile).
+async fn delete_pod(
+    api: &Api<KVMMachine>,
+    km: &KVMMachine,
+    pods: &Api<Pod>,
+    name: &str,
+    owner: &Owner,
+    there: &Target,
+) -> Result<()> {
+    let pod = pods.get_opt(name).await.map_err(read_error("Pod", name))?;
     match pod {
         Some(pod) if owner.owns(&pod.metadata) => {
             // Where its etcd data is, recorded before the Pod goes (if apply has not yet). A
@@ -82,33 +104,23 @@ pub async fn delete(
                 writes::record_etcd_dir(api, km, &etcd).await?;
             }
             if pod.metadata.deletion_timestamp.is_none() {
-                pods.delete(&name, &DeleteParams::default())
+                pods.delete(name, &DeleteParams::default())
                     .await
                     .map_err(|source| Error::Delete {
                         kind: "Pod",
-                        name: name.clone(),
+                        name: name.to_owned(),
                         source,
                     })?;
             }
             // The Pod's deletion event wakes us; the requeue is a safety net.
-            return Err(Error::PodStillTerminating(name));
+            Err(Error::PodStillTerminating(name.to_owned()))
         }
         Some(_) => {
-            warn!(pod = %name, place = %there.describe(), "not deleting a Pod that belongs to someone else")
+            warn!(pod = %name, place = %there.describe(), "not deleting a Pod that belongs to someone else");
+            Ok(())
         }
-        None => {}
+        None => Ok(()),
     }
-    let secrets: Api<Secret> = there.api();
-    objects::delete_if_owned(&secrets, "Secret", &names::ignition_secret_name(km), &owner).await?;
-    let pvcs: Api<PersistentVolumeClaim> = there.api();
-    objects::delete_if_owned(
-        &pvcs,
-        "PersistentVolumeClaim",
-        &names::etcd_claim_name(km),
-        &owner,
-    )
-    .await?;
-    remove_etcd_data(api, km, &there, ctx).await
 }
 
 /// Condition reason and Event reason: the cleanup Pod removes the etcd data.
@@ -181,20 +193,7 @@ async fn remove_etcd_data(
         }
     };
     let pods: Api<Pod> = there.api();
-    let name = etcd_cleanup::pod_name_of(km);
-    let existing = pods
-        .get_opt(&name)
-        .await
-        .map_err(read_error("Pod", &name))?;
-    if let Some(p) = &existing
-        && !Owner::machine(km).owns(&p.metadata)
-    {
-        return Err(Error::Foreign {
-            kind: "Pod",
-            name,
-            place: there.describe(),
-        });
-    }
+    let (name, existing) = cleanup_pod_of(km, &pods, there).await?;
     let phase = existing
         .as_ref()
         .and_then(|p| p.status.as_ref()?.phase.clone())
@@ -272,6 +271,37 @@ async fn remove_etcd_data(
     create_cleanup_pod(api, km, there, ctx, &dir, &next, None).await
 }
 
+/// The machine's cleanup Pod in `there`, and its name: the one of this machine under either
+/// name it may have (one made before names were qualified is still waited for), else none yet
+/// and the name a new one gets. Someone else's Pod of that name stops the cleanup.
+async fn cleanup_pod_of(
+    km: &KVMMachine,
+    pods: &Api<Pod>,
+    there: &Target,
+) -> Result<(String, Option<Pod>)> {
+    let owner = Owner::machine(km);
+    let candidates = MachineNames::candidates(km, &there.home);
+    let mut foreign = None;
+    for (i, name) in candidates.iter().map(|n| &n.etcd_cleanup_pod).enumerate() {
+        match pods.get_opt(name).await.map_err(read_error("Pod", name))? {
+            Some(p) if owner.owns(&p.metadata) => return Ok((name.clone(), Some(p))),
+            Some(_) if i == 0 => foreign = Some(name.clone()),
+            _ => {}
+        }
+    }
+    match foreign {
+        Some(name) => Err(Error::Foreign {
+            kind: "Pod",
+            name,
+            place: there.describe(),
+        }),
+        None => Ok((
+            MachineNames::in_home(km, &there.home).etcd_cleanup_pod,
+            None,
+        )),
+    }
+}
+
 /// Creates cleanup Pod attempt `attempt` and says so in `Ready` (with why the one before
 /// failed). Its namespace being deleted (no Pod can be made there any more) gives the cleanup
 /// up.
@@ -291,7 +321,7 @@ async fn create_cleanup_pod(
         .unwrap_or_default();
     let image = &ctx.settings.machine_defaults.launcher_image;
     let pod = etcd_cleanup::cleanup_pod(km, &cluster, &there.home, dir, image, attempt);
-    let name = etcd_cleanup::pod_name_of(km);
+    let name = pod.name_any();
     let pods: Api<Pod> = there.api();
     match pods.create(&PostParams::default(), &pod).await {
         Ok(_) => {}

@@ -9,17 +9,18 @@ use k8s_openapi::{
 };
 
 use super::{
-    names::{self, etcd_claim_name},
+    names::{self, MachineNames},
     placement::MachinePlacement,
 };
 use crate::ownership::{Home, Owner};
 
 /// The etcd PVC of a control-plane machine with `etcdStorage.type: persistentVolume`, made in
-/// `home` (next to the machine Pod that mounts it).
+/// `home` under `names` (next to the machine Pod that mounts it).
 pub fn desired(
     km: &KVMMachine,
     placement: &MachinePlacement,
     home: &Home,
+    names: &MachineNames,
 ) -> Option<PersistentVolumeClaim> {
     let storage = km.spec.etcd_storage.as_ref()?;
     if !placement.control_plane || storage.type_ != EtcdStorageType::PersistentVolume {
@@ -28,7 +29,7 @@ pub fn desired(
     let size = storage.size.as_ref()?.0.clone();
     Some(PersistentVolumeClaim {
         metadata: ObjectMeta {
-            name: Some(etcd_claim_name(km)),
+            name: Some(names.etcd_claim.clone()),
             namespace: Some(home.namespace.clone()),
             labels: Some(names::labels(km, placement)),
             owner_references: Owner::machine(km).owner_references(home),
@@ -53,6 +54,10 @@ mod tests {
     use crate::kvmmachine::testing::{kvm_machine, management};
     use serde_json::json;
 
+    fn names(km: &KVMMachine) -> MachineNames {
+        MachineNames::in_home(km, &management())
+    }
+
     #[test]
     fn only_a_control_plane_with_a_persistent_volume_gets_a_claim() {
         let km = kvm_machine(
@@ -66,7 +71,7 @@ mod tests {
             control_plane: true,
             failure_domain: None,
         };
-        let pvc = desired(&km, &cp, &management()).unwrap();
+        let pvc = desired(&km, &cp, &management(), &names(&km)).unwrap();
         assert_eq!(pvc.metadata.name.as_deref(), Some("demo-cp-0-etcd"));
         let spec = pvc.spec.unwrap();
         assert_eq!(spec.storage_class_name.as_deref(), Some("fast"));
@@ -79,12 +84,12 @@ mod tests {
             control_plane: false,
             ..cp.clone()
         };
-        assert!(desired(&km, &worker, &management()).is_none());
+        assert!(desired(&km, &worker, &management(), &names(&km)).is_none());
         let host = kvm_machine(
             "demo-cp-1",
             json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
                    "etcdStorage": {"type": "hostPath", "hostPath": "/srv/etcd"}}),
         );
-        assert!(desired(&host, &cp, &management()).is_none());
+        assert!(desired(&host, &cp, &management(), &names(&host)).is_none());
     }
 }

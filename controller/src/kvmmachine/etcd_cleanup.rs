@@ -20,10 +20,7 @@
 
 use std::{collections::BTreeMap, time::Duration};
 
-use capk_api::{
-    constants::{MAX_SUBDOMAIN_LEN, bounded_name},
-    v1alpha1::KVMMachine,
-};
+use capk_api::{constants::MAX_SUBDOMAIN_LEN, v1alpha1::KVMMachine};
 use k8s_openapi::{
     api::core::v1::{
         Container, HostPathVolumeSource, Pod, PodSpec, ResourceRequirements, SecurityContext,
@@ -34,7 +31,10 @@ use k8s_openapi::{
 };
 use kube::ResourceExt;
 
-use super::{names::pod_name, pod_layout::mount};
+use super::{
+    names::{MachineNames, etcd_dir_name},
+    pod_layout::mount,
+};
 use crate::{
     kvmcluster::build::owned_labels,
     ownership::{Home, Owner},
@@ -159,7 +159,7 @@ impl EtcdHostDir {
             ));
         }
         let ns = km.namespace().unwrap_or_else(|| "default".into());
-        let name = pod_name(km);
+        let name = etcd_dir_name(km);
         match elements.as_slice() {
             [.., n, last] if *n == ns && *last == name => Ok(RemovableDir {
                 node: self.node.clone(),
@@ -181,7 +181,7 @@ pub struct RemovableDir {
     pub node: String,
     /// The directory's parent (`<hostPath>/<namespace>`), the only thing mounted.
     pub parent: String,
-    /// The directory's name in it (the machine Pod's name).
+    /// The directory's name in it (the KVMMachine's name, [`etcd_dir_name`]).
     pub name: String,
 }
 
@@ -243,11 +243,6 @@ impl Attempt {
     }
 }
 
-/// The name of a machine's cleanup Pod: `<kvmmachine>-etcd-cleanup`.
-pub fn pod_name_of(km: &KVMMachine) -> String {
-    bounded_name(&km.name_any(), "-etcd-cleanup", MAX_SUBDOMAIN_LEN)
-}
-
 /// The labels of a cleanup Pod: the cluster's, the machine's owner labels and the component,
 /// but not the machine role (a control-plane role would make it an apiserver endpoint).
 pub fn labels(km: &KVMMachine, cluster: &str) -> BTreeMap<String, String> {
@@ -280,7 +275,7 @@ pub fn cleanup_pod(
     };
     Pod {
         metadata: ObjectMeta {
-            name: Some(pod_name_of(km)),
+            name: Some(MachineNames::in_home(km, home).etcd_cleanup_pod),
             namespace: Some(home.namespace.clone()),
             labels: Some(labels(km, cluster)),
             annotations: Some(BTreeMap::from([

@@ -8,10 +8,10 @@ use capk_api::v1alpha1::KVMMachine;
 use k8s_openapi::{
     ByteString, api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
-use kube::Resource;
+use kube::{Resource, ResourceExt};
 
 use super::{
-    names::{self, hostname, ignition_secret_name, pod_name},
+    names::{self, MachineNames, hostname},
     placement::MachinePlacement,
 };
 use crate::ownership::{Home, Owner};
@@ -29,17 +29,18 @@ pub fn rendered_from(bootstrap_secret: &str, resource_version: &str) -> String {
 }
 
 /// The Secret holding the machine's Ignition config, annotated with what it was rendered from
-/// ([`rendered_from`]), made in `home` (next to the machine Pod that mounts it).
+/// ([`rendered_from`]), made in `home` under `names` (next to the machine Pod that mounts it).
 pub fn desired(
     km: &KVMMachine,
     placement: &MachinePlacement,
     home: &Home,
+    names: &MachineNames,
     ignition: Vec<u8>,
     rendered_from: &str,
 ) -> Secret {
     Secret {
         metadata: ObjectMeta {
-            name: Some(ignition_secret_name(km)),
+            name: Some(names.ignition_secret.clone()),
             namespace: Some(home.namespace.clone()),
             labels: Some(names::labels(km, placement)),
             annotations: Some(BTreeMap::from([(
@@ -67,7 +68,7 @@ pub fn render(km: &KVMMachine, format: Option<&str>, data: &[u8]) -> Result<Vec<
         hostname: hostname(km),
         instance_id: capk_api::constants::provider_id(
             km.meta().namespace.as_deref().unwrap_or_default(),
-            &pod_name(km),
+            &km.name_any(),
         ),
     };
     capk_bootstrap::BootstrapFormat::from_secret(format)

@@ -49,7 +49,7 @@ use kube::{
 use tracing::{info, instrument, warn};
 
 pub use self::placement::MachinePlacement;
-use self::{etcd_cleanup::EtcdHostDir, status::MachineState};
+use self::{etcd_cleanup::EtcdHostDir, names::MachineNames, status::MachineState};
 use crate::{
     conditions::DesiredCondition,
     context::Context,
@@ -195,12 +195,37 @@ enum Bootstrap {
     },
 }
 
+/// The names of the machine's objects in `there` ([`MachineNames::choose`]): a machine Pod made
+/// under the unqualified name before names in a shared hosting namespace were qualified keeps
+/// it (a renamed Pod would be a second VM), and so do the Secret and PVC it mounts. A hosting
+/// cluster's cache shows only Pods labelled as the controller's: while it shows neither Pod, the
+/// apiserver is asked for the unqualified one.
+async fn machine_names(km: &KVMMachine, there: &Target) -> Result<MachineNames> {
+    let wanted = MachineNames::in_home(km, &there.home);
+    let old = MachineNames::unqualified(km);
+    if wanted == old || there.pod(&wanted.pod).is_some() {
+        return Ok(wanted);
+    }
+    let old_pod = match there.pod(&old.pod) {
+        Some(p) => Some(p.metadata.clone()),
+        None => there
+            .api::<Pod>()
+            .get_metadata_opt(&old.pod)
+            .await
+            .map_err(read_error("Pod", &old.pod))?
+            .map(|m| m.metadata),
+    };
+    Ok(MachineNames::choose(km, &there.home, old_pod.as_ref()))
+}
+
 /// Fetches the bootstrap data Secret `name` (next to the KVMMachine), unless the Ignition
-/// Secret (in `target`) was rendered from its current version. `None` while it does not exist.
+/// Secret `ignition` (in `target`) was rendered from its current version. `None` while it does
+/// not exist.
 async fn fetch_bootstrap(
     km: &KVMMachine,
     name: &str,
     target: &Target,
+    ignition: &str,
     ctx: &Context,
 ) -> Result<Option<Bootstrap>> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
@@ -208,7 +233,7 @@ async fn fetch_bootstrap(
         return Ok(None);
     };
     let source = ignition_secret::rendered_from(name, &meta.resource_version().unwrap_or_default());
-    let current = target.secret(&names::ignition_secret_name(km));
+    let current = target.secret(ignition);
     if current.is_some_and(|s| s.annotations().get(RENDERED_FROM_ANNOTATION) == Some(&source)) {
         return Ok(Some(Bootstrap::Rendered));
     }
@@ -302,10 +327,13 @@ async fn apply(
                 ));
             }
         };
+        let names = machine_names(km, there).await?;
         let Some(secret_name) = machine.spec.bootstrap.data_secret_name.as_deref() else {
             break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapData);
         };
-        let Some(bootstrap) = fetch_bootstrap(km, secret_name, there, ctx).await? else {
+        let ignition_name = &names.ignition_secret;
+        let Some(bootstrap) = fetch_bootstrap(km, secret_name, there, ignition_name, ctx).await?
+        else {
             let name = secret_name.to_owned();
             break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapSecret(name));
         };
@@ -323,6 +351,7 @@ async fn apply(
                     km,
                     &placement,
                     &there.home,
+                    &names,
                     json,
                     &source,
                 )),
@@ -332,8 +361,8 @@ async fn apply(
                 }
             },
         };
-        let claim = etcd_claim::desired(km, &placement, &there.home);
-        let desired_pod = pod::machine_pod(km, &placement, &there.home, &valid, defaults);
+        let claim = etcd_claim::desired(km, &placement, &there.home, &names);
+        let desired_pod = pod::machine_pod(km, &placement, &there.home, &names, &valid, defaults);
 
         // 5. Apply: the Ignition Secret, the etcd PVC, then the machine Pod. What exists under
         // their names is adopted when its labels name this machine (a moved KVMMachine, a switch
@@ -341,7 +370,7 @@ async fn apply(
         // ever made twice, nobody else's object taken over.
         let owner = Owner::machine(km);
         let secrets: Api<Secret> = there.api();
-        let secret_name = names::ignition_secret_name(km);
+        let secret_name = names.ignition_secret.clone();
         let existing = match there.secret(&secret_name) {
             Some(meta) => Some(meta.metadata.clone()),
             // A hosting cluster's cache holds only Secrets labelled as ours: before an apply
@@ -394,7 +423,7 @@ async fn apply(
             }
         }
         let pods: Api<Pod> = there.api();
-        let pod_name = names::pod_name(km);
+        let pod_name = names.pod.clone();
         let was_provisioned = km
             .status
             .as_ref()

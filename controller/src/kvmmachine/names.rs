@@ -1,7 +1,8 @@
 //! Pure: the names a KVMMachine's objects get, each valid where it is used. A KVMMachine's name
 //! is a DNS subdomain of up to 253 characters, but a label value and a hostname are at most 63:
 //! a longer name is cut and ends in a hash of the whole name ([`bounded_name`]), so the
-//! objects still apply and two machines never share a Node name.
+//! objects still apply and two machines never share a Node name. In a hosting namespace other
+//! than the machine's own, names are qualified by its namespace ([`MachineNames`]).
 
 use std::collections::BTreeMap;
 
@@ -10,27 +11,90 @@ use capk_api::constants::{
     bounded_name,
 };
 use capk_api::v1alpha1::KVMMachine;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 
 use super::placement::MachinePlacement;
-use crate::{kvmcluster::build::owned_labels, ownership::Owner};
+use crate::{
+    kvmcluster::build::owned_labels,
+    ownership::{Home, Owner},
+};
 
 /// Label on machine Pods and Secrets naming their KVMMachine ([`label_value`]).
 pub use capk_api::constants::KVMMACHINE_LABEL;
 
-/// Name of the machine Pod: the KVMMachine's name (both are DNS subdomains).
-pub fn pod_name(km: &KVMMachine) -> String {
+/// The names of a machine's objects where they are made: the machine Pod, its Ignition Secret,
+/// its etcd PVC and the etcd cleanup Pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MachineNames {
+    /// The machine Pod.
+    pub pod: String,
+    /// The Ignition Secret: `<pod>-ignition`.
+    pub ignition_secret: String,
+    /// The etcd PVC of a control-plane machine: `<pod>-etcd`.
+    pub etcd_claim: String,
+    /// The Pod removing the machine's etcd data from its node: `<pod>-etcd-cleanup`.
+    pub etcd_cleanup_pod: String,
+}
+
+impl MachineNames {
+    /// The names a machine's new objects get in `home` ([`Home::name_for`]): the KVMMachine's
+    /// name in its own namespace; in another (a hosting namespace several management namespaces
+    /// may share) `<kvmmachine>-<hash of its namespace>`, so that same-named machines of two
+    /// namespaces never want one name.
+    pub fn in_home(km: &KVMMachine, home: &Home) -> Self {
+        let ns = km.namespace().unwrap_or_default();
+        let name = |suffix: &str| home.name_for(&ns, &km.name_any(), suffix, MAX_SUBDOMAIN_LEN);
+        Self {
+            pod: name(""),
+            ignition_secret: name("-ignition"),
+            etcd_claim: name("-etcd"),
+            etcd_cleanup_pod: name("-etcd-cleanup"),
+        }
+    }
+
+    /// The names every machine's objects had before names in a shared hosting namespace were
+    /// qualified: the KVMMachine's own. A machine Pod made so keeps its name (a renamed Pod
+    /// would be a second VM), and with it the Secret and PVC it mounts.
+    pub fn unqualified(km: &KVMMachine) -> Self {
+        let name = |suffix: &str| bounded_name(&km.name_any(), suffix, MAX_SUBDOMAIN_LEN);
+        Self {
+            pod: name(""),
+            ignition_secret: name("-ignition"),
+            etcd_claim: name("-etcd"),
+            etcd_cleanup_pod: name("-etcd-cleanup"),
+        }
+    }
+
+    /// The names of `km`'s objects in `home`, given the metadata of the Pod there under the
+    /// unqualified name (`unqualified_pod`, when one exists): the unqualified names while that
+    /// Pod is this machine's (by its owner labels), else [`MachineNames::in_home`]. Someone
+    /// else's Pod of that name (another namespace's machine of the same name) is left to them.
+    pub fn choose(km: &KVMMachine, home: &Home, unqualified_pod: Option<&ObjectMeta>) -> Self {
+        match unqualified_pod {
+            Some(meta) if Owner::machine(km).owns(meta) => Self::unqualified(km),
+            _ => Self::in_home(km, home),
+        }
+    }
+
+    /// Every set of names `km`'s objects in `home` may have: [`MachineNames::in_home`], then the
+    /// unqualified names when they differ. Deletion looks under each.
+    pub fn candidates(km: &KVMMachine, home: &Home) -> Vec<Self> {
+        let wanted = Self::in_home(km, home);
+        let old = Self::unqualified(km);
+        if wanted == old {
+            vec![wanted]
+        } else {
+            vec![wanted, old]
+        }
+    }
+}
+
+/// The machine's own etcd directory in its namespace's under `etcdStorage.hostPath`
+/// (`<hostPath>/<namespace>/<this>`): the KVMMachine's name, wherever its Pod lives and whatever
+/// that Pod is called (the namespace's directory already tells same-named machines apart).
+pub fn etcd_dir_name(km: &KVMMachine) -> String {
     km.name_any()
-}
-
-/// Name of the machine's Ignition Secret: `<kvmmachine>-ignition`.
-pub fn ignition_secret_name(km: &KVMMachine) -> String {
-    bounded_name(&km.name_any(), "-ignition", MAX_SUBDOMAIN_LEN)
-}
-
-/// Name of the etcd PVC of a control-plane machine: `<kvmmachine>-etcd`.
-pub fn etcd_claim_name(km: &KVMMachine) -> String {
-    bounded_name(&km.name_any(), "-etcd", MAX_SUBDOMAIN_LEN)
 }
 
 /// Value of the label naming the KVMMachine on its objects: the name, or when longer than a
@@ -123,13 +187,118 @@ mod tests {
             && s.ends_with(|c: char| c.is_ascii_alphanumeric())
     }
 
+    fn home(ns: &str) -> Home {
+        Home {
+            namespace: ns.into(),
+            management: false,
+        }
+    }
+
+    fn in_ns(name: &str, ns: &str) -> KVMMachine {
+        let mut m = km(name);
+        m.metadata.namespace = Some(ns.into());
+        m
+    }
+
+    #[test]
+    fn in_a_namespace_of_another_name_the_names_say_whose_they_are() {
+        let (a, b) = (in_ns("demo-cp-0", "team-a"), in_ns("demo-cp-0", "team-b"));
+        // Its own namespace (the management cluster's, or a hosting namespace of that name):
+        // the names machines always had.
+        for own in [home("team-a"), crate::kvmmachine::testing::management()] {
+            assert_eq!(
+                MachineNames::in_home(&a, &own),
+                MachineNames::unqualified(&a)
+            );
+            assert_eq!(MachineNames::candidates(&a, &own).len(), 1);
+        }
+        assert_eq!(MachineNames::unqualified(&a).pod, "demo-cp-0");
+        // A shared one: same-named machines of two namespaces want different names.
+        let (na, nb) = (
+            MachineNames::in_home(&a, &home("shared")),
+            MachineNames::in_home(&b, &home("shared")),
+        );
+        assert_ne!(na.pod, nb.pod);
+        assert_ne!(na.ignition_secret, nb.ignition_secret);
+        assert_ne!(na.etcd_claim, nb.etcd_claim);
+        assert_ne!(na.etcd_cleanup_pod, nb.etcd_cleanup_pod);
+        assert!(na.pod.starts_with("demo-cp-0-"), "{}", na.pod);
+        assert_eq!(na.ignition_secret, format!("{}-ignition", na.pod));
+        assert_eq!(na.etcd_claim, format!("{}-etcd", na.pod));
+        assert_eq!(na.etcd_cleanup_pod, format!("{}-etcd-cleanup", na.pod));
+        assert_eq!(na, MachineNames::in_home(&a, &home("shared")), "stable");
+        assert!(is_dns_label(&na.pod), "{}", na.pod);
+        // The longest names still fit a Pod's and a Secret's name, and stay apart.
+        let long = |ns: &str| in_ns(&"y".repeat(253), ns);
+        let (la, lb) = (
+            MachineNames::in_home(&long("team-a"), &home("shared")),
+            MachineNames::in_home(&long("team-b"), &home("shared")),
+        );
+        for n in [&la, &lb] {
+            for name in [
+                &n.pod,
+                &n.ignition_secret,
+                &n.etcd_claim,
+                &n.etcd_cleanup_pod,
+            ] {
+                assert!(name.len() <= 253, "{name}");
+            }
+        }
+        assert_ne!(la.pod, lb.pod);
+        // The etcd directory is the machine's own, under its namespace's, wherever it lives.
+        assert_eq!(etcd_dir_name(&a), "demo-cp-0");
+    }
+
+    #[test]
+    fn a_pod_made_before_names_were_qualified_keeps_its_names_while_it_is_ours() {
+        let a = in_ns("demo-cp-0", "team-a");
+        let shared = home("shared");
+        let pod = |ns: &str, machine: &str| -> ObjectMeta {
+            serde_json::from_value(serde_json::json!({"name": "demo-cp-0", "labels": {
+                "infrastructure.cluster.x-k8s.io/owner-namespace": ns,
+                "infrastructure.cluster.x-k8s.io/kvmmachine": machine}}))
+            .unwrap()
+        };
+        assert_eq!(
+            MachineNames::choose(&a, &shared, Some(&pod("team-a", "demo-cp-0"))),
+            MachineNames::unqualified(&a),
+            "a running VM is never renamed (a second VM)"
+        );
+        for theirs in [
+            pod("team-b", "demo-cp-0"),
+            pod("team-a", "demo-cp-1"),
+            ObjectMeta::default(),
+        ] {
+            assert_eq!(
+                MachineNames::choose(&a, &shared, Some(&theirs)),
+                MachineNames::in_home(&a, &shared),
+                "someone else's Pod of that name: {theirs:?}"
+            );
+        }
+        assert_eq!(
+            MachineNames::choose(&a, &shared, None),
+            MachineNames::in_home(&a, &shared)
+        );
+        let both = MachineNames::candidates(&a, &shared);
+        assert_eq!(
+            both,
+            vec![
+                MachineNames::in_home(&a, &shared),
+                MachineNames::unqualified(&a)
+            ]
+        );
+    }
+
     #[test]
     fn short_names_are_used_as_they_are() {
         let m = km("demo-md-0-x7k2p-abcde");
         assert_eq!(hostname(&m), "demo-md-0-x7k2p-abcde");
         assert_eq!(label_value(&m), "demo-md-0-x7k2p-abcde");
-        assert_eq!(ignition_secret_name(&m), "demo-md-0-x7k2p-abcde-ignition");
-        assert_eq!(etcd_claim_name(&m), "demo-md-0-x7k2p-abcde-etcd");
+        let names = MachineNames::unqualified(&m);
+        assert_eq!(names.pod, "demo-md-0-x7k2p-abcde");
+        assert_eq!(names.ignition_secret, "demo-md-0-x7k2p-abcde-ignition");
+        assert_eq!(names.etcd_claim, "demo-md-0-x7k2p-abcde-etcd");
+        assert_eq!(names.etcd_cleanup_pod, "demo-md-0-x7k2p-abcde-etcd-cleanup");
     }
 
     #[test]
@@ -173,12 +342,12 @@ mod tests {
         }
         assert_ne!(hostname(&a), hostname(&b));
         assert_ne!(label_value(&a), label_value(&b));
-        let longest = km(&"y".repeat(253));
-        assert!(ignition_secret_name(&longest).len() <= 253);
-        assert!(etcd_claim_name(&longest).ends_with("-etcd"));
+        let longest = MachineNames::unqualified(&km(&"y".repeat(253)));
+        assert!(longest.ignition_secret.len() <= 253);
+        assert!(longest.etcd_claim.ends_with("-etcd"));
         assert_ne!(
-            ignition_secret_name(&longest),
-            ignition_secret_name(&km(&format!("{}z", "y".repeat(252))))
+            longest.ignition_secret,
+            MachineNames::unqualified(&km(&format!("{}z", "y".repeat(252)))).ignition_secret
         );
     }
 }

@@ -26,7 +26,7 @@ use kube::Resource;
 
 use super::{
     ignition_secret::IGNITION_KEY,
-    names::{self, etcd_claim_name, hostname, ignition_secret_name, pod_name},
+    names::{self, MachineNames, hostname},
     node_image, overhead,
     placement::MachinePlacement,
     pod_layout::{
@@ -44,11 +44,12 @@ use crate::{
 pub const GUEST_SHUTDOWN_SECONDS: i64 = 300;
 
 /// The machine Pod of a spec that passed [`validate`](super::validate::validate), made in
-/// `home`.
+/// `home` under `names` (with the Ignition Secret and etcd PVC of those names).
 pub fn machine_pod(
     km: &KVMMachine,
     placement: &MachinePlacement,
     home: &Home,
+    names: &MachineNames,
     valid: &ValidSpec,
     defaults: &MachineDefaults,
 ) -> Pod {
@@ -63,7 +64,7 @@ pub fn machine_pod(
         Volume {
             name: "ignition".into(),
             secret: Some(SecretVolumeSource {
-                secret_name: Some(ignition_secret_name(km)),
+                secret_name: Some(names.ignition_secret.clone()),
                 default_mode: Some(0o400),
                 ..Default::default()
             }),
@@ -168,7 +169,7 @@ pub fn machine_pod(
             Some(s) if s.type_ == EtcdStorageType::PersistentVolume => Volume {
                 name: ETCD_VOLUME.into(),
                 persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                    claim_name: etcd_claim_name(km),
+                    claim_name: names.etcd_claim.clone(),
                     read_only: Some(false),
                 }),
                 ..Default::default()
@@ -180,7 +181,7 @@ pub fn machine_pod(
                     "{}/{}/{}",
                     base.trim_end_matches('/'),
                     km.meta().namespace.as_deref().unwrap_or("default"),
-                    pod_name(km)
+                    names::etcd_dir_name(km)
                 );
                 host_path(ETCD_VOLUME, &dir, "DirectoryOrCreate")
             }
@@ -291,7 +292,7 @@ pub fn machine_pod(
 
     Pod {
         metadata: ObjectMeta {
-            name: Some(pod_name(km)),
+            name: Some(names.pod.clone()),
             namespace: Some(home.namespace.clone()),
             labels: Some(names::labels(km, placement)),
             // `kubectl logs|exec POD` go to the launcher (the console, capk-launcher status)
@@ -419,7 +420,9 @@ mod tests {
     fn build(km: &KVMMachine, placement: &MachinePlacement, defaults: &MachineDefaults) -> Pod {
         let valid =
             crate::kvmmachine::validate::validate(km, placement, defaults, &lenient()).unwrap();
-        machine_pod(km, placement, &management(), &valid, defaults)
+        let home = management();
+        let names = MachineNames::in_home(km, &home);
+        machine_pod(km, placement, &home, &names, &valid, defaults)
     }
 
     #[test]
@@ -603,6 +606,7 @@ mod tests {
             &km,
             &placement,
             &management(),
+            &MachineNames::in_home(&km, &management()),
             b"{\"token\":\"abcdef.0123456789abcdef\"}".to_vec(),
             &ignition_secret::rendered_from("m-bootstrap", "42"),
         );

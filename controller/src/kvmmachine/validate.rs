@@ -710,7 +710,8 @@ mod tests {
             let valid = validate(&km, &placement, &defaults, &policy)
                 .unwrap_or_else(|e| panic!("{extra}: {e}"));
             let home = crate::kvmmachine::testing::management();
-            let pod = pod::machine_pod(&km, &placement, &home, &valid, &defaults);
+            let names = crate::kvmmachine::names::MachineNames::in_home(&km, &home);
+            let pod = pod::machine_pod(&km, &placement, &home, &names, &valid, &defaults);
             let c = &pod.spec.unwrap().containers[0];
             let argv = c
                 .command
