@@ -3,7 +3,6 @@
 //! Read from the sources (test modules excluded), so a new cycle fails here, not in review.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 
 /// Top-level module → the top-level modules its non-test code names (`crate::<module>`).
 fn graph() -> BTreeMap<String, (BTreeSet<String>, String)> {
