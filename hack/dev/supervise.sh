@@ -15,6 +15,14 @@ name=$1
 shift
 RUN=${CAPK_DEV_RUN:?CAPK_DEV_RUN must name the run directory}
 
+# Descriptors the caller of dev-up left open (3 and up) are not the daemon's: a `flock` held
+# around `make dev-up` stayed held by every daemon until dev-down, and a pipe (`make dev-up |
+# tee`) would never see its end.
+for fd in "/proc/$$/fd"/*; do
+  fd=${fd##*/}
+  ((fd > 2)) && eval "exec $fd>&-" 2>/dev/null
+done
+
 stopping=0
 child=0
 on_stop() {
