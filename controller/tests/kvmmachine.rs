@@ -235,8 +235,12 @@ async fn a_paused_cluster_leaves_its_machines_alone() -> Result<()> {
         Ok(pods.get_opt("demo-cp-3").await?)
     })
     .await?;
-    let km = kms.get("demo-cp-3").await?;
-    assert_eq!(condition(&km, "Paused").map(|c| c.0), Some("False".into()));
+    // The status write follows the Pod, within the same reconcile.
+    eventually(30, "Paused=False after unpausing", || async {
+        let km = kms.get("demo-cp-3").await?;
+        Ok(condition(&km, "Paused").filter(|c| c.0 == "False"))
+    })
+    .await?;
     Ok(())
 }
 

@@ -1686,7 +1686,7 @@ async fn control_plane_service_variables_make_an_endpoint_outside_the_management
         };
         let endpoint = capk_controller::kvmcluster::build::endpoint_to_set(
             &kc,
-            CLUSTER,
+            &capk_controller::kvmcluster::build::service_name_in(&kc, CLUSTER, &home),
             "cluster.local",
             &home,
             Some(31443),
@@ -1724,7 +1724,7 @@ async fn control_plane_service_variables_make_an_endpoint_outside_the_management
     assert_eq!(
         capk_controller::kvmcluster::build::endpoint_to_set(
             &kc,
-            CLUSTER,
+            &capk_controller::kvmcluster::build::service_name_in(&kc, CLUSTER, &home),
             "cluster.local",
             &home,
             None
@@ -1765,7 +1765,7 @@ async fn control_plane_service_variables_make_an_endpoint_outside_the_management
         let kc: KVMCluster = serde_json::from_value(kc)?;
         let endpoint = capk_controller::kvmcluster::build::endpoint_to_set(
             &kc,
-            CLUSTER,
+            &capk_controller::kvmcluster::build::service_name_in(&kc, CLUSTER, &home),
             "cluster.local",
             &home,
             want.1,
