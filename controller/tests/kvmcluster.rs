@@ -524,11 +524,18 @@ async fn control_plane_endpoints_follow_the_apiservers_that_answer() -> Result<(
         (Some("Pod"), Some("demo-cp-c"), cp_c.uid())
     );
     assert_eq!(ep_c.node_name.as_deref(), Some("mc-node-1"));
-    let kc_now = kvmclusters.get("demo").await?;
-    assert_eq!(
-        condition(&kc_now, "ControlPlaneEndpointsReady"),
-        Some(("True".into(), "SomeAPIServersNotAnswering".into()))
-    );
+    // The KVMCluster's status is written after its EndpointSlice.
+    let kc_now = eventually(
+        30,
+        "ControlPlaneEndpointsReady=True SomeAPIServersNotAnswering",
+        || async {
+            let kc = kvmclusters.get("demo").await?;
+            Ok((condition(&kc, "ControlPlaneEndpointsReady")
+                == Some(("True".into(), "SomeAPIServersNotAnswering".into())))
+            .then_some(kc))
+        },
+    )
+    .await?;
     assert_eq!(
         condition(&kc_now, "Ready"),
         Some(("True".into(), "Provisioned".into()))
