@@ -124,6 +124,9 @@ ip link add capk-veth0 type veth peer name capk-veth1 && ip link set capk-veth0 
 sleep 5
 r "networkd-setup=$(networkctl list --no-legend capk-veth0 | awk '{print $5}'),$(networkctl list --no-legend eth0 | awk '{print $5}')"
 ip link del capk-veth0
+# The node's own name resolves from /etc/hosts (capk-etc-hosts.service), without DNS: the kubelet
+# looks it up for every node status.
+r "hosts-entry=$(getent -s files hosts "$(hostname)" | tr -s ' \t' ,)"
 for i in $(ctr -n k8s.io images ls -q | grep -v '^sha256:' | sort); do r "image $i"; done
 r "pulls=$(journalctl -b -u containerd.service -o cat | grep -c 'PullImage')"
 kc() { kubectl --kubeconfig /etc/kubernetes/admin.conf --request-timeout 60s "$@"; }
@@ -494,6 +497,7 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
     assert_eq!(l.fact("etcd-disk="), "etcdfs,ext4");
     // A veth (as a CNI makes for each Pod) is not networkd's; the launcher's NIC is.
     assert_eq!(l.fact("networkd-setup="), "unmanaged,configured");
+    assert_eq!(l.fact("hosts-entry="), format!("{POD_IP},{HOSTNAME}"));
     assert_eq!(l.fact("host-volume="), format!("9p,{HOST_VOLUME_TEXT}"));
     // The guest wrote to the read-write share as QEMU's user; the read-only one was read and
     // mounted read-only, and a write was refused even after a read-write remount.
@@ -553,6 +557,14 @@ if [ ! -e /run/cluster-api/bootstrap-success.complete ]; then
   exit 0
 fi
 r "kubeadm-done uptime=$(up)"
+# Where the boot went, in seconds of uptime: the units before kubeadm, kubeadm's phases and its
+# health checks, and how often each static Pod's container was started (its log files).
+journalctl -b -o short-monotonic -u capk-seed-containerd.service -u containerd.service \
+  -u capk-preload-images.service -u capk-runcmd.service |
+  grep -E 'Start|Finish|\[(kubelet-start|wait-control-plane|control-plane-check|kubelet-check|apiclient|upload-config|mark-control-plane|addons)\]' |
+  grep -vi token | cut -c1-200 | sed 's/^/CAPK-NODE idle-timeline /'
+for d in /var/log/pods/kube-system_*/*/; do r "timeline starts $(basename "$d")=$(ls "$d" | wc -l)"; done
+r "timeline-end"
 # Without validation: kubectl would download the OpenAPI document first (seconds under TCG).
 until kc apply --validate=false -f /etc/capk-bench/cni.yaml >/dev/null; do sleep 10; done
 # From here on the host watches the cluster through its apiserver, as a management cluster
@@ -959,6 +971,10 @@ fn bench_idle_control_plane() {
     if !kubeadm.contains("idle-kubeadm-done") {
         let failed = l.wait_for("CAPK-NODE idle-failed", Duration::from_secs(60));
         panic!("{failed}:\n{}", l.facts("idle-kubeadm| ").join("\n"));
+    }
+    l.wait_for("CAPK-NODE idle-timeline-end", Duration::from_secs(300));
+    for line in l.facts("idle-timeline ") {
+        println!("TIMELINE {line}");
     }
     let qemu = qemu_pid(l.child.id());
     let admin = Admin::new(&t, work.path(), &ignition);
