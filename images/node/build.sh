@@ -254,11 +254,8 @@ zstd -q -f -10 -T0 "$R/boot/initrd.cpio" -o "$WORK/initrd.img"
 rm -f "$R/boot/initrd.cpio" "$R/boot/initrd.img-"*
 cp "$R/boot/vmlinuz-$kver" "$WORK/vmlinuz"
 
-# tsc=reliable: under TCG QEMU's "max" CPU is an AMD model without an invariant TSC, so with two
-# vCPUs the kernel marks the TSC unstable and keeps time with the emulated HPET: every clock read
-# of every Go program is then a system call and a device read (read_hpet was 3 % of an idle
-# control plane's guest time in `perf`). The TSC TCG gives the guest is the host's. Under KVM the
-# kernel prefers kvm-clock anyway.
+# tsc=reliable: under TCG the guest would keep time with the emulated HPET (README.md here,
+# "Other boot-time units of the image").
 CMDLINE="root=LABEL=capk-root rw console=ttyS0,115200 net.ifnames=0 apparmor=0 ignition.platform.id=qemu tsc=reliable"
 syslinux_cfg() { # extra kernel arguments
   cat <<EOF
