@@ -18,6 +18,33 @@ const TOOLBOX_PREFIX: &str = "localhost/capk/toolbox:";
 const ETCD_HOST_PATH: &str = "/var/lib/capk/etcd";
 /// How long a TCG machine may take from created to a Ready Node (boot, image import, kubeadm).
 pub(super) const NODE_READY: Duration = Duration::from_secs(45 * 60);
+/// How long a request to the workload apiserver is retried while its connection is refused or
+/// times out (an emulated control plane restarting its apiserver takes minutes).
+const UNREACHABLE_RETRY: Duration = Duration::from_secs(5 * 60);
+
+/// Whether kubectl failed before an apiserver answered: refused or reset connections, TLS
+/// handshake or client timeouts. An answer (NotFound, Forbidden, a rejected object) is not.
+fn unreachable(err: &anyhow::Error) -> bool {
+    let text = format!("{err:#}");
+    [
+        "connection refused",
+        "connection reset by peer",
+        "TLS handshake timeout",
+        "i/o timeout",
+        "Client.Timeout exceeded",
+        "context deadline exceeded",
+        "unexpected EOF",
+        "http2: client connection lost",
+        "the server is currently unable to handle the request",
+        "Unable to connect to the server",
+    ]
+    .iter()
+    .any(|m| text.contains(m))
+}
+
+fn last_line(text: &str) -> &str {
+    text.trim().lines().last().unwrap_or_default()
+}
 
 /// The node image's name in the local MC: `_output/dev/node-image.env` (written by
 /// hack/dev/node-image.sh).
@@ -103,21 +130,38 @@ impl Workload {
     }
 
     fn kubectl(&self, e: &E2e, args: &[&str]) -> Result<String> {
-        let mut cmd = Command::new(e.bin("kubectl"));
-        cmd.arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--request-timeout=60s")
-            .args(args);
-        e.run(cmd, None)
+        self.kubectl_retrying(e, args, None)
     }
 
     fn kubectl_in(&self, e: &E2e, args: &[&str], input: &str) -> Result<String> {
-        let mut cmd = Command::new(e.bin("kubectl"));
-        cmd.arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--request-timeout=60s")
-            .args(args);
-        e.run(cmd, Some(input))
+        self.kubectl_retrying(e, args, Some(input))
+    }
+
+    /// An emulated apiserver refuses connections while it restarts and times out TLS handshakes
+    /// while its node is busy: such failures are retried for up to `UNREACHABLE_RETRY`; any answer
+    /// of the apiserver (an error included) is returned as it is. Every call is idempotent (apply,
+    /// get, delete), so a retried request that had reached the server does no harm.
+    fn kubectl_retrying(&self, e: &E2e, args: &[&str], input: Option<&str>) -> Result<String> {
+        let start = Instant::now();
+        let mut pause = Duration::from_secs(2);
+        loop {
+            let mut cmd = Command::new(e.bin("kubectl"));
+            cmd.arg("--kubeconfig")
+                .arg(&self.kubeconfig)
+                .arg("--request-timeout=60s")
+                .args(args);
+            match e.run(cmd, input) {
+                Err(err) if unreachable(&err) && start.elapsed() < UNREACHABLE_RETRY => {
+                    eprintln!(
+                        "e2e: workload apiserver unreachable, retrying in {pause:?}: {}",
+                        last_line(&format!("{err:#}"))
+                    );
+                    sleep(pause);
+                    pause = (pause * 2).min(Duration::from_secs(30));
+                }
+                other => return other,
+            }
+        }
     }
 
     pub(super) fn json(&self, e: &E2e, args: &[&str]) -> Result<Value> {
@@ -579,6 +623,12 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
     scale_workers_through_nodes(e, &w, &cp)?;
     node_health_remediation(e, &w, &cp, &toolbox)?;
     etcd_survives_kill_of_qemu(e, &w, &cp)?;
+    // A rollout runs two control planes at once: the worker goes first, so that no step runs
+    // more than three emulated VMs (step 2's) and this one two.
+    let workers = worker_nodes(&w, e)?;
+    scale_machine_deployment(e, 0)?;
+    wait_ready_workers(e, &w, 0, "no worker Node left before the rollout")?;
+    assert_nothing_left_for(e, &workers)?;
     control_plane_rollout(e, &w, &cp)?;
 
     // --- 6. delete: nothing left --------------------------------------------------------------------
@@ -782,17 +832,12 @@ fn node_health_remediation(e: &E2e, w: &Workload, cp: &str, toolbox: &str) -> Re
 /// disks, and an object created before is still there (etcd's data on the etcd disk).
 fn etcd_survives_kill_of_qemu(e: &E2e, w: &Workload, cp: &str) -> Result<()> {
     let marker = format!("before-kill-{}", chrono_stamp());
-    w.kubectl(
-        e,
-        &[
-            "-n",
-            "default",
-            "create",
-            "configmap",
-            "etcd-marker",
-            &format!("--from-literal=id={marker}"),
-        ],
-    )?;
+    let configmap = json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "etcd-marker", "namespace": "default"},
+        "data": {"id": marker},
+    });
+    w.kubectl_in(e, &["apply", "-f", "-"], &configmap.to_string())?;
     let started = Instant::now();
     kill_qemu(e, cp, Duration::from_secs(300))?;
     let seen = wait(
