@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build check test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node bench-idle-nodes testenv testenv-down dev-up dev-down e2e e2e-stub e2e-operating e2e-workload fuzz clean help node-image test-node-image
+.PHONY: all build check test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node bench-idle-nodes testenv testenv-down dev-up dev-down e2e e2e-stub e2e-topology e2e-operating e2e-workload fuzz clean help node-image test-node-image
 
 all: build
 
@@ -62,13 +62,17 @@ bench-idle-node: node-image ## An idle control plane of the node-image flavor un
 dev-up: ## The local management cluster with Cluster API and CAPK (clusterctl init) and a sample cluster
 	bash hack/dev-up.sh
 
-e2e: ## End to end on the local management cluster (make dev-up without the sample, with the VPA and Prometheus): the stub-guest journey (create, scale, upgrade, faults, pause, delete), the controller's metrics in Prometheus and the controller under the VPA, then a real workload cluster of the node image (Nodes Ready, CNI, DNS, host volume, delete)
+e2e: ## End to end on the local management cluster (make dev-up without the sample, with the VPA and Prometheus): the stub-guest journey (create, scale, upgrade, faults, pause, delete), the ClusterClass scenario (NodePort from the host, a variable rotates a template), the controller's metrics in Prometheus and the controller under the VPA, then a real workload cluster of the node image (Nodes Ready, CNI, DNS, host volume, delete)
 	CAPK_DEV_SAMPLE=0 CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 bash hack/dev-up.sh
-	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_journey_on_the_local_management_cluster operating_the_controller_on_the_local_management_cluster workload_cluster_journey_on_the_local_management_cluster
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_journey_on_the_local_management_cluster cluster_class_journey_on_the_local_management_cluster operating_the_controller_on_the_local_management_cluster workload_cluster_journey_on_the_local_management_cluster
 
-e2e-stub: ## Only the stub-guest journey of make e2e (the local MC without the sample cluster and the node image, which it does not use)
+e2e-stub: ## The stub-guest scenarios of make e2e: the journey and the ClusterClass scenario (the local MC without the sample cluster and the node image, which they do not use)
 	CAPK_DEV_SAMPLE=0 CAPK_DEV_NODE_IMAGE=0 bash hack/dev-up.sh
-	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_journey_on_the_local_management_cluster
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_journey_on_the_local_management_cluster cluster_class_journey_on_the_local_management_cluster
+
+e2e-topology: ## Only the ClusterClass scenario of make e2e-stub (stub guests): a Cluster of the class kvm with a NodePort control plane reached from the host through its kubeconfig, a changed variable that rotates the KVMMachineTemplates and rolls the worker, direct template and machine edits refused
+	CAPK_DEV_SAMPLE=0 CAPK_DEV_NODE_IMAGE=0 bash hack/dev-up.sh
+	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_class_journey_on_the_local_management_cluster
 
 e2e-operating: ## Only the metrics/VPA scenario of make e2e: a PromQL query per metric family, the shipped alert rules in a real Prometheus, the VPA's recommendation given to the controller Pod it replaces, machine Pods untouched
 	CAPK_DEV_SAMPLE=0 CAPK_DEV_NODE_IMAGE=0 CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 bash hack/dev-up.sh

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The stub-guest journey as a gate (`make check`, `.ci/run`): `make e2e-stub` brings up the local
+# The stub-guest scenarios as a gate (`make check`, `.ci/run`): `make e2e-stub` brings up the local
 # management cluster (Cluster API and CAPK by clusterctl init, no sample cluster, no node image)
-# and runs the journey; afterwards, pass or fail or interrupted, `make dev-down` stops everything
-# it started and hack/dev/leftovers.sh must find nothing of it on the machine (processes, mounts,
-# bridge, network namespaces, iptables rules, pod cgroups). A failure says where its diagnostics
-# are; dev-down keeps them (_output/dev/logs, _output/e2e).
+# and runs the journey and the ClusterClass scenario; afterwards, pass or fail or interrupted,
+# `make dev-down` stops everything it started and hack/dev/leftovers.sh must find nothing of it on
+# the machine (processes, mounts, bridge, network namespaces, iptables rules, pod cgroups). A
+# failure says where its diagnostics are; dev-down keeps them (_output/dev/logs, _output/e2e).
 #
 #   bash hack/e2e-gate.sh        (root; refuses to start while any local MC runs on this machine:
 #                                 there is one per machine, see flock /tmp/capk-devmc.lock)

@@ -98,6 +98,9 @@ CAPK_CPU_ALLOCATION_RATIO: "10"
 CAPK_TCG_TRANSLATION_CACHE_MIB: "1024"
 # The workload journey shares a directory of the MC node into a worker (tests/tests/e2e/workload.rs).
 CAPK_ALLOWED_HOST_VOLUME_PATHS: "/var/lib/capk-e2e"
+# The ClusterClass scenario reaches a cluster from the host through a node port
+# (tests/tests/e2e/topology.rs); kube-proxy opens node ports on the bridge address only.
+CAPK_ALLOWED_CONTROL_PLANE_SERVICE_TYPES: "NodePort"
 EOF
 export CLUSTERCTL_DISABLE_VERSIONCHECK=true
 # The digest of what init would install; kept as an annotation-free stamp under _output/dev.

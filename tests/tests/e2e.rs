@@ -15,6 +15,10 @@
 //! [`operating`]: the controller's metrics as a real Prometheus scrapes them, and the shipped
 //! VerticalPodAutoscaler object under the real VPA (issue 22).
 //!
+//! [`topology`]: a Cluster of the ClusterClass `kvm` with a NodePort control-plane Service: its
+//! kubeconfig works from the host, and a changed variable rotates a template and rolls the
+//! Machines (issue 21).
+//!
 //! `make e2e-move` adds a second local management cluster and moves a cluster to it with the
 //! real `clusterctl move` (issue 12; [`pivot`]).
 
@@ -32,6 +36,8 @@ use serde_json::{Value, json};
 mod operating;
 #[path = "e2e/pivot.rs"]
 mod pivot;
+#[path = "e2e/topology.rs"]
+mod topology;
 #[path = "e2e/workload.rs"]
 mod workload;
 
@@ -47,6 +53,8 @@ fn ns() -> &'static str {
 /// One scenario at a time: they share the local management cluster.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const CLUSTER: &str = "e2e";
+/// The workers' bootstrap Secret ([`apply_worker_bootstrap_secret`]).
+const WORKER_BOOTSTRAP: &str = "e2e-worker-bootstrap";
 const OWNED: &str =
     "cluster.x-k8s.io/cluster-name=e2e,app.kubernetes.io/managed-by=capk-controller";
 const CAPK_NS: &str = "capkvm-system";
@@ -192,7 +200,7 @@ impl E2e {
                 "-A",
                 "-o",
                 "yaml",
-                "clusters,machines,machinesets,machinedeployments,kubeadmcontrolplanes,kubeadmconfigs,kvmclusters,kvmmachines,kvmmachinetemplates,pods,services,endpointslices,persistentvolumeclaims",
+                "clusters,clusterclasses,machines,machinesets,machinedeployments,machinehealthchecks,kubeadmcontrolplanes,kubeadmconfigs,kvmclusters,kvmmachines,kvmmachinetemplates,pods,services,endpointslices,persistentvolumeclaims",
             ],
         );
         dump(
@@ -418,32 +426,36 @@ fn wait_workers_in(e: &E2e, hosting: &E2e, n: usize) -> Result<Vec<String>> {
     wait(
         &format!("{n} worker machines up, no other machine Pods"),
         Duration::from_secs(420),
-        || {
-            let machines = worker_machines(e)?;
-            if machines.len() != n
-                || machines
-                    .iter()
-                    .any(|m| m["metadata"]["deletionTimestamp"].is_string())
-            {
-                return Ok(None);
-            }
-            let mut up = Vec::new();
-            for m in &machines {
-                match machine_up_in(e, hosting, m)? {
-                    Some(km) => up.push(km),
-                    None => return Ok(None),
-                }
-            }
-            let cp = control_plane_kvmmachines(e)?;
-            let mut expected: Vec<String> = up.iter().cloned().chain(cp).collect();
-            expected.sort();
-            if pod_names(hosting)? != expected {
-                return Ok(None);
-            }
-            up.sort();
-            Ok(Some(up))
-        },
+        || workers_up_in(e, hosting, n),
     )
+}
+
+/// One look for [`wait_workers_in`]: the worker KVMMachine names once exactly `n` worker machines
+/// are up and only their Pods (plus the control plane's) exist in `hosting`.
+fn workers_up_in(e: &E2e, hosting: &E2e, n: usize) -> Result<Option<Vec<String>>> {
+    let machines = worker_machines(e)?;
+    if machines.len() != n
+        || machines
+            .iter()
+            .any(|m| m["metadata"]["deletionTimestamp"].is_string())
+    {
+        return Ok(None);
+    }
+    let mut up = Vec::new();
+    for m in &machines {
+        match machine_up_in(e, hosting, m)? {
+            Some(km) => up.push(km),
+            None => return Ok(None),
+        }
+    }
+    let cp = control_plane_kvmmachines(e)?;
+    let mut expected: Vec<String> = up.iter().cloned().chain(cp).collect();
+    expected.sort();
+    if pod_names(hosting)? != expected {
+        return Ok(None);
+    }
+    up.sort();
+    Ok(Some(up))
 }
 
 fn control_plane_kvmmachines(e: &E2e) -> Result<Vec<String>> {
@@ -649,12 +661,7 @@ fn the_journey(e: &E2e) -> Result<()> {
 /// no workers, asserted as a user sees it.
 fn create_cluster(e: &E2e) -> Result<ControlPlane> {
     // --- 0. a clean namespace -----------------------------------------------------------------------
-    if e.kubectl(&["get", "namespace", ns()]).is_ok() {
-        eprintln!("e2e: deleting {} left by an earlier run", ns());
-        let _ = e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=300s"]);
-        e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
-    }
-    e.kubectl(&["create", "namespace", ns()])?;
+    fresh_namespace(e)?;
 
     // --- 1. create ------------------------------------------------------------------------------------
     let version = capk_tests::pinned_version("KUBERNETES_VERSION");
@@ -765,6 +772,18 @@ fn create_cluster(e: &E2e) -> Result<ControlPlane> {
     })
 }
 
+/// The scenario's namespace, created anew: whatever an earlier run left there (its cluster first)
+/// is deleted.
+fn fresh_namespace(e: &E2e) -> Result<()> {
+    if e.kubectl(&["get", "namespace", ns()]).is_ok() {
+        eprintln!("e2e: deleting {} left by an earlier run", ns());
+        let _ = e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=300s"]);
+        e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
+    }
+    e.kubectl(&["create", "namespace", ns()])?;
+    Ok(())
+}
+
 /// The addresses of the control-plane Service's EndpointSlices, each with whether it is ready.
 fn control_plane_endpoints(e: &E2e) -> Result<Vec<(String, bool)>> {
     let slices = e.json(&[
@@ -794,13 +813,14 @@ fn control_plane_endpoints(e: &E2e) -> Result<Vec<(String, bool)>> {
 
 /// `curl -k https://<ClusterIP>:6443/readyz` from the host, through kube-proxy.
 fn curl_readyz(e: &E2e, cluster_ip: &str) -> Result<String> {
+    curl_readyz_at(e, &format!("https://{cluster_ip}:6443"))
+}
+
+/// `curl -k <server>/readyz` from the host; `server` is `https://<host>:<port>`, as a kubeconfig
+/// names it. `-k`: the test guest's stand-in apiserver has a self-signed certificate.
+fn curl_readyz_at(e: &E2e, server: &str) -> Result<String> {
     let mut curl = Command::new("curl");
-    curl.args([
-        "-ksS",
-        "--max-time",
-        "5",
-        &format!("https://{cluster_ip}:6443/readyz"),
-    ]);
+    curl.args(["-ksS", "--max-time", "5", &format!("{server}/readyz")]);
     e.run(curl, None)
 }
 
@@ -905,11 +925,28 @@ fn control_plane_endpoint_follows_its_apiserver(e: &E2e, cp: &str) -> Result<()>
     Ok(())
 }
 
-/// The workers' own bootstrap Secret (a real CABPK worker join, Ignition) and the
-/// MachineDeployment settings a cluster without a real workload control plane needs. The Secret
-/// is labelled for `clusterctl move`, which takes it along with the cluster (nothing else links
-/// it to the Cluster).
+/// The workers' own bootstrap Secret and the MachineDeployment settings a cluster without a real
+/// workload control plane needs ([`apply_worker_bootstrap_secret`]).
 fn prepare_workers(e: &E2e) -> Result<()> {
+    apply_worker_bootstrap_secret(e)?;
+    e.kubectl_in(
+        &["-n", ns(), "patch", "machinedeployment", "e2e-md-0", "--type", "merge", "--patch-file", "/dev/stdin"],
+        &json!({
+            "metadata": {"annotations": {"machineset.cluster.x-k8s.io/skip-preflight-checks": "All"}},
+            "spec": {
+                "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}},
+                "template": {"spec": {"bootstrap": {"configRef": null, "dataSecretName": WORKER_BOOTSTRAP}}},
+            },
+        })
+        .to_string(),
+    )?;
+    Ok(())
+}
+
+/// The workers' own bootstrap Secret, [`WORKER_BOOTSTRAP`]: a real CABPK worker join (Ignition),
+/// which CABPK writes only after a real control plane initialised. Labelled for `clusterctl
+/// move`, which takes it along with the cluster (nothing else links it to the Cluster).
+fn apply_worker_bootstrap_secret(e: &E2e) -> Result<()> {
     let fixture = std::fs::read_to_string(
         e.root
             .join("bootstrap/tests/fixtures/cabpk/ignition-worker-join.secret.json"),
@@ -917,24 +954,13 @@ fn prepare_workers(e: &E2e) -> Result<()> {
     let fixture: Value = serde_json::from_str(&fixture)?;
     let secret = json!({
         "apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": "e2e-worker-bootstrap", "namespace": ns(),
+        "metadata": {"name": WORKER_BOOTSTRAP, "namespace": ns(),
                      "labels": {"cluster.x-k8s.io/cluster-name": CLUSTER,
                                 capk_api::constants::MOVE_LABEL: ""}},
         "type": "cluster.x-k8s.io/secret",
         "stringData": {"format": fixture["format"], "value": fixture["value"]},
     });
     e.kubectl_in(&["apply", "-f", "-"], &secret.to_string())?;
-    e.kubectl_in(
-        &["-n", ns(), "patch", "machinedeployment", "e2e-md-0", "--type", "merge", "--patch-file", "/dev/stdin"],
-        &json!({
-            "metadata": {"annotations": {"machineset.cluster.x-k8s.io/skip-preflight-checks": "All"}},
-            "spec": {
-                "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}},
-                "template": {"spec": {"bootstrap": {"configRef": null, "dataSecretName": "e2e-worker-bootstrap"}}},
-            },
-        })
-        .to_string(),
-    )?;
     Ok(())
 }
 
@@ -1152,6 +1178,14 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
     eprintln!("e2e: 5. paused: nothing touched; unpaused: reconciled");
 
     // --- 6. delete ------------------------------------------------------------------------------------
+    delete_cluster_and_namespace(e)?;
+    eprintln!("e2e: 6. cluster deleted, nothing left");
+    Ok(())
+}
+
+/// Deletes the Cluster as a user does, asserts that nothing the provider created in the namespace
+/// is left, then deletes the namespace.
+fn delete_cluster_and_namespace(e: &E2e) -> Result<()> {
     e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=300s"])?;
     wait(
         "everything the provider created is gone",
@@ -1168,7 +1202,7 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
             ] {
                 for o in e.items(kind, None)? {
                     let n = name(&o).to_owned();
-                    if kind == "secrets" && n == "e2e-worker-bootstrap" {
+                    if kind == "secrets" && n == WORKER_BOOTSTRAP {
                         continue; // ours
                     }
                     left.push(format!("{kind}/{n}"));
@@ -1182,7 +1216,6 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
         },
     )?;
     e.kubectl(&["delete", "namespace", ns(), "--timeout=120s"])?;
-    eprintln!("e2e: 6. cluster deleted, nothing left");
     Ok(())
 }
 
@@ -1202,6 +1235,12 @@ fn workload_cluster_journey_on_the_local_management_cluster() {
 #[ignore = "metrics scraped by Prometheus and the controller under the VPA, on the local management cluster: `make e2e`"]
 fn operating_the_controller_on_the_local_management_cluster() {
     run_scenario("capk-e2e-operating", operating::operating_journey);
+}
+
+#[test]
+#[ignore = "a ClusterClass cluster reached through a NodePort, a variable changed, on the local management cluster: `make e2e`"]
+fn cluster_class_journey_on_the_local_management_cluster() {
+    run_scenario("capk-e2e-topology", topology::topology_journey);
 }
 
 #[test]

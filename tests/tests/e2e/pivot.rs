@@ -32,8 +32,6 @@ use super::{
 const HOSTING_SECRET: &str = "e2e-hosting";
 /// MC1's apiserver as every Pod of both clusters reaches it (its serving certificate names it).
 const MC1_APISERVER: &str = "https://10.240.0.1:6443";
-/// The workers' bootstrap Secret ([`prepare_workers`]).
-const WORKER_BOOTSTRAP: &str = "e2e-worker-bootstrap";
 /// `HostingClusterAvailable`'s reason for a hosting cluster in use (controller/src/hosting.rs,
 /// `REASON_CONNECTED`).
 const CONNECTED: &str = "HostingClusterConnected";
