@@ -149,5 +149,37 @@ for d in capi-system/capi-controller-manager capi-kubeadm-bootstrap-system/capi-
   kc -n "${d%/*}" rollout status "deployment/${d#*/}" --timeout=300s >/dev/null ||
     die "deployment $d is not available (kubectl -n ${d%/*} describe deployment ${d#*/})"
 done
+# Available Deployments are not yet serving webhooks: after a reinstall, cert-manager issues new
+# serving certificates and injects their CA, and until the managers' mounted Secrets follow the
+# apiserver refuses their webhooks (x509: certificate signed by unknown authority). A server-side
+# dry run through each manager's webhooks must reach them (an answer, even a refusal, is fine).
+webhooks_serve() {
+  local out
+  out=$(kc create --dry-run=server -f - 2>&1 <<'YAML'
+apiVersion: cluster.x-k8s.io/v1beta2
+kind: Cluster
+metadata: {name: capk-dev-webhook-probe, namespace: default}
+spec: {paused: true}
+---
+apiVersion: bootstrap.cluster.x-k8s.io/v1beta2
+kind: KubeadmConfigTemplate
+metadata: {name: capk-dev-webhook-probe, namespace: default}
+spec: {template: {spec: {format: cloud-config}}}
+---
+apiVersion: controlplane.cluster.x-k8s.io/v1beta2
+kind: KubeadmControlPlaneTemplate
+metadata: {name: capk-dev-webhook-probe, namespace: default}
+spec: {template: {spec: {kubeadmConfigSpec: {format: cloud-config}}}}
+YAML
+  ) && return 0
+  grep -q "failed calling webhook" <<<"$out" && { last_webhook_error=$out; return 1; }
+  return 0
+}
+last_webhook_error=""
+for _ in $(seq 90); do
+  webhooks_serve && break
+  sleep 2
+done
+webhooks_serve || die "Cluster API's webhooks do not answer after 3 minutes: ${last_webhook_error##*$'\n'}"
 log "Cluster API $CAPI_VERSION (core, kubeadm bootstrap and control plane) and CAPK $CAPK_VERSION run ($((SECONDS - t0))s)"
 echo "$CONFIG"
