@@ -1,4 +1,4 @@
-//! Operating the provider (issue 22, `make e2e` and `make e2e-stub`): the controller's metrics as
+//! Operating the provider (issue 22, `make e2e` and `make e2e-operating`): the controller's metrics as
 //! a real Prometheus scrapes them, and the shipped VerticalPodAutoscaler object under the real
 //! VPA. `CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 make dev-up` installs them (hack/dev/vpa.sh:
 //! metrics-server, the VPA's recommender, updater and admission controller; hack/dev/monitoring.sh:
@@ -25,7 +25,7 @@ use super::*;
 
 /// Where the dev MC's components come from, named when they are missing.
 const INSTALLED_BY: &str =
-    "CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 make dev-up (make e2e and make e2e-stub do it)";
+    "CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 make dev-up (make e2e and make e2e-operating do it)";
 /// The shipped VPA object's name (manifests/components/vpa/vpa.yaml).
 const VPA: &str = "capkvm-controller-manager";
 /// The controller Pods' label.
