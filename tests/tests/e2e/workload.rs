@@ -731,9 +731,11 @@ fn scale_workers_through_nodes(e: &E2e, w: &Workload, cp: &str) -> Result<()> {
     let removed: Vec<String> = two.iter().filter(|n| !one.contains(n)).cloned().collect();
     assert_eq!(removed.len(), 1, "one Node removed: {two:?} -> {one:?}");
     assert_nothing_left_for(e, &removed)?;
+    let gone = w.kubectl(e, &["get", "node", &removed[0]]);
     assert!(
-        w.kubectl(e, &["get", "node", &removed[0]]).is_err(),
-        "Node {} still in the workload cluster",
+        gone.as_ref()
+            .is_err_and(|err| format!("{err:#}").contains("NotFound")),
+        "Node {} still in the workload cluster (or the apiserver did not answer): {gone:?}",
         removed[0]
     );
     assert!(
