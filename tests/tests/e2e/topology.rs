@@ -373,28 +373,14 @@ fn rotate_workers(e: &E2e, cp: &str, old_worker: &str) -> Result<String> {
     );
     let cp_pod = pod_uid(e, cp)?;
 
-    set_variable_memory(e, "workerResources", NEW_MEMORY)?;
-    let new_template = wait(
-        "the MachineDeployment points at a new KVMMachineTemplate",
-        Duration::from_secs(120),
-        || {
-            let now = machine_deployment_template(e)?;
-            if now != old_template {
-                return Ok(Some(now));
-            }
-            Err(anyhow!(
-                "still {old_template}; the Cluster's TopologyReconciled: {}",
-                topology_reconciled(e)?
-            ))
-        },
+    let new_template = rotate_template(
+        e,
+        "workerResources",
+        "the MachineDeployment",
+        machine_deployment_template,
+        &old_template,
+        &old_spec,
     )?;
-    let mut expected = old_spec.clone();
-    expected["template"]["spec"]["resources"]["memory"] = json!(NEW_MEMORY);
-    assert_eq!(
-        kvm_machine_template_spec(e, &new_template)?,
-        expected,
-        "{new_template}: the old template's spec with the new memory"
-    );
 
     let new_worker = wait(
         "the worker rolled to the new template",
@@ -447,28 +433,14 @@ fn rotate_control_plane_template(e: &E2e, cp: &str) -> Result<()> {
     );
     let cp_pod = pod_uid(e, cp)?;
 
-    set_variable_memory(e, "controlPlaneResources", NEW_MEMORY)?;
-    let new_template = wait(
-        "the KubeadmControlPlane points at a new KVMMachineTemplate",
-        Duration::from_secs(120),
-        || {
-            let now = control_plane_template(e)?;
-            if now != old_template {
-                return Ok(Some(now));
-            }
-            Err(anyhow!(
-                "still {old_template}; the Cluster's TopologyReconciled: {}",
-                topology_reconciled(e)?
-            ))
-        },
+    let new_template = rotate_template(
+        e,
+        "controlPlaneResources",
+        "the KubeadmControlPlane",
+        control_plane_template,
+        &old_template,
+        &old_spec,
     )?;
-    let mut expected = old_spec.clone();
-    expected["template"]["spec"]["resources"]["memory"] = json!(NEW_MEMORY);
-    assert_eq!(
-        kvm_machine_template_spec(e, &new_template)?,
-        expected,
-        "{new_template}: the old template's spec with the new memory"
-    );
     wait(
         "the old control-plane template deleted",
         Duration::from_secs(60),
@@ -601,4 +573,40 @@ fn topology_reconciled(e: &E2e) -> Result<String> {
     Ok(condition(&cluster, "TopologyReconciled")
         .map(|c| format!("{} {}: {}", c["status"], c["reason"], c["message"]))
         .unwrap_or_else(|| "not reported".to_owned()))
+}
+
+/// Sets the class variable `variable`'s memory to [`NEW_MEMORY`] and waits until `user` (read by
+/// `current`) points at a new KVMMachineTemplate, whose spec must be `old_spec` with only the
+/// memory changed. Returns the new template's name.
+fn rotate_template(
+    e: &E2e,
+    variable: &str,
+    user: &str,
+    current: fn(&E2e) -> Result<String>,
+    old_template: &str,
+    old_spec: &Value,
+) -> Result<String> {
+    set_variable_memory(e, variable, NEW_MEMORY)?;
+    let new_template = wait(
+        &format!("{user} points at a new KVMMachineTemplate"),
+        Duration::from_secs(120),
+        || {
+            let now = current(e)?;
+            if now != old_template {
+                return Ok(Some(now));
+            }
+            Err(anyhow!(
+                "still {old_template}; the Cluster's TopologyReconciled: {}",
+                topology_reconciled(e)?
+            ))
+        },
+    )?;
+    let mut expected = old_spec.clone();
+    expected["template"]["spec"]["resources"]["memory"] = json!(NEW_MEMORY);
+    assert_eq!(
+        kvm_machine_template_spec(e, &new_template)?,
+        expected,
+        "{new_template}: the old template's spec with the new memory"
+    );
+    Ok(new_template)
 }
