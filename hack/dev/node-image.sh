@@ -8,7 +8,7 @@
 #                                  running local MC: make dev-up)
 #
 # Idempotent: the tag carries the hash of the image's inputs, and the import runs only when
-# containerd lacks that name.
+# containerd lacks that name. Other tags of localhost/capk/node are removed from containerd.
 set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -37,6 +37,17 @@ else
   ctr_has_image "$CAPK_NODE_IMAGE" || die "import did not produce $CAPK_NODE_IMAGE"
   log "imported $CAPK_NODE_IMAGE into containerd in $((SECONDS - start))s"
 fi
+
+# Superseded node images go: each is 2 GB of the MC node's image filesystem, and three of them put
+# the local MC's kubelet into DiskPressure, whose 5-minute transition period left the next
+# cluster's machine Pods unschedulable (FailedScheduling for 293 s). A running container keeps its
+# snapshot when its image's name is removed.
+stale=$(ctr_k8s images ls -q 'name~=^localhost/capk/node:') || die "containerd does not list its images"
+for old in $stale; do
+  [[ $old == "$CAPK_NODE_IMAGE" ]] && continue
+  ctr_k8s images rm "$old" >/dev/null
+  log "removed the superseded node image $old from containerd"
+done
 
 mkdir -p "$DEV"
 tmp=$(mktemp "$DEV_ENV.XXXXXX")
