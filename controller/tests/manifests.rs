@@ -2533,22 +2533,25 @@ fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result
 
 /// What the node-image flavor does for emulated control planes reaches kubeadm on the node:
 /// readiness probes of the static Pods every `KUBE_READINESS_PROBE_PERIOD_SECONDS` (10; kubeadm
-/// patches in init and control-plane join), one CoreDNS replica (`COREDNS_REPLICAS`, kubeadm's
+/// patches in init and control-plane join), their liveness failure threshold
+/// (`KUBE_LIVENESS_FAILURE_THRESHOLD`, kubeadm's 8), one CoreDNS replica (`COREDNS_REPLICAS`, kubeadm's
 /// `corednsdeployment` patch) and ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`), each back to
 /// kubeadm's behaviour when a user sets kubeadm's values.
 #[test]
 fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
     const PATCHES: &str = "/etc/kubernetes/patches";
-    for (vars, period, algorithm, resync, coredns) in [
-        (&[][..], "10", "ECDSA-P256", "60", 1),
+    for (vars, period, liveness, algorithm, resync, coredns) in [
+        (&[][..], 10, 8, "ECDSA-P256", "60", 1),
         (
             &[
                 ("KUBE_READINESS_PROBE_PERIOD_SECONDS", "1"),
+                ("KUBE_LIVENESS_FAILURE_THRESHOLD", "30"),
                 ("KUBE_ENCRYPTION_ALGORITHM", "RSA-2048"),
                 ("FLANNEL_IPTABLES_RESYNC_SECONDS", "5"),
                 ("COREDNS_REPLICAS", "2"),
             ][..],
-            "1",
+            1,
+            30,
             "RSA-2048",
             "5",
             2,
@@ -2603,17 +2606,27 @@ fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
                 json!({"spec": {"replicas": coredns}}),
                 "{what}: {path}"
             );
-            for component in ["etcd", "kube-apiserver", "kube-scheduler"] {
+            for component in [
+                "etcd",
+                "kube-apiserver",
+                "kube-controller-manager",
+                "kube-scheduler",
+            ] {
                 let path = format!("{PATCHES}/{component}0+strategic.yaml");
                 let patch: Value = serde_yaml_ng::from_str(&inline_text(
                     file(&config, &path).with_context(|| format!("{what}: no {path}"))?,
                 )?)?;
+                // kubeadm gives the controller-manager no readiness probe.
+                let mut container = json!({
+                    "name": component,
+                    "livenessProbe": {"failureThreshold": liveness},
+                });
+                if component != "kube-controller-manager" {
+                    container["readinessProbe"] = json!({"periodSeconds": period});
+                }
                 assert_eq!(
                     patch,
-                    json!({"spec": {"containers": [{
-                        "name": component,
-                        "readinessProbe": {"periodSeconds": period.parse::<u32>()?},
-                    }]}}),
+                    json!({"spec": {"containers": [container]}}),
                     "{what}: {path}"
                 );
             }

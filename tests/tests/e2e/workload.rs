@@ -327,6 +327,10 @@ pub(super) fn apply_workload_cluster(
             ("KUBE_LEADER_ELECT_LEASE_DURATION", "120s"),
             ("KUBE_LEADER_ELECT_RENEW_DEADLINE", "90s"),
             ("KUBE_LEADER_ELECT_RETRY_PERIOD", "10s"),
+            // The apiserver's /livez includes etcd's health: with kubeadm's 8 failures (80 s) the
+            // kubelet restarted it three times while the worker joined, each restart dearer
+            // than the wait.
+            ("KUBE_LIVENESS_FAILURE_THRESHOLD", "30"),
         ],
     )?;
     let manifest = map_yaml_docs(&manifest, |mut v| {
@@ -558,10 +562,19 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
                 .flatten())
         },
     )?;
+    // Like an application, the client retries while the worker's kube-proxy has not yet seen
+    // the Services' endpoints (its first run found kube-dns without one and was refused) and
+    // says how many attempts each took; it fails after 20 attempts 10 s apart.
     let script = format!(
-        "set -e; nslookup web.default.svc.cluster.local; \
-         echo via-service: $(wget -qO- -T 20 http://web.default.svc.cluster.local/); \
-         echo via-pod-ip: $(wget -qO- -T 20 http://{web_ip}:8080/); \
+        "set -e; \
+         retry() {{ what=$1; shift; i=1; until \"$@\"; do \
+           [ $i -lt 20 ] || {{ echo \"$what failed $i times\"; return 1; }}; i=$((i+1)); sleep 10; \
+         done; echo \"$what: attempt $i\"; }}; \
+         retry dns nslookup web.default.svc.cluster.local; \
+         retry service wget -qO /tmp/s -T 20 http://web.default.svc.cluster.local/; \
+         echo via-service: $(cat /tmp/s); \
+         retry pod-ip wget -qO /tmp/p -T 20 http://{web_ip}:8080/; \
+         echo via-pod-ip: $(cat /tmp/p); \
          echo host-volume: $(cat /data/{MOUNT_TAG}/hello)"
     );
     let client = json!({
