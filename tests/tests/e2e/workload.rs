@@ -564,16 +564,17 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
     )?;
     // Like an application, the client retries while the worker's kube-proxy has not yet seen
     // the Services' endpoints (its first run found kube-dns without one and was refused) and
-    // says how many attempts each took; it fails after 20 attempts 10 s apart.
+    // says how many attempts each took; it fails after 20 attempts 10 s apart. `timeout`, not
+    // wget's `-T`: Debian's static busybox 1.35 (the toolbox) dies of SIGSEGV with `-T`.
     let script = format!(
         "set -e; \
          retry() {{ what=$1; shift; i=1; until \"$@\"; do \
            [ $i -lt 20 ] || {{ echo \"$what failed $i times\"; return 1; }}; i=$((i+1)); sleep 10; \
          done; echo \"$what: attempt $i\"; }}; \
          retry dns nslookup web.default.svc.cluster.local; \
-         retry service wget -qO /tmp/s -T 20 http://web.default.svc.cluster.local/; \
+         retry service timeout 20 wget -q -O /tmp/s http://web.default.svc.cluster.local/; \
          echo via-service: $(cat /tmp/s); \
-         retry pod-ip wget -qO /tmp/p -T 20 http://{web_ip}:8080/; \
+         retry pod-ip timeout 20 wget -q -O /tmp/p http://{web_ip}:8080/; \
          echo via-pod-ip: $(cat /tmp/p); \
          echo host-volume: $(cat /data/{MOUNT_TAG}/hello)"
     );
