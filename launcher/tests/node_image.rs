@@ -633,7 +633,8 @@ fn var_or(name: &str, default: &str) -> String {
 fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
     let home = tempfile::tempdir().unwrap();
     // Sizes of the workload journey's control plane (tests/tests/e2e/workload.rs), leader
-    // election and liveness thresholds as it raises them for TCG; each overridable from the environment.
+    // election and the liveness threshold as it raises them for TCG; each overridable from the
+    // environment.
     let defaults = [
         ("CONTROL_PLANE_MACHINE_CPUS", "2"),
         ("CONTROL_PLANE_MACHINE_MEMORY", "2560Mi"),
