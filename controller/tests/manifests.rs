@@ -2534,8 +2534,8 @@ fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result
 /// What the node-image flavor does for emulated control planes reaches kubeadm on the node:
 /// readiness probes of the static Pods every `KUBE_READINESS_PROBE_PERIOD_SECONDS` (10; kubeadm
 /// patches in init and control-plane join), their liveness failure threshold
-/// (`KUBE_LIVENESS_FAILURE_THRESHOLD`, kubeadm's 8), one CoreDNS replica (`COREDNS_REPLICAS`, kubeadm's
-/// `corednsdeployment` patch) and ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`), each back to
+/// (`KUBE_LIVENESS_FAILURE_THRESHOLD`, kubeadm's 8), one CoreDNS replica (`COREDNS_REPLICAS`,
+/// kubeadm's `corednsdeployment` patch) and ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`), each back to
 /// kubeadm's behaviour when a user sets kubeadm's values.
 #[test]
 fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
