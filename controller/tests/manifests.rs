@@ -2534,24 +2534,27 @@ fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result
 /// What the node-image flavor does for emulated control planes reaches kubeadm on the node:
 /// readiness probes of the static Pods every `KUBE_READINESS_PROBE_PERIOD_SECONDS` (10; kubeadm
 /// patches in init and control-plane join), their liveness failure threshold
-/// (`KUBE_LIVENESS_FAILURE_THRESHOLD`, kubeadm's 8), one CoreDNS replica (`COREDNS_REPLICAS`,
+/// (`KUBE_LIVENESS_FAILURE_THRESHOLD`, kubeadm's 8), etcd's CPU request (`KUBE_ETCD_CPU_REQUEST`,
+/// kubeadm's 100m), one CoreDNS replica (`COREDNS_REPLICAS`,
 /// kubeadm's `corednsdeployment` patch) and ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`), each back to
 /// kubeadm's behaviour when a user sets kubeadm's values.
 #[test]
 fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
     const PATCHES: &str = "/etc/kubernetes/patches";
-    for (vars, period, liveness, algorithm, resync, coredns) in [
-        (&[][..], 10, 8, "ECDSA-P256", "60", 1),
+    for (vars, period, liveness, etcd_cpu, algorithm, resync, coredns) in [
+        (&[][..], 10, 8, "100m", "ECDSA-P256", "60", 1),
         (
             &[
                 ("KUBE_READINESS_PROBE_PERIOD_SECONDS", "1"),
                 ("KUBE_LIVENESS_FAILURE_THRESHOLD", "30"),
+                ("KUBE_ETCD_CPU_REQUEST", "1"),
                 ("KUBE_ENCRYPTION_ALGORITHM", "RSA-2048"),
                 ("FLANNEL_IPTABLES_RESYNC_SECONDS", "5"),
                 ("COREDNS_REPLICAS", "2"),
             ][..],
             1,
             30,
+            "1",
             "RSA-2048",
             "5",
             2,
@@ -2623,6 +2626,9 @@ fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
                 });
                 if component != "kube-controller-manager" {
                     container["readinessProbe"] = json!({"periodSeconds": period});
+                }
+                if component == "etcd" {
+                    container["resources"] = json!({"requests": {"cpu": etcd_cpu}});
                 }
                 assert_eq!(
                     patch,

@@ -633,8 +633,8 @@ fn var_or(name: &str, default: &str) -> String {
 fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
     let home = tempfile::tempdir().unwrap();
     // Sizes of the workload journey's control plane (tests/tests/e2e/workload.rs), leader
-    // election and the liveness threshold as it raises them for TCG; each overridable from the
-    // environment.
+    // election, the liveness threshold and etcd's CPU request as it raises them for TCG; each
+    // overridable from the environment.
     let defaults = [
         ("CONTROL_PLANE_MACHINE_CPUS", "2"),
         ("CONTROL_PLANE_MACHINE_MEMORY", "2560Mi"),
@@ -644,6 +644,7 @@ fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
         ("KUBE_LEADER_ELECT_RENEW_DEADLINE", "90s"),
         ("KUBE_LEADER_ELECT_RETRY_PERIOD", "10s"),
         ("KUBE_LIVENESS_FAILURE_THRESHOLD", "30"),
+        ("KUBE_ETCD_CPU_REQUEST", "1"),
     ];
     let mut clusterctl = Command::new(repo_root().join("_output/bin/clusterctl"));
     clusterctl

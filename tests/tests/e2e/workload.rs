@@ -331,6 +331,10 @@ pub(super) fn apply_workload_cluster(
             // kubelet restarted it three times while the worker joined, each restart dearer
             // than the wait.
             ("KUBE_LIVENESS_FAILURE_THRESHOLD", "30"),
+            // etcd's share of the guest's 2 vCPUs when all are busy: with kubeadm's 100m (a
+            // cpu.weight of 4 against the kubelet's 100) etcd waited for a vCPU 70 % of the time
+            // while the worker joined and its requests timed out.
+            ("KUBE_ETCD_CPU_REQUEST", "1"),
         ],
     )?;
     let manifest = map_yaml_docs(&manifest, |mut v| {
