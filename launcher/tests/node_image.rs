@@ -130,6 +130,8 @@ r "hosts-entry=$(getent -s files hosts "$(hostname)" | tr -s ' \t' ,)"
 # Timer slack set for PID 1 (system.conf.d) and inherited by the kubelet and, through containerd
 # and its shims, by the static Pods' processes.
 r "timer-slack=$(cat /proc/1/timerslack_ns),$(cat /proc/$(pgrep -xo kubelet)/timerslack_ns),$(cat /proc/$(pgrep -xo kube-apiserver)/timerslack_ns)"
+# Units (a container's cri-containerd scope among them) get 20 s to stop before SIGKILL.
+r "stop-timeout=$(systemctl show -P DefaultTimeoutStopUSec)"
 for i in $(ctr -n k8s.io images ls -q | grep -v '^sha256:' | sort); do r "image $i"; done
 r "pulls=$(journalctl -b -u containerd.service -o cat | grep -c 'PullImage')"
 kc() { kubectl --kubeconfig /etc/kubernetes/admin.conf --request-timeout 60s "$@"; }
@@ -503,6 +505,9 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
     assert_eq!(l.fact("hosts-entry="), format!("{POD_IP},{HOSTNAME}"));
     // 10 ms (the image's TimerSlackNSec) for PID 1, the kubelet and the apiserver's container.
     assert_eq!(l.fact("timer-slack="), "10000000,10000000,10000000");
+    // The image's DefaultTimeoutStopSec: a shutdown does not wait systemd's 90 s for each
+    // container that ignores SIGTERM.
+    assert_eq!(l.fact("stop-timeout="), "20s");
     assert_eq!(l.fact("host-volume="), format!("9p,{HOST_VOLUME_TEXT}"));
     // The guest wrote to the read-write share as QEMU's user; the read-only one was read and
     // mounted read-only, and a write was refused even after a read-write remount.
