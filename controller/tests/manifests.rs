@@ -2537,12 +2537,13 @@ fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result
 /// (`KUBE_LIVENESS_FAILURE_THRESHOLD`, kubeadm's 8), etcd's CPU request (`KUBE_ETCD_CPU_REQUEST`,
 /// kubeadm's 100m), one CoreDNS replica (`COREDNS_REPLICAS`,
 /// kubeadm's `corednsdeployment` patch) and ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`), each back to
-/// kubeadm's behaviour when a user sets kubeadm's values.
+/// kubeadm's behaviour when a user sets kubeadm's values; and Cluster API's retries of a removed
+/// machine's Node deletion (`NODE_DELETION_TIMEOUT_SECONDS`: 300 s, Cluster API's 10 s if set).
 #[test]
 fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
     const PATCHES: &str = "/etc/kubernetes/patches";
-    for (vars, period, liveness, etcd_cpu, algorithm, resync, coredns) in [
-        (&[][..], 10, 8, "100m", "ECDSA-P256", "60", 1),
+    for (vars, period, liveness, etcd_cpu, algorithm, resync, coredns, node_deletion) in [
+        (&[][..], 10, 8, "100m", "ECDSA-P256", "60", 1, 300),
         (
             &[
                 ("KUBE_READINESS_PROBE_PERIOD_SECONDS", "1"),
@@ -2551,6 +2552,7 @@ fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
                 ("KUBE_ENCRYPTION_ALGORITHM", "RSA-2048"),
                 ("FLANNEL_IPTABLES_RESYNC_SECONDS", "5"),
                 ("COREDNS_REPLICAS", "2"),
+                ("NODE_DELETION_TIMEOUT_SECONDS", "10"),
             ][..],
             1,
             30,
@@ -2558,6 +2560,7 @@ fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
             "RSA-2048",
             "5",
             2,
+            10,
         ),
     ] {
         let mut env = vec![("KVM_NODE_IMAGE", NODE_IMAGE)];
@@ -2574,6 +2577,22 @@ fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
             .into_iter()
             .find(|o| o["kind"] == "DaemonSet")
             .context("flannel's DaemonSet")?;
+        // How long Cluster API retries deleting a removed machine's Node, control planes and
+        // workers alike.
+        for (kind, spec) in [
+            ("KubeadmControlPlane", "/spec/machineTemplate/spec"),
+            ("MachineDeployment", "/spec/template/spec"),
+        ] {
+            let object = objects
+                .iter()
+                .find(|o| o["kind"] == kind)
+                .with_context(|| format!("the flavor's {kind}"))?;
+            assert_eq!(
+                object.pointer(&format!("{spec}/deletion/nodeDeletionTimeoutSeconds")),
+                Some(&json!(node_deletion)),
+                "{kind} {vars:?}"
+            );
+        }
         assert_eq!(
             flanneld["spec"]["template"]["spec"]["containers"][0]["command"],
             json!([
