@@ -2535,10 +2535,10 @@ fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result
 /// readiness probes of the static Pods every `KUBE_READINESS_PROBE_PERIOD_SECONDS` (10; kubeadm
 /// patches in init and control-plane join), their liveness failure threshold
 /// (`KUBE_LIVENESS_FAILURE_THRESHOLD`, kubeadm's 8), etcd's CPU request (`KUBE_ETCD_CPU_REQUEST`,
-/// kubeadm's 100m), one CoreDNS replica (`COREDNS_REPLICAS`,
-/// kubeadm's `corednsdeployment` patch) and ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`), each back to
-/// kubeadm's behaviour when a user sets kubeadm's values; and Cluster API's retries of a removed
-/// machine's Node deletion (`NODE_DELETION_TIMEOUT_SECONDS`: 300 s, Cluster API's 10 s if set).
+/// kubeadm's 100m), one CoreDNS replica (`COREDNS_REPLICAS`, kubeadm's `corednsdeployment` patch)
+/// and ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`), each back to kubeadm's behaviour when a user sets
+/// kubeadm's values; and how long Cluster API retries deleting a removed machine's Node
+/// (`NODE_DELETION_TIMEOUT_SECONDS`: 300 s, or Cluster API's own 10 s when a user sets 10).
 #[test]
 fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
     const PATCHES: &str = "/etc/kubernetes/patches";
