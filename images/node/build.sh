@@ -100,9 +100,10 @@ bash "$HERE/images.sh" "$WORK" "$WORK/kubeadm-images.txt"
 PAUSE_IMAGE=$(grep -E '/pause:' "$WORK/images/images.txt") || die "no pause image in $WORK/images/images.txt"
 
 # The same images imported and unpacked by this host's containerd (Debian's, the package the image
-# installs) into a private root: the guest copies that root onto its empty containerd disk before
-# containerd first starts (capk-seed-containerd.service) instead of importing the archive, which
-# hashes and decompresses every layer (214 s on a control plane under TCG, 452 s on a worker beside it).
+# installs) into a private root: before containerd first starts, the guest links that root's layers
+# into its empty containerd disk and copies the rest (capk-seed-containerd.service) instead of
+# importing the archive, which hashes and decompresses every layer (214 s on a control plane under
+# TCG, 452 s on a worker beside it).
 SEED=$WORK/containerd-seed
 SEED_RUN=$WORK/containerd-seed.run
 seed_pid=

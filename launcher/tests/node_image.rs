@@ -146,6 +146,16 @@ if [ "$(systemctl show -p Result --value kubeadm.service)" != success ]; then
   top -b -n 1 | head -20 | sed 's/^/CAPK-NODE top| /'
   journalctl -b -u kubelet.service -o cat | grep -vi token | tail -15 | sed 's/^/CAPK-NODE kubelet| /'
 fi
+# The seed's layers are symlinks into the root (capk-seed-containerd), all of them; removing an
+# image with every name of it, as the kubelet's image garbage collection does, removes its layer's
+# link and never the seed's files (the toolbox: no Pod of this node uses it).
+seed_snaps=/usr/share/capk/containerd-seed/io.containerd.snapshotter.v1.overlayfs/snapshots
+snaps=/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots
+links() { find "$snaps" -mindepth 1 -maxdepth 1 -type l | wc -l; }
+seeded_links=$(links)
+toolbox=$(ctr -n k8s.io images ls | awk '$1 ~ /^localhost\/capk\/toolbox:/ {print $3}')
+ctr -n k8s.io images rm --sync $(ctr -n k8s.io images ls | awk -v d="$toolbox" '$3 == d {print $1}') >/dev/null
+r "seed-links=$(find "$seed_snaps" -mindepth 1 -maxdepth 1 -type d | wc -l),$seeded_links,$(links),$(find "$seed_snaps" -mindepth 1 -maxdepth 1 -type d | wc -l),$(find "$snaps" -mindepth 1 -maxdepth 1 ! -type l | wc -l)"
 r "report-done"
 # Boot-to-multi-user once the boot transaction (which waits for this unit) is over.
 systemd-run --no-block --on-active=1 /bin/bash -c 'systemctl is-system-running --wait >/dev/null; echo "CAPK-NODE $(systemd-analyze time | head -1)" >/dev/console'
@@ -452,10 +462,32 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
     // are exactly kubeadm's (plus the CNI's and the toolbox), nothing pulled.
     assert_eq!(l.fact("containerd-disk="), "dockerfs,ext4");
     assert!(
-        l.fact("seed ").starts_with("capk-seed-containerd: copied"),
+        l.fact("seed ").starts_with("capk-seed-containerd: linked"),
         "containerd's disk was not seeded: {}",
         l.fact("seed ")
     );
+    // Every layer of the seed was a link (kubeadm init then ran its Pods from them); the removed
+    // toolbox image took its link with it, the seed kept every layer, and the containers' own
+    // snapshots are directories on the containerd disk.
+    let links: Vec<usize> = l
+        .fact("seed-links=")
+        .split(',')
+        .map(|n| n.parse().expect("seed-links counts"))
+        .collect();
+    let [seed_layers, seeded, after_removal, seed_after, own] = links[..] else {
+        panic!("seed-links: {links:?}");
+    };
+    assert!(seed_layers > 0, "an empty seed");
+    assert_eq!(seeded, seed_layers, "not every seed layer linked");
+    assert!(
+        after_removal < seeded,
+        "removing the toolbox image removed no link ({seeded} -> {after_removal})"
+    );
+    assert_eq!(
+        seed_after, seed_layers,
+        "removing an image removed seed layers"
+    );
+    assert!(own > 0, "no container snapshot of containerd's own");
     assert!(
         l.fact("preload ")
             .starts_with("capk-preload-images: containerd has all"),
