@@ -1137,7 +1137,8 @@ pub(super) fn workload_bench(e: &E2e) -> Result<()> {
     let cp_steps = boot_steps(e, &w, &cp)?;
     let init = kubeadm_run_seconds(e, &cp)?;
     for (machine, guest_mib) in [(cp.as_str(), 2560u64), (first.as_str(), 1536)] {
-        let summary = w.json(
+        // `--raw` prints JSON and refuses `-o json`.
+        let summary = w.kubectl(
             e,
             &[
                 "get",
@@ -1147,6 +1148,7 @@ pub(super) fn workload_bench(e: &E2e) -> Result<()> {
         );
         let in_guest = summary
             .ok()
+            .and_then(|s| serde_json::from_str::<Value>(&s).ok())
             .and_then(|s| s["node"]["memory"]["workingSetBytes"].as_u64())
             .map_or("unknown".to_owned(), |b| format!("{} MiB", b >> 20));
         let m = pod_memory(e, machine, guest_mib * 1024)?;
