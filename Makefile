@@ -95,7 +95,7 @@ bench-idle-nodes: ## Real nodes under TCG, idle: one control plane and one worke
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact bench_idle_nodes
 
-bench-e2e-workload: ## Real nodes under TCG: Machine created -> Node Ready per step (P50 over 5 workers), kubeadm init, guest and Pod memory (about an hour)
+bench-e2e-workload: ## Real nodes under TCG: a control plane and one worker, both Nodes Ready and idle host CPU (as bench-idle-nodes), guest and Pod memory, then Machine created -> Node Ready per step (P50 over 5 workers, one at a time), kubeadm init (about 30 minutes)
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact bench_e2e_workload_nodes
 
