@@ -152,10 +152,12 @@ fi
 seed_snaps=/usr/share/capk/containerd-seed/io.containerd.snapshotter.v1.overlayfs/snapshots
 snaps=/var/lib/containerd/io.containerd.snapshotter.v1.overlayfs/snapshots
 links() { find "$snaps" -mindepth 1 -maxdepth 1 -type l | wc -l; }
+seed_layers() { find "$seed_snaps" -mindepth 1 -maxdepth 1 -type d | wc -l; }
+seeded_layers=$(seed_layers)
 seeded_links=$(links)
 toolbox=$(ctr -n k8s.io images ls | awk '$1 ~ /^localhost\/capk\/toolbox:/ {print $3}')
 ctr -n k8s.io images rm --sync $(ctr -n k8s.io images ls | awk -v d="$toolbox" '$3 == d {print $1}') >/dev/null
-r "seed-links=$(find "$seed_snaps" -mindepth 1 -maxdepth 1 -type d | wc -l),$seeded_links,$(links),$(find "$seed_snaps" -mindepth 1 -maxdepth 1 -type d | wc -l),$(find "$snaps" -mindepth 1 -maxdepth 1 ! -type l | wc -l)"
+r "seed-links=$seeded_layers,$seeded_links,$(links),$(seed_layers),$(find "$snaps" -mindepth 1 -maxdepth 1 ! -type l | wc -l)"
 r "report-done"
 # Boot-to-multi-user once the boot transaction (which waits for this unit) is over.
 systemd-run --no-block --on-active=1 /bin/bash -c 'systemctl is-system-running --wait >/dev/null; echo "CAPK-NODE $(systemd-analyze time | head -1)" >/dev/console'
