@@ -2536,14 +2536,15 @@ fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result
 /// patches in init and control-plane join), their liveness failure threshold
 /// (`KUBE_LIVENESS_FAILURE_THRESHOLD`, kubeadm's 8), etcd's CPU request (`KUBE_ETCD_CPU_REQUEST`,
 /// kubeadm's 100m), one CoreDNS replica (`COREDNS_REPLICAS`, kubeadm's `corednsdeployment` patch)
-/// and ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`), each back to kubeadm's behaviour when a user sets
-/// kubeadm's values; and how long Cluster API retries deleting a removed machine's Node
+/// ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`) and etcd's watch progress notifications every 60 s
+/// (`ETCD_WATCH_PROGRESS_NOTIFY_INTERVAL`, kubeadm's 5s), each back to kubeadm's behaviour when a
+/// user sets kubeadm's values; and how long Cluster API retries deleting a removed machine's Node
 /// (`NODE_DELETION_TIMEOUT_SECONDS`: 300 s, or Cluster API's own 10 s when a user sets 10).
 #[test]
 fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
     const PATCHES: &str = "/etc/kubernetes/patches";
-    for (vars, period, liveness, etcd_cpu, algorithm, resync, coredns, node_deletion) in [
-        (&[][..], 10, 8, "100m", "ECDSA-P256", "60", 1, 300),
+    for (vars, period, liveness, etcd_cpu, algorithm, resync, coredns, node_deletion, progress) in [
+        (&[][..], 10, 8, "100m", "ECDSA-P256", "60", 1, 300, "60s"),
         (
             &[
                 ("KUBE_READINESS_PROBE_PERIOD_SECONDS", "1"),
@@ -2553,6 +2554,7 @@ fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
                 ("FLANNEL_IPTABLES_RESYNC_SECONDS", "5"),
                 ("COREDNS_REPLICAS", "2"),
                 ("NODE_DELETION_TIMEOUT_SECONDS", "10"),
+                ("ETCD_WATCH_PROGRESS_NOTIFY_INTERVAL", "5s"),
             ][..],
             1,
             30,
@@ -2561,6 +2563,7 @@ fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
             "5",
             2,
             10,
+            "5s",
         ),
     ] {
         let mut env = vec![("KVM_NODE_IMAGE", NODE_IMAGE)];
@@ -2618,6 +2621,11 @@ fn emulation_levers_of_the_node_image_flavor_reach_kubeadm() -> Result<()> {
             );
             if let Some(cluster) = cluster {
                 assert_eq!(cluster["encryptionAlgorithm"], algorithm, "{what}");
+                assert_eq!(
+                    cluster["etcd"]["local"]["extraArgs"],
+                    json!([{"name": "watch-progress-notify-interval", "value": progress}]),
+                    "{what}: etcd's extraArgs"
+                );
             }
             let path = format!("{PATCHES}/corednsdeployment0+strategic.yaml");
             let patch: Value = serde_yaml_ng::from_str(&inline_text(
