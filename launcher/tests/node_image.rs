@@ -673,7 +673,10 @@ fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
     let home = tempfile::tempdir().unwrap();
     // Sizes of the workload journey's control plane (tests/tests/e2e/workload.rs), leader
     // election, the liveness threshold and etcd's CPU request as it raises them for TCG; each
-    // overridable from the environment.
+    // overridable from the environment. With CONTROL_PLANE_MACHINE_CPUS=1 etcd keeps kubeadm's
+    // 100m (the static Pods, CoreDNS and flannel must fit in the one vCPU's 1,000m, or the kubelet
+    // never starts etcd) and kubeadm's NumCPU preflight check is ignored.
+    let one_vcpu = var_or("CONTROL_PLANE_MACHINE_CPUS", "2") == "1";
     let defaults = [
         ("CONTROL_PLANE_MACHINE_CPUS", "2"),
         ("CONTROL_PLANE_MACHINE_MEMORY", "2560Mi"),
@@ -683,7 +686,7 @@ fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
         ("KUBE_LEADER_ELECT_RENEW_DEADLINE", "90s"),
         ("KUBE_LEADER_ELECT_RETRY_PERIOD", "10s"),
         ("KUBE_LIVENESS_FAILURE_THRESHOLD", "30"),
-        ("KUBE_ETCD_CPU_REQUEST", "1"),
+        ("KUBE_ETCD_CPU_REQUEST", if one_vcpu { "100m" } else { "1" }),
     ];
     let mut clusterctl = Command::new(repo_root().join("_output/bin/clusterctl"));
     clusterctl
@@ -716,16 +719,26 @@ fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
         "clusterctl generate cluster: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let objects = out.stdout;
-
     use serde::Deserialize;
     let mut cni = None;
-    for d in serde_yaml_ng::Deserializer::from_slice(&objects) {
-        let v = serde_yaml_ng::Value::deserialize(d).unwrap();
+    let mut objects = Vec::new();
+    for d in serde_yaml_ng::Deserializer::from_slice(&out.stdout) {
+        let mut v = serde_yaml_ng::Value::deserialize(d).unwrap();
         if v["kind"] == "ConfigMap" {
             cni = v["data"]["flannel.yaml"].as_str().map(str::to_string);
         }
+        if one_vcpu && v["kind"] == "KubeadmControlPlane" {
+            let registration = v["spec"]["kubeadmConfigSpec"]["initConfiguration"]
+                .get_mut("nodeRegistration")
+                .and_then(|r| r.as_mapping_mut())
+                .expect("the flavor's initConfiguration.nodeRegistration");
+            registration.insert("ignorePreflightErrors".into(), vec!["NumCPU"].into());
+        }
+        objects.extend_from_slice(b"---\n");
+        objects.extend_from_slice(serde_yaml_ng::to_string(&v).unwrap().as_bytes());
     }
+    // Only the one-vCPU case changed anything; otherwise CABPK gets clusterctl's bytes.
+    let objects = if one_vcpu { objects } else { out.stdout };
     let cni = cni.expect("the flavor's CNI ConfigMap");
 
     use std::io::Write;
