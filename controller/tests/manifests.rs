@@ -2535,7 +2535,7 @@ fn leader_election_variables_reach_the_control_plane_in_every_flavor() -> Result
 /// readiness probes of the static Pods every `KUBE_READINESS_PROBE_PERIOD_SECONDS` (10; kubeadm
 /// patches in init and control-plane join), their liveness failure threshold
 /// (`KUBE_LIVENESS_FAILURE_THRESHOLD`, kubeadm's 8), etcd's CPU request (`KUBE_ETCD_CPU_REQUEST`,
-/// kubeadm's 100m), one CoreDNS replica (`COREDNS_REPLICAS`, kubeadm's `corednsdeployment` patch)
+/// kubeadm's 100m), one CoreDNS replica (`COREDNS_REPLICAS`, kubeadm's `corednsdeployment` patch),
 /// ECDSA keys (`KUBE_ENCRYPTION_ALGORITHM`) and etcd's watch progress notifications every 60 s
 /// (`ETCD_WATCH_PROGRESS_NOTIFY_INTERVAL`, kubeadm's 5s), each back to kubeadm's behaviour when a
 /// user sets kubeadm's values; and how long Cluster API retries deleting a removed machine's Node
