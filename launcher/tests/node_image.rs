@@ -674,8 +674,8 @@ fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
     // Sizes of the workload journey's control plane (tests/tests/e2e/workload.rs), leader
     // election, the liveness threshold and etcd's CPU request as it raises them for TCG; each
     // overridable from the environment. With CONTROL_PLANE_MACHINE_CPUS=1 etcd keeps kubeadm's
-    // 100m (the static Pods, CoreDNS and flannel must fit in the one vCPU's 1,000m, or the kubelet
-    // never starts etcd) and kubeadm's NumCPU preflight check is ignored.
+    // 100m (the static Pods, CoreDNS and flannel must fit in the one vCPU's 1,000m, or kubeadm init
+    // never finishes) and kubeadm's NumCPU preflight check is ignored.
     let one_vcpu = var_or("CONTROL_PLANE_MACHINE_CPUS", "2") == "1";
     let defaults = [
         ("CONTROL_PLANE_MACHINE_CPUS", "2"),
