@@ -734,8 +734,10 @@ fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
                 .expect("the flavor's initConfiguration.nodeRegistration");
             registration.insert("ignorePreflightErrors".into(), vec!["NumCPU"].into());
         }
-        objects.extend_from_slice(b"---\n");
-        objects.extend_from_slice(serde_yaml_ng::to_string(&v).unwrap().as_bytes());
+        if one_vcpu {
+            objects.extend_from_slice(b"---\n");
+            objects.extend_from_slice(serde_yaml_ng::to_string(&v).unwrap().as_bytes());
+        }
     }
     // Only the one-vCPU case changed anything; otherwise CABPK gets clusterctl's bytes.
     let objects = if one_vcpu { objects } else { out.stdout };
