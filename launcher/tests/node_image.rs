@@ -673,12 +673,12 @@ fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
     let home = tempfile::tempdir().unwrap();
     // Sizes of the workload journey's control plane (tests/tests/e2e/workload.rs), leader
     // election, the liveness threshold and etcd's CPU request as it raises them for TCG; each
-    // overridable from the environment. With CONTROL_PLANE_MACHINE_CPUS=1 etcd keeps kubeadm's
-    // 100m (the static Pods, CoreDNS and flannel must fit in the one vCPU's 1,000m, or kubeadm init
-    // never finishes) and kubeadm's NumCPU preflight check is ignored.
-    let one_vcpu = var_or("CONTROL_PLANE_MACHINE_CPUS", "2") == "1";
+    // overridable from the environment. With CONTROL_PLANE_MACHINE_CPUS=2 etcd gets 1 CPU (its
+    // weight against the kubelet's with two vCPUs); with one, the static Pods, CoreDNS and flannel
+    // must fit in the vCPU's 1,000m, or kubeadm init never finishes.
+    let one_vcpu = var_or("CONTROL_PLANE_MACHINE_CPUS", "1") == "1";
     let defaults = [
-        ("CONTROL_PLANE_MACHINE_CPUS", "2"),
+        ("CONTROL_PLANE_MACHINE_CPUS", "1"),
         ("CONTROL_PLANE_MACHINE_MEMORY", "2560Mi"),
         ("CONTROL_PLANE_VOLUME_SIZE_GB", "8"),
         ("CONTROL_PLANE_DOCKER_VOLUME_SIZE_GB", "4"),
@@ -686,7 +686,7 @@ fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
         ("KUBE_LEADER_ELECT_RENEW_DEADLINE", "90s"),
         ("KUBE_LEADER_ELECT_RETRY_PERIOD", "10s"),
         ("KUBE_LIVENESS_FAILURE_THRESHOLD", "30"),
-        ("KUBE_ETCD_CPU_REQUEST", if one_vcpu { "100m" } else { "1" }),
+        ("KUBE_ETCD_CPU_REQUEST", if one_vcpu { "250m" } else { "1" }),
     ];
     let mut clusterctl = Command::new(repo_root().join("_output/bin/clusterctl"));
     clusterctl
@@ -721,26 +721,13 @@ fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
     );
     use serde::Deserialize;
     let mut cni = None;
-    let mut objects = Vec::new();
     for d in serde_yaml_ng::Deserializer::from_slice(&out.stdout) {
-        let mut v = serde_yaml_ng::Value::deserialize(d).unwrap();
+        let v = serde_yaml_ng::Value::deserialize(d).unwrap();
         if v["kind"] == "ConfigMap" {
             cni = v["data"]["flannel.yaml"].as_str().map(str::to_string);
         }
-        if one_vcpu && v["kind"] == "KubeadmControlPlane" {
-            let registration = v["spec"]["kubeadmConfigSpec"]["initConfiguration"]
-                .get_mut("nodeRegistration")
-                .and_then(|r| r.as_mapping_mut())
-                .expect("the flavor's initConfiguration.nodeRegistration");
-            registration.insert("ignorePreflightErrors".into(), vec!["NumCPU"].into());
-        }
-        if one_vcpu {
-            objects.extend_from_slice(b"---\n");
-            objects.extend_from_slice(serde_yaml_ng::to_string(&v).unwrap().as_bytes());
-        }
     }
-    // Only the one-vCPU case changed anything; otherwise CABPK gets clusterctl's bytes.
-    let objects = if one_vcpu { objects } else { out.stdout };
+    let objects = out.stdout;
     let cni = cni.expect("the flavor's CNI ConfigMap");
 
     use std::io::Write;
@@ -806,7 +793,7 @@ fn flavor_control_plane(window: u64) -> (Vec<u8>, String, String) {
     }));
     (
         serde_json::to_vec(&config).unwrap(),
-        var_or("CONTROL_PLANE_MACHINE_CPUS", "2"),
+        var_or("CONTROL_PLANE_MACHINE_CPUS", "1"),
         var_or("CONTROL_PLANE_MACHINE_MEMORY", "2560Mi"),
     )
 }
