@@ -16,6 +16,10 @@ const MOUNT_TAG: &str = "shared";
 const TOOLBOX_PREFIX: &str = "localhost/capk/toolbox:";
 /// The node-image flavor's etcdStorage hostPath on the MC node.
 const ETCD_HOST_PATH: &str = "/var/lib/capk/etcd";
+/// vCPUs of the journey's control plane and workers (CONTROL_PLANE_MACHINE_CPUS,
+/// WORKER_MACHINE_CPUS).
+const CONTROL_PLANE_CPUS: &str = "1";
+const WORKER_CPUS: &str = "1";
 /// How long a TCG machine may take from created to a Ready Node (boot, image import, kubeadm).
 pub(super) const NODE_READY: Duration = Duration::from_secs(45 * 60);
 /// How long a request to the workload apiserver is retried while its connection is refused or
@@ -315,11 +319,11 @@ pub(super) fn apply_workload_cluster(
             // One vCPU: an idle emulated control plane with two took 60-70 % of a host core, with
             // one about 50 % (README, "What an emulated node costs"); the flavor ignores kubeadm's
             // NumCPU preflight check. kubeadm still wants 1700 MB.
-            ("CONTROL_PLANE_MACHINE_CPUS", "1"),
+            ("CONTROL_PLANE_MACHINE_CPUS", CONTROL_PLANE_CPUS),
             ("CONTROL_PLANE_MACHINE_MEMORY", "2560Mi"),
             ("CONTROL_PLANE_VOLUME_SIZE_GB", "8"),
             ("CONTROL_PLANE_DOCKER_VOLUME_SIZE_GB", "4"),
-            ("WORKER_MACHINE_CPUS", "1"),
+            ("WORKER_MACHINE_CPUS", WORKER_CPUS),
             ("WORKER_MACHINE_MEMORY", "1536Mi"),
             ("VOLUME_SIZE_GB", "8"),
             ("DOCKER_VOLUME_SIZE_GB", "4"),
@@ -1194,7 +1198,7 @@ pub(super) fn workload_bench(e: &E2e) -> Result<()> {
         .map(|(s, t)| format!("{s} {t:.0}s"))
         .collect();
     println!(
-        "bench-e2e-workload: control plane {cp} (2 vCPU, TCG): {}; kubeadm init {init:.0}s",
+        "bench-e2e-workload: control plane {cp} ({CONTROL_PLANE_CPUS} vCPU, TCG): {}; kubeadm init {init:.0}s",
         cp_parts.join(", ")
     );
     let mut p50 = Vec::new();
@@ -1204,7 +1208,7 @@ pub(super) fn workload_bench(e: &E2e) -> Result<()> {
         p50.push(format!("{step} {:.0}s", percentile(&v, 0.5)));
     }
     println!(
-        "bench-e2e-workload: Machine created -> Node Ready, P50 over {WORKERS} workers, each alone beside the control plane (1 vCPU, TCG): {}",
+        "bench-e2e-workload: Machine created -> Node Ready, P50 over {WORKERS} workers, each alone beside the control plane ({WORKER_CPUS} vCPU, TCG): {}",
         p50.join(", ")
     );
     e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=900s"])?;
@@ -1264,8 +1268,8 @@ fn idle_cost(e: &E2e, w: &Workload, cp: &str, created: Instant, bench: &str) -> 
         .cloned()
         .context("worker Node")?;
     let machines = [
-        ("control plane, 2 vCPU", cp),
-        ("worker, 1 vCPU", worker.as_str()),
+        (format!("control plane, {CONTROL_PLANE_CPUS} vCPU"), cp),
+        (format!("worker, {WORKER_CPUS} vCPU"), worker.as_str()),
     ];
     let before = machines
         .iter()
