@@ -145,9 +145,28 @@ struct Cli {
     /// Allow tolerations with no key (`operator: Exists`), which place a machine Pod on any node.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     allow_tolerate_all_taints: bool,
-    /// Allow machine Pods to use the `system-` PriorityClasses.
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
-    allow_system_priority_classes: bool,
+    /// Taint keys KVMMachines may tolerate (`spec.tolerations[].key`), comma-separated; a key
+    /// ending in `/*` covers every key with that prefix. Empty (default): none.
+    #[arg(long, env = "CAPK_ALLOWED_TOLERATION_KEYS", value_delimiter = ',')]
+    allowed_toleration_keys: Vec<String>,
+    /// Node label keys of Kubernetes' reserved namespaces (`*kubernetes.io/`, `*k8s.io/`: roles,
+    /// host names, zones) KVMMachines may select nodes by, comma-separated; `/*` as for
+    /// tolerations. Other keys are always allowed. Empty (default): none.
+    #[arg(long, env = "CAPK_ALLOWED_NODE_SELECTOR_KEYS", value_delimiter = ',')]
+    allowed_node_selector_keys: Vec<String>,
+    /// PriorityClasses KVMMachines may name (`spec.priorityClassName`), comma-separated. Empty
+    /// (default): none.
+    #[arg(long, env = "CAPK_ALLOWED_PRIORITY_CLASSES", value_delimiter = ',')]
+    allowed_priority_classes: Vec<String>,
+    /// Annotation keys a KVMCluster's control-plane Service may carry
+    /// (`spec.controlPlaneService.annotations`), comma-separated; `/*` as for tolerations.
+    /// Empty (default): none.
+    #[arg(
+        long,
+        env = "CAPK_ALLOWED_CONTROL_PLANE_SERVICE_ANNOTATIONS",
+        value_delimiter = ','
+    )]
+    allowed_control_plane_service_annotations: Vec<String>,
     /// Control-plane Service types KVMClusters may ask for besides ClusterIP, comma-separated:
     /// NodePort, LoadBalancer. Empty (default): ClusterIP only.
     #[arg(
@@ -223,6 +242,15 @@ fn service_type(s: &str) -> Result<Option<ServiceType>, String> {
             "{other:?} is not a Service type: NodePort or LoadBalancer (ClusterIP is always allowed)"
         )),
     }
+}
+
+/// The non-empty entries of a comma-separated list, trimmed (an empty variable lists nothing).
+fn listed(entries: Vec<String>) -> Vec<String> {
+    entries
+        .into_iter()
+        .map(|e| e.trim().to_owned())
+        .filter(|e| !e.is_empty())
+        .collect()
 }
 
 fn absolute_dir(s: &str) -> Result<String, String> {
@@ -321,7 +349,10 @@ async fn main() -> anyhow::Result<()> {
                 .filter(|p| !p.is_empty())
                 .collect(),
             allow_tolerate_all_taints: cli.allow_tolerate_all_taints,
-            allow_system_priority_classes: cli.allow_system_priority_classes,
+            toleration_keys: listed(cli.allowed_toleration_keys),
+            node_selector_keys: listed(cli.allowed_node_selector_keys),
+            priority_classes: listed(cli.allowed_priority_classes),
+            service_annotation_keys: listed(cli.allowed_control_plane_service_annotations),
             control_plane_service_types: cli
                 .allowed_control_plane_service_types
                 .into_iter()

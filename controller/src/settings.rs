@@ -49,9 +49,22 @@ pub struct TenantPolicy {
     /// Whether a toleration with no key (`operator: Exists`: every taint) is allowed: it puts a
     /// machine Pod on any node, control-plane and dedicated nodes included.
     pub allow_tolerate_all_taints: bool,
-    /// Whether the `system-` PriorityClasses (`system-node-critical`, ...) are allowed: they
-    /// let a machine Pod preempt the cluster's own critical Pods.
-    pub allow_system_priority_classes: bool,
+    /// Taint keys a machine Pod's tolerations may name ([`KeyPatterns`]): a toleration lets it
+    /// onto nodes the operator keeps for other uses (control planes, dedicated, cordoned or
+    /// failing nodes). Empty (the default): no keyed tolerations.
+    pub toleration_keys: Vec<String>,
+    /// Node label keys in the reserved namespaces (`kubernetes.io`, `k8s.io` and their
+    /// subdomains: node roles, host names, zones, `node-restriction.kubernetes.io/`) that a
+    /// machine's nodeSelector may name ([`KeyPatterns`]); other keys are always allowed. Empty
+    /// (the default): none.
+    pub node_selector_keys: Vec<String>,
+    /// PriorityClasses a machine Pod may name: a high one preempts other tenants' machines and
+    /// the cluster's own Pods. Empty (the default): none (the cluster's default priority).
+    pub priority_classes: Vec<String>,
+    /// Annotation keys a KVMCluster's control-plane Service may carry ([`KeyPatterns`]): add-ons
+    /// of the management cluster (DNS, load balancers, tunnels) act on them for whoever wrote
+    /// them. Empty (the default): none.
+    pub service_annotation_keys: Vec<String>,
     /// Control-plane Service types a KVMCluster may ask for besides ClusterIP (always allowed):
     /// NodePort opens a port of the shared node-port range on every management-cluster node,
     /// LoadBalancer takes an address (perhaps a paid, public one) from the load-balancer
@@ -65,7 +78,10 @@ impl Default for TenantPolicy {
             host_volume_prefixes: Vec::new(),
             etcd_host_path_prefixes: vec![DEFAULT_ETCD_HOST_PATH_PREFIX.into()],
             allow_tolerate_all_taints: false,
-            allow_system_priority_classes: false,
+            toleration_keys: Vec::new(),
+            node_selector_keys: Vec::new(),
+            priority_classes: Vec::new(),
+            service_annotation_keys: Vec::new(),
             control_plane_service_types: Vec::new(),
         }
     }
@@ -104,6 +120,31 @@ impl TenantPolicy {
             prefixes.join(", ")
         }
     }
+}
+
+/// Keys an operator lists: a key as it is (`example.com/dedicated`), or a prefix ending in `/*`
+/// that covers every key with that prefix (`metallb.universe.tf/*`).
+pub struct KeyPatterns;
+
+impl KeyPatterns {
+    /// Whether `key` is one of `patterns` or covered by one.
+    pub fn allows(patterns: &[String], key: &str) -> bool {
+        patterns.iter().any(|p| match p.strip_suffix('*') {
+            Some(prefix) if prefix.ends_with('/') => key.starts_with(prefix),
+            _ => p == key,
+        })
+    }
+}
+
+/// Whether label key `key` is in a namespace Kubernetes reserves for its own components
+/// (`kubernetes.io/`, `k8s.io/` and their subdomains): the labels the kubelet, the node
+/// lifecycle and the operator's own tools set to say what a node is for.
+pub fn is_reserved_label_key(key: &str) -> bool {
+    key.split_once('/').is_some_and(|(prefix, _)| {
+        ["kubernetes.io", "k8s.io"]
+            .iter()
+            .any(|d| prefix == *d || prefix.ends_with(&format!(".{d}")))
+    })
 }
 
 /// The Flatcar release (stable channel) a KVMMachine without `spec.image` boots, unless the
@@ -253,6 +294,37 @@ mod tests {
         assert!(TenantPolicy::allows(&["/".to_owned()], "/etc"));
         // A relative prefix covers nothing.
         assert!(!TenantPolicy::allows(&["srv".to_owned()], "/srv"));
+    }
+
+    #[test]
+    fn a_key_pattern_covers_its_key_or_its_prefix() {
+        let patterns = vec![
+            "example.com/dedicated".to_owned(),
+            "metallb.universe.tf/*".to_owned(),
+        ];
+        assert!(KeyPatterns::allows(&patterns, "example.com/dedicated"));
+        assert!(KeyPatterns::allows(&patterns, "metallb.universe.tf/address-pool"));
+        assert!(!KeyPatterns::allows(&patterns, "example.com/dedicated-2"));
+        assert!(!KeyPatterns::allows(&patterns, "metallb.universe.tfx/a"));
+        assert!(!KeyPatterns::allows(&[], "example.com/dedicated"));
+        // `*` alone is no prefix: it covers only a key named `*`, never every key.
+        assert!(!KeyPatterns::allows(&["*".to_owned()], "a"));
+    }
+
+    #[test]
+    fn reserved_label_keys_are_kubernetes_own() {
+        for reserved in [
+            "node-role.kubernetes.io/control-plane",
+            "kubernetes.io/hostname",
+            "topology.kubernetes.io/zone",
+            "node-restriction.kubernetes.io/vm-host",
+            "k8s.io/a",
+        ] {
+            assert!(is_reserved_label_key(reserved), "{reserved}");
+        }
+        for free in ["zone", "example.com/vm-host", "kubernetes.iox/a", "notk8s.io/a"] {
+            assert!(!is_reserved_label_key(free), "{free}");
+        }
     }
 
     #[test]

@@ -339,6 +339,42 @@ async fn a_service_type_the_operator_does_not_allow_is_refused() -> Result<()> {
     Ok(())
 }
 
+/// A tenant's control-plane Service annotations (external DNS, a tailnet) would make add-ons of
+/// the management cluster act for the tenant: refused with the shipped settings, naming each key
+/// and the provider variable, and no Service is made.
+#[tokio::test]
+async fn service_annotations_the_operator_does_not_allow_are_refused() -> Result<()> {
+    let ns = "kvmcluster-refused-annotations";
+    let (client, _stop) = setup(ns).await?;
+    let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
+    let services: Api<Service> = Api::namespaced(client.clone(), ns);
+    let spec = json!({"controlPlaneService": {"annotations": {
+        "external-dns.alpha.kubernetes.io/hostname": "api.victim.example.com",
+        "tailscale.com/expose": "true"}}});
+    owned_kvmcluster_with(&client, ns, "announced", spec).await?;
+    let message = eventually(30, "Ready=False SpecInvalid", || async {
+        let kc = kvmclusters.get("announced").await?;
+        let ready = kc
+            .status
+            .and_then(|s| s.conditions)
+            .and_then(|cs| cs.into_iter().find(|c| c.type_ == "Ready"));
+        Ok(ready
+            .filter(|c| c.status == "False" && c.reason == "SpecInvalid")
+            .map(|c| c.message))
+    })
+    .await?;
+    for expected in [
+        "spec.controlPlaneService.annotations[\"external-dns.alpha.kubernetes.io/hostname\"]",
+        "spec.controlPlaneService.annotations[\"tailscale.com/expose\"]",
+        "CAPK_ALLOWED_CONTROL_PLANE_SERVICE_ANNOTATIONS",
+    ] {
+        assert!(message.contains(expected), "{expected} not in {message}");
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(services.get_opt("announced-apiserver").await?.is_none());
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // The control-plane Service's endpoints: the controller probes each control-plane machine's
 // apiserver at `https://<Pod IP>:6443/readyz` and writes the Service's EndpointSlice from what

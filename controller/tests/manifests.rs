@@ -287,18 +287,22 @@ fn clusterctl_processes_the_components_with_no_variables_set() -> Result<()> {
         "CAPK_DEFAULT_NODE_IMAGE",
         "CAPK_ALLOWED_HOST_VOLUME_PATHS",
         "CAPK_ALLOWED_CONTROL_PLANE_SERVICE_TYPES",
+        "CAPK_ALLOWED_TOLERATION_KEYS",
+        "CAPK_ALLOWED_NODE_SELECTOR_KEYS",
+        "CAPK_ALLOWED_PRIORITY_CLASSES",
+        "CAPK_ALLOWED_CONTROL_PLANE_SERVICE_ANNOTATIONS",
     ] {
         let value = env(name).with_context(|| format!("env {name}"))?;
         assert!(value.is_null() || value == "", "{name}={value}");
     }
-    // The operator security settings as shipped: no host volumes (above), etcd data under
-    // /var/lib/capk/etcd only, no key-less tolerations, no system PriorityClasses (and no
-    // control-plane Service type but ClusterIP, above).
+    // The operator security settings as shipped: no host volumes, toleration keys, reserved
+    // node selector keys, PriorityClasses or Service annotations, no control-plane Service type
+    // but ClusterIP (all above), etcd data under /var/lib/capk/etcd only, no key-less
+    // tolerations.
     let args: Vec<String> = serde_json::from_value(manager["args"].clone())?;
     for shipped in [
         "--allowed-etcd-host-paths=/var/lib/capk/etcd",
         "--allow-tolerate-all-taints=false",
-        "--allow-system-priority-classes=false",
     ] {
         assert!(
             args.iter().any(|a| a == shipped),

@@ -20,7 +20,7 @@ use kube::{Resource, ResourceExt};
 use crate::{
     conditions::{self, DesiredCondition},
     ownership::{Home, Owner},
-    settings::TenantPolicy,
+    settings::{KeyPatterns, TenantPolicy},
 };
 
 /// Labels on every object the controller creates for a cluster (to which each adds the labels
@@ -159,31 +159,38 @@ pub fn endpoint_to_set(
 /// Reason of `Ready` when the spec asks for what the operator does not allow.
 pub const REASON_SPEC_INVALID: &str = "SpecInvalid";
 
-/// The `Ready` condition refusing `kc` when its control-plane Service type is one the
-/// operator's policy does not allow (`--allowed-control-plane-service-types`); `None` when it
-/// is allowed.
-pub fn refused_service_type(kc: &KVMCluster, policy: &TenantPolicy) -> Option<DesiredCondition> {
-    let t = kc
-        .spec
-        .control_plane_service
-        .as_ref()
-        .and_then(|s| s.type_)
-        .unwrap_or_default();
-    if policy.allows_service_type(t) {
-        return None;
-    }
-    let allowed: Vec<String> = std::iter::once(ServiceType::ClusterIP)
-        .chain(policy.control_plane_service_types.iter().copied())
-        .map(|t| format!("{t:?}"))
-        .collect();
-    Some(DesiredCondition::falsy(
-        CONDITION_READY,
-        REASON_SPEC_INVALID,
-        format!(
+/// The `Ready` condition refusing `kc` when its control-plane Service asks for what the
+/// operator's policy does not allow: a type (`--allowed-control-plane-service-types`) or
+/// annotations (`--allowed-control-plane-service-annotations`), each refusal naming the field
+/// and the provider variable; `None` when everything is allowed.
+pub fn refused_spec(kc: &KVMCluster, policy: &TenantPolicy) -> Option<DesiredCondition> {
+    let service = kc.spec.control_plane_service.as_ref();
+    let mut refusals = Vec::new();
+    let t = service.and_then(|s| s.type_).unwrap_or_default();
+    if !policy.allows_service_type(t) {
+        let allowed: Vec<String> = std::iter::once(ServiceType::ClusterIP)
+            .chain(policy.control_plane_service_types.iter().copied())
+            .map(|t| format!("{t:?}"))
+            .collect();
+        refusals.push(format!(
             "spec.controlPlaneService.type {t:?} is not allowed on this management cluster (allowed: {}); its operator allows more with the controller flag --allowed-control-plane-service-types (CAPK_ALLOWED_CONTROL_PLANE_SERVICE_TYPES at clusterctl init)",
             allowed.join(", ")
-        ),
-    ))
+        ));
+    }
+    for key in service
+        .and_then(|s| s.annotations.as_ref())
+        .into_iter()
+        .flat_map(|a| a.keys())
+        .filter(|k| !KeyPatterns::allows(&policy.service_annotation_keys, k))
+    {
+        refusals.push(format!(
+            "spec.controlPlaneService.annotations[{key:?}] is not an annotation the operator lets control-plane Services carry (allowed: {}): add-ons of the management cluster act on Service annotations for whoever wrote them; its operator lists keys with the controller flag --allowed-control-plane-service-annotations (CAPK_ALLOWED_CONTROL_PLANE_SERVICE_ANNOTATIONS at clusterctl init)",
+            TenantPolicy::describe(&policy.service_annotation_keys)
+        ));
+    }
+    (!refusals.is_empty()).then(|| {
+        DesiredCondition::falsy(CONDITION_READY, REASON_SPEC_INVALID, refusals.join("; "))
+    })
 }
 
 /// Why the cluster is not provisioned yet, or that it is.
@@ -470,14 +477,14 @@ mod tests {
         };
         let shipped = TenantPolicy::default();
         assert_eq!(
-            refused_service_type(&kvm_cluster(KVMClusterSpec::default()), &shipped),
+            refused_spec(&kvm_cluster(KVMClusterSpec::default()), &shipped),
             None
         );
         assert_eq!(
-            refused_service_type(&of(ServiceType::ClusterIP), &shipped),
+            refused_spec(&of(ServiceType::ClusterIP), &shipped),
             None
         );
-        let refused = refused_service_type(&of(ServiceType::NodePort), &shipped).unwrap();
+        let refused = refused_spec(&of(ServiceType::NodePort), &shipped).unwrap();
         assert_eq!(refused.reason, "SpecInvalid");
         assert!(
             refused.message.contains("NodePort is not allowed")
@@ -493,15 +500,64 @@ mod tests {
             ..TenantPolicy::default()
         };
         assert_eq!(
-            refused_service_type(&of(ServiceType::NodePort), &node_port),
+            refused_spec(&of(ServiceType::NodePort), &node_port),
             None
         );
         assert!(
-            refused_service_type(&of(ServiceType::LoadBalancer), &node_port)
+            refused_spec(&of(ServiceType::LoadBalancer), &node_port)
                 .unwrap()
                 .message
                 .contains("allowed: ClusterIP, NodePort)")
         );
+    }
+
+    /// External DNS, tunnels, load-balancer pools: add-ons of the management cluster that act
+    /// on a Service's annotations act for the tenant only with the operator's leave.
+    #[test]
+    fn control_plane_service_annotations_are_the_operators_decision() {
+        let with = |keys: &[&str]| {
+            kvm_cluster(KVMClusterSpec {
+                control_plane_service: Some(ControlPlaneService {
+                    annotations: Some(
+                        keys.iter()
+                            .map(|k| ((*k).to_owned(), "x".to_owned()))
+                            .collect(),
+                    ),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+        };
+        let attack = with(&[
+            "external-dns.alpha.kubernetes.io/hostname",
+            "tailscale.com/expose",
+        ]);
+        let refused = refused_spec(&attack, &TenantPolicy::default()).unwrap();
+        assert_eq!(refused.reason, "SpecInvalid");
+        assert_eq!(refused.message.matches("allowed: none").count(), 2);
+        for field in [
+            "spec.controlPlaneService.annotations[\"external-dns.alpha.kubernetes.io/hostname\"]",
+            "spec.controlPlaneService.annotations[\"tailscale.com/expose\"]",
+            "CAPK_ALLOWED_CONTROL_PLANE_SERVICE_ANNOTATIONS",
+        ] {
+            assert!(refused.message.contains(field), "{}", refused.message);
+        }
+        let operator = TenantPolicy {
+            service_annotation_keys: vec!["metallb.universe.tf/*".into()],
+            ..TenantPolicy::default()
+        };
+        assert_eq!(
+            refused_spec(&with(&["metallb.universe.tf/address-pool"]), &operator),
+            None
+        );
+        let refused = refused_spec(&attack, &operator).unwrap();
+        assert!(
+            refused.message.contains("allowed: metallb.universe.tf/*"),
+            "{}",
+            refused.message
+        );
+        // The shipped policy lets a Service without annotations through.
+        assert_eq!(refused_spec(&with(&[]), &TenantPolicy::default()), None);
     }
 
     #[test]

@@ -148,9 +148,9 @@ async fn apply(
     };
     let cluster_name = cluster.name_any();
     let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
-    // Validate (pure) before anything is applied: a refused Service type changes nothing, not
-    // even a Service made before the operator narrowed the policy.
-    if let Some(refused) = build::refused_service_type(kc, &ctx.settings.tenant_policy) {
+    // Validate (pure) before anything is applied: a refused Service type or annotation changes
+    // nothing, not even a Service made before the operator narrowed the policy.
+    if let Some(refused) = build::refused_spec(kc, &ctx.settings.tenant_policy) {
         let shown = kc
             .status
             .as_ref()

@@ -8,7 +8,7 @@ use std::net::Ipv4Addr;
 use capk_api::{quantity::SizeQuantity, v1alpha1::KVMMachine};
 
 use super::{overhead, placement::MachinePlacement};
-use crate::settings::{MachineDefaults, TenantPolicy};
+use crate::settings::{KeyPatterns, MachineDefaults, TenantPolicy, is_reserved_label_key};
 
 /// Most vCPUs the launcher runs (its `--vcpus` limit), the CRD's limit too; checked here as well
 /// for objects admitted before the CRD said so.
@@ -268,6 +268,18 @@ pub fn validate(
                 format!("{v:?} is not a label value (at most 63 of A-Z a-z 0-9 - _ .)"),
             );
         }
+        if is_reserved_label_key(k) && !KeyPatterns::allows(&policy.node_selector_keys, k) {
+            fail(
+                format!("spec.nodeSelector[{k:?}]"),
+                format!(
+                    "{k:?} is a label Kubernetes or the operator sets to say what a node is for \
+                     (roles, host names, zones); selecting on it is the operator's placement \
+                     (allowed: {}); the operator lists such keys with the provider variable \
+                     CAPK_ALLOWED_NODE_SELECTOR_KEYS",
+                    TenantPolicy::describe(&policy.node_selector_keys)
+                ),
+            );
+        }
     }
     for (i, t) in spec.tolerations.iter().flatten().enumerate() {
         let at = |f: &str| format!("spec.tolerations[{i}].{f}");
@@ -305,6 +317,18 @@ pub fn validate(
                 "applies only to the effect NoExecute".into(),
             );
         }
+        if !key.is_empty() && !KeyPatterns::allows(&policy.toleration_keys, key) {
+            fail(
+                at("key"),
+                format!(
+                    "{key:?} is a taint the operator has not let machines tolerate (allowed: {}); \
+                     tolerating it would place the machine Pod on nodes kept for other uses \
+                     (control planes, dedicated, cordoned or failing nodes); the operator lists \
+                     taint keys with the provider variable CAPK_ALLOWED_TOLERATION_KEYS",
+                    TenantPolicy::describe(&policy.toleration_keys)
+                ),
+            );
+        }
         if key.is_empty() && operator == "Exists" && !policy.allow_tolerate_all_taints {
             fail(
                 at("operator"),
@@ -322,14 +346,15 @@ pub fn validate(
                 "spec.priorityClassName".into(),
                 format!("{p:?} is not a PriorityClass name (a DNS subdomain)"),
             );
-        } else if p.starts_with("system-") && !policy.allow_system_priority_classes {
+        } else if !policy.priority_classes.contains(p) {
             fail(
                 "spec.priorityClassName".into(),
                 format!(
-                    "{p:?} is a system PriorityClass, which lets the machine Pod preempt the \
-                     cluster's own critical Pods; use a PriorityClass of your own (the operator \
-                     allows system ones with the provider variable \
-                     CAPK_ALLOW_SYSTEM_PRIORITY_CLASSES=true)"
+                    "{p:?} is not a PriorityClass the operator lets machines use (allowed: {}); a \
+                     priority above others lets the machine Pod preempt other tenants' machines \
+                     and the cluster's own Pods; leave it out, or ask the operator to list it \
+                     with the provider variable CAPK_ALLOWED_PRIORITY_CLASSES",
+                    TenantPolicy::describe(&policy.priority_classes)
                 ),
             );
         }
@@ -591,21 +616,93 @@ mod tests {
         );
         let one_effect = json!({"tolerations": [{"operator": "Exists", "effect": "NoSchedule"}]});
         assert!(refused(one_effect, false, &shipped).is_some());
-        let keyed = json!({"tolerations": [{"key": "kvm", "operator": "Exists"}]});
-        assert_eq!(refused(keyed, false, &shipped), None);
         let critical = json!({"priorityClassName": "system-node-critical"});
         let msg = refused(critical.clone(), false, &shipped).expect("refused");
         assert!(
-            msg.contains("spec.priorityClassName") && msg.contains("system PriorityClass"),
+            msg.contains("spec.priorityClassName")
+                && msg.contains("allowed: none")
+                && msg.contains("CAPK_ALLOWED_PRIORITY_CLASSES"),
             "{msg}"
         );
         let lenient = TenantPolicy {
             allow_tolerate_all_taints: true,
-            allow_system_priority_classes: true,
+            priority_classes: vec!["system-node-critical".into()],
             ..TenantPolicy::default()
         };
         assert_eq!(refused(everywhere, false, &lenient), None);
         assert_eq!(refused(critical, false, &lenient), None);
+    }
+
+    /// A tenant's machine Pod goes where the operator's placement lets it: onto control-plane,
+    /// cordoned or failing nodes, or above the operator's own Pods, only with the operator's
+    /// leave; each refusal names the field and the provider variable.
+    #[test]
+    fn placement_on_the_operators_nodes_and_priorities_needs_the_operators_leave() {
+        let refusals = |extra: Value, policy: &TenantPolicy| -> Vec<String> {
+            let km = kvm_machine("m", spec(extra));
+            match validate(&km, &placement(false), &MachineDefaults::default(), policy) {
+                Ok(_) => Vec::new(),
+                Err(SpecErrors(e)) => e.iter().map(ToString::to_string).collect(),
+            }
+        };
+        let shipped = TenantPolicy::default();
+        let attack = json!({
+            "tolerations": [
+                {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists", "effect": "NoSchedule"},
+                {"key": "node.kubernetes.io/unschedulable", "operator": "Exists"},
+                {"key": "node.kubernetes.io/memory-pressure", "operator": "Exists"},
+                {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute"},
+            ],
+            "nodeSelector": {"node-role.kubernetes.io/control-plane": ""},
+            "priorityClassName": "platform-critical",
+        });
+        let refused = refusals(attack.clone(), &shipped);
+        let fields: Vec<&str> = refused
+            .iter()
+            .map(|m| m.split_once(": ").unwrap().0)
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "spec.nodeSelector[\"node-role.kubernetes.io/control-plane\"]",
+                "spec.tolerations[0].key",
+                "spec.tolerations[1].key",
+                "spec.tolerations[2].key",
+                "spec.tolerations[3].key",
+                "spec.priorityClassName",
+            ]
+        );
+        for (m, variable) in refused.iter().zip([
+            "CAPK_ALLOWED_NODE_SELECTOR_KEYS",
+            "CAPK_ALLOWED_TOLERATION_KEYS",
+            "CAPK_ALLOWED_TOLERATION_KEYS",
+            "CAPK_ALLOWED_TOLERATION_KEYS",
+            "CAPK_ALLOWED_TOLERATION_KEYS",
+            "CAPK_ALLOWED_PRIORITY_CLASSES",
+        ]) {
+            assert!(m.contains(variable) && m.contains("allowed: none"), "{m}");
+        }
+
+        // What the operator lists passes; the rest is still refused.
+        let operator = TenantPolicy {
+            toleration_keys: vec!["node-role.kubernetes.io/*".into()],
+            node_selector_keys: vec!["node-role.kubernetes.io/control-plane".into()],
+            priority_classes: vec!["platform-critical".into()],
+            ..TenantPolicy::default()
+        };
+        let refused = refusals(attack, &operator);
+        assert_eq!(refused.len(), 3, "{refused:?}");
+        assert!(
+            refused.iter().all(|m| m.contains("node.kubernetes.io/")
+                && m.contains("allowed: node-role.kubernetes.io/*")),
+            "{refused:?}"
+        );
+
+        // A tenant's own labels stay the tenant's: no leave needed.
+        let own = json!({"nodeSelector": {"example.com/vm-host": "true", "kvm": "yes"}});
+        assert!(refusals(own, &shipped).is_empty());
+        let zone = json!({"nodeSelector": {"topology.kubernetes.io/zone": "a"}});
+        assert_eq!(refusals(zone, &shipped).len(), 1);
     }
 
     #[test]
@@ -704,7 +801,8 @@ mod tests {
                 host_volume_prefixes: vec!["/".into()],
                 etcd_host_path_prefixes: vec!["/".into()],
                 allow_tolerate_all_taints: true,
-                allow_system_priority_classes: true,
+                toleration_keys: vec!["k".into()],
+                priority_classes: vec!["workload-vms".into()],
                 ..TenantPolicy::default()
             };
             let valid = validate(&km, &placement, &defaults, &policy)
