@@ -27,8 +27,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/dev/lib.sh"
 t0=$SECONDS
 
 [[ $(id -u) == 0 ]] || die "needs root (containerd, kubelet, bridge and iptables)"
+# A fresh machine: the Debian packages and a check of the toolchains, as .ci/run does.
+bash "$ROOT/hack/install-packages.sh"
 for tool in containerd containerd-shim-runc-v2 runc ctr catatonit iptables ip openssl; do
-  command -v "$tool" >/dev/null || die "'$tool' not found: apt-get install \$(grep -v '^#' hack/debian-packages.txt)"
+  command -v "$tool" >/dev/null || die "'$tool' not found after hack/install-packages.sh"
 done
 [[ -x /usr/lib/cni/bridge && -x /usr/lib/cni/host-local && -x /usr/lib/cni/loopback ]] ||
   die "CNI plugins missing in /usr/lib/cni: apt-get install containernetworking-plugins"

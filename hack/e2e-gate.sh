@@ -8,6 +8,9 @@
 #
 #   bash hack/e2e-gate.sh        (root; refuses to start while any local MC runs on this machine:
 #                                 there is one per machine, see flock /tmp/capk-devmc.lock)
+#   bash hack/e2e-gate.sh --precheck
+#                                (only that refusal: `make check` runs it before lint and tests,
+#                                 so a running local MC is said at once, not after them)
 set -euo pipefail
 LOG_NAME=e2e-gate
 # shellcheck source=lib/common.sh
@@ -18,8 +21,9 @@ cd "$ROOT"
 # Never tear down a cluster this run did not start: whatever runs now is someone else's.
 bash hack/dev/leftovers.sh >/dev/null 2>&1 || {
   bash hack/dev/leftovers.sh || true
-  die "a local management cluster (or what one left) is on this machine; the gate starts its own and tears it down afterwards: stop that one first"
+  die "a local management cluster (or what one left) is on this machine; make check's journey starts its own and tears it down afterwards: stop that one first (make dev-down in its tree), then run make check again"
 }
+[[ ${1:-} != --precheck ]] || exit 0
 
 t0=$SECONDS
 started=$(date +%s)
