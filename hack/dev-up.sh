@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The local management cluster: one node, no Docker, no registry (issue 6; README.md "A local
-# management cluster").
+# The local management cluster: one node, no Docker, no registry
+# (docs/local-management-cluster.md).
 #
 #   make dev-up      (or: bash hack/dev-up.sh)        then: export KUBECONFIG=_output/dev/admin.kubeconfig
 #   make dev-down    stops everything this started

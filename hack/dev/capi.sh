@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Cluster API and this provider on the local management cluster, installed by the real
-# `clusterctl init` from a local clusterctl repository (issue 6; README.md "A local management
-# cluster").
+# `clusterctl init` from a local clusterctl repository (docs/local-management-cluster.md).
 #
 #   bash hack/dev/capi.sh            (make dev-up runs it after the cluster, the images and cert-manager)
 #

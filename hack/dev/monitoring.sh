@@ -70,7 +70,7 @@ apiVersion: v1
 kind: ServiceAccount
 metadata: {name: prometheus, namespace: $NS}
 ---
-# The binding a user makes for their scraper (README "Operating").
+# The binding a user makes for their scraper (docs/operating.md).
 apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRoleBinding
 metadata: {name: capk-dev-prometheus-capkvm-metrics}

@@ -136,8 +136,9 @@ pub struct DirectKernel {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum TcgThreads {
     /// One host thread takes turns running every vCPU: a VM never uses more than one host core,
-    /// and no vCPU waits on a lock another vCPU's preempted thread holds (README, "What an
-    /// emulated node costs"); a 2-vCPU control plane then boots too slowly for kubeadm.
+    /// and no vCPU waits on a lock another vCPU's preempted thread holds (docs/benchmarks.md,
+    /// "Levers tried on an idle emulated control plane"); a 2-vCPU control plane then boots too
+    /// slowly for kubeadm.
     Single,
     /// One host thread per vCPU (QEMU's default on x86, and the launcher's).
     Multi,

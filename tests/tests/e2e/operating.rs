@@ -7,7 +7,7 @@
 //!
 //! 0. The components run, else the test fails naming the command that installs them; a
 //!    controller Pod changed by an earlier run is replaced by a pristine one.
-//! 1. `vpa.yaml` of the release is applied where the provider runs, as README "Operating" says.
+//! 1. `vpa.yaml` of the release is applied where the provider runs, as docs/operating.md says.
 //! 2. A cluster as the stub journey makes it (one control-plane machine, test guest): its machine
 //!    Pod is created while the VPA's admission controller is called for every Pod.
 //! 3. One PromQL query per metric family returns the controller's series, through the Service's
@@ -322,7 +322,7 @@ fn promql(e: &E2e, query: &str) -> Result<Vec<Value>> {
         .unwrap_or_default())
 }
 
-/// One query per metric family the README lists returns the controller's series (what a
+/// One query per metric family docs/operating.md lists returns the controller's series (what a
 /// dashboard panel or an alert would show), each within a bounded wait.
 fn metric_families_have_data(e: &E2e) -> Result<()> {
     let ns = ns();

@@ -320,7 +320,7 @@ fn reachable_through_node_port(e: &E2e, node_ip: &str, cp: &str) -> Result<()> {
     let cluster = e.json(&["-n", ns(), "get", "cluster", CLUSTER])?;
     assert_eq!(cluster["spec"]["controlPlaneEndpoint"], endpoint);
 
-    // The kubeconfig as a user gets it (README "Clusters reachable from outside").
+    // The kubeconfig as a user gets it (docs/control-plane-endpoint.md).
     let kubeconfig = e.clusterctl(&["get", "kubeconfig", CLUSTER, "--namespace", ns()], &[])?;
     let kubeconfig: Value =
         serde_yaml_ng::from_str(&kubeconfig).context("clusterctl get kubeconfig: not YAML")?;

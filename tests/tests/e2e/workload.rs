@@ -317,8 +317,8 @@ pub(super) fn apply_workload_cluster(
         &[
             ("KVM_NODE_IMAGE", node_image),
             // One vCPU: an idle emulated control plane with two took 60-70 % of a host core, with
-            // one about 50 % (README, "What an emulated node costs"); the flavor ignores kubeadm's
-            // NumCPU preflight check. kubeadm still wants 1700 MB.
+            // one about 50 % (docs/benchmarks.md); the flavor ignores kubeadm's NumCPU preflight
+            // check. kubeadm still wants 1700 MB.
             ("CONTROL_PLANE_MACHINE_CPUS", CONTROL_PLANE_CPUS),
             ("CONTROL_PLANE_MACHINE_MEMORY", "2560Mi"),
             ("CONTROL_PLANE_VOLUME_SIZE_GB", "8"),
