@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build check check-no-local-mc test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node bench-idle-nodes testenv testenv-down dev-up dev-down e2e e2e-stub e2e-topology e2e-operating e2e-workload fuzz clean help node-image test-node-image
+.PHONY: all build check check-no-local-mc packages test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node bench-idle-nodes testenv testenv-down dev-up dev-down e2e e2e-stub e2e-topology e2e-operating e2e-workload fuzz clean help node-image test-node-image
 
 all: build
 
@@ -19,8 +19,11 @@ test-deps: ## Build/prepare what the tests need (upstream binaries, test guest);
 test: test-deps ## Run every test (unit, integration against a real kube-apiserver, launcher)
 	$(CARGO) test --workspace --no-fail-fast
 
-check: check-no-local-mc lint test ## What CI runs after installing packages (.ci/run): make lint, make test, then make e2e-stub on a local MC that is torn down afterwards, pass or fail (hack/e2e-gate.sh; root, no local MC running)
+check: packages check-no-local-mc lint test ## What CI runs after installing packages (.ci/run): make lint, make test, then make e2e-stub on a local MC that is torn down afterwards, pass or fail (hack/e2e-gate.sh; root, no local MC running)
 	bash hack/e2e-gate.sh
+
+packages: ## The Debian packages a fresh machine lacks (root), and a check of the Go and Rust toolchains
+	@bash hack/install-packages.sh
 
 check-no-local-mc: # make check's journey needs the machine's one local MC: say at once when one runs
 	@bash hack/e2e-gate.sh --precheck
