@@ -398,11 +398,13 @@ mod tests {
     use crate::settings::NodeImageSource;
     use serde_json::json;
 
-    /// An operator who allows host volumes under /srv and the test's etcd directory.
+    /// An operator who allows host volumes under /srv, the test's etcd directory and the
+    /// PriorityClass `workload-vms`.
     fn lenient() -> crate::settings::TenantPolicy {
         crate::settings::TenantPolicy {
             host_volume_prefixes: vec!["/srv".into()],
             etcd_host_path_prefixes: vec!["/var/lib/capk-etcd".into()],
+            priority_classes: vec!["workload-vms".into()],
             ..Default::default()
         }
     }

@@ -451,10 +451,11 @@ mod tests {
         spec
     }
 
-    /// An operator who allows host volumes under /srv.
+    /// An operator who allows host volumes under /srv and tolerations of the taint `k`.
     fn policy() -> TenantPolicy {
         TenantPolicy {
             host_volume_prefixes: vec!["/srv".into()],
+            toleration_keys: vec!["k".into()],
             ..TenantPolicy::default()
         }
     }
