@@ -303,7 +303,10 @@ mod tests {
             "metallb.universe.tf/*".to_owned(),
         ];
         assert!(KeyPatterns::allows(&patterns, "example.com/dedicated"));
-        assert!(KeyPatterns::allows(&patterns, "metallb.universe.tf/address-pool"));
+        assert!(KeyPatterns::allows(
+            &patterns,
+            "metallb.universe.tf/address-pool"
+        ));
         assert!(!KeyPatterns::allows(&patterns, "example.com/dedicated-2"));
         assert!(!KeyPatterns::allows(&patterns, "metallb.universe.tfx/a"));
         assert!(!KeyPatterns::allows(&[], "example.com/dedicated"));
@@ -322,7 +325,12 @@ mod tests {
         ] {
             assert!(is_reserved_label_key(reserved), "{reserved}");
         }
-        for free in ["zone", "example.com/vm-host", "kubernetes.iox/a", "notk8s.io/a"] {
+        for free in [
+            "zone",
+            "example.com/vm-host",
+            "kubernetes.iox/a",
+            "notk8s.io/a",
+        ] {
             assert!(!is_reserved_label_key(free), "{free}");
         }
     }

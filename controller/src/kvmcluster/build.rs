@@ -188,9 +188,8 @@ pub fn refused_spec(kc: &KVMCluster, policy: &TenantPolicy) -> Option<DesiredCon
             TenantPolicy::describe(&policy.service_annotation_keys)
         ));
     }
-    (!refusals.is_empty()).then(|| {
-        DesiredCondition::falsy(CONDITION_READY, REASON_SPEC_INVALID, refusals.join("; "))
-    })
+    (!refusals.is_empty())
+        .then(|| DesiredCondition::falsy(CONDITION_READY, REASON_SPEC_INVALID, refusals.join("; ")))
 }
 
 /// Why the cluster is not provisioned yet, or that it is.
@@ -480,10 +479,7 @@ mod tests {
             refused_spec(&kvm_cluster(KVMClusterSpec::default()), &shipped),
             None
         );
-        assert_eq!(
-            refused_spec(&of(ServiceType::ClusterIP), &shipped),
-            None
-        );
+        assert_eq!(refused_spec(&of(ServiceType::ClusterIP), &shipped), None);
         let refused = refused_spec(&of(ServiceType::NodePort), &shipped).unwrap();
         assert_eq!(refused.reason, "SpecInvalid");
         assert!(
@@ -499,10 +495,7 @@ mod tests {
             control_plane_service_types: vec![ServiceType::NodePort],
             ..TenantPolicy::default()
         };
-        assert_eq!(
-            refused_spec(&of(ServiceType::NodePort), &node_port),
-            None
-        );
+        assert_eq!(refused_spec(&of(ServiceType::NodePort), &node_port), None);
         assert!(
             refused_spec(&of(ServiceType::LoadBalancer), &node_port)
                 .unwrap()
