@@ -42,7 +42,16 @@ fn condition(kc: &KVMCluster, type_: &str) -> Option<(String, String)> {
 #[tokio::test]
 async fn kvmcluster_gets_a_service_an_endpoint_and_a_provisioned_status() -> Result<()> {
     let ns = "kvmcluster-lifecycle";
-    let (client, _stop) = setup(ns).await?;
+    let client = TestEnv::shared().client().await?;
+    create_namespace(&client, ns).await?;
+    // An operator who lets control-plane Services carry a load balancer's annotations
+    // (`--allowed-control-plane-service-annotations=lb.example/*`).
+    let mut settings = capk_controller::Settings {
+        namespace: Some(ns.to_owned()),
+        ..Default::default()
+    };
+    settings.tenant_policy.service_annotation_keys = vec!["lb.example/*".into()];
+    let _stop = start_controller_with(client.clone(), settings);
     let clusters: Api<Cluster> = Api::namespaced(client.clone(), ns);
     let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
     let services: Api<Service> = Api::namespaced(client.clone(), ns);
@@ -221,6 +230,7 @@ async fn a_node_port_cluster_is_reached_at_its_external_host_and_node_port() -> 
     };
     settings.tenant_policy.control_plane_service_types =
         vec![capk_api::v1alpha1::ServiceType::NodePort];
+    settings.tenant_policy.service_annotation_keys = vec!["lb.example/pool".into()];
     let _stop = start_controller_with(client.clone(), settings);
     let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
     let services: Api<Service> = Api::namespaced(client.clone(), ns);
