@@ -54,6 +54,18 @@ pub enum HostVolumeError {
         /// The path up to and including that element.
         path: PathBuf,
     },
+    /// A read-write volume's filesystem keeps no user extended attributes.
+    #[error(
+        "host volume {tag}: the filesystem of {path} keeps no user extended attributes, where 9p \
+         (security_model=mapped-xattr) stores the owners, modes and links of what the guest \
+         makes; put read-write shares on ext4, xfs or btrfs, or share this one read-only"
+    )]
+    NoUserXattrs {
+        /// The volume's mount tag.
+        tag: String,
+        /// The directory.
+        path: PathBuf,
+    },
     /// An element of the path could not be opened.
     #[error("host volume {tag}: open {path}")]
     Open {
@@ -65,6 +77,19 @@ pub enum HostVolumeError {
         #[source]
         source: Errno,
     },
+}
+
+/// Whether the filesystem of the directory QEMU opens as `qemu_path` keeps user extended
+/// attributes, where 9p `security_model=mapped-xattr` stores the owners, modes and kinds of what
+/// the guest makes: without them every file a guest creates fails. Read-write volumes only.
+pub fn check_user_xattrs(tag: &str, path: &Path, qemu_path: &Path) -> Result<(), HostVolumeError> {
+    match rustix::fs::getxattr(qemu_path, "user.capk.probe", &mut [0u8; 0][..]) {
+        Err(e) if e == rustix::io::Errno::NOTSUP => Err(HostVolumeError::NoUserXattrs {
+            tag: tag.into(),
+            path: path.into(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// `O_PATH`: the descriptor names the directory and reads nothing; QEMU's user opens it anew
@@ -205,6 +230,23 @@ mod tests {
                 "{msg}"
             );
         }
+    }
+
+    #[test]
+    fn a_share_on_a_filesystem_without_user_xattrs_is_refused_for_writing() {
+        let (_d, share) = share();
+        let fd = open_dir("data", &share).unwrap();
+        // The test's temporary directory is on a filesystem with user xattrs (ext4 here).
+        assert!(check_user_xattrs("data", &share, &qemu_path(fd.as_raw_fd())).is_ok());
+        // procfs keeps none.
+        let proc = Path::new("/proc/sys");
+        let fd = open_dir("data", proc).unwrap();
+        let err = check_user_xattrs("data", proc, &qemu_path(fd.as_raw_fd())).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("host volume data: the filesystem of /proc/sys keeps no user"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -363,8 +363,15 @@ fn preflight(a: &RunConfig, v: &Validated) -> Result<OpenedVolumes, RunError> {
     let volumes = v
         .host_volumes
         .iter()
-        .map(|h| host_volume::open_dir(&h.tag, &h.path))
-        .collect::<Result<OpenedVolumes, _>>()?;
+        .map(|h| {
+            let fd = host_volume::open_dir(&h.tag, &h.path)?;
+            if !h.read_only {
+                let opened = host_volume::qemu_path(std::os::fd::AsRawFd::as_raw_fd(&fd));
+                host_volume::check_user_xattrs(&h.tag, &h.path, &opened)?;
+            }
+            Ok(fd)
+        })
+        .collect::<Result<OpenedVolumes, HostVolumeError>>()?;
     if !tap::tun_available() {
         return Err(RunError::NoTun);
     }
