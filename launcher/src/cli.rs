@@ -289,7 +289,7 @@ pub struct RunArgs {
     /// 0600/0700 with the guest's owners, modes and links in `user.virtfs.*` extended
     /// attributes (9p security_model=mapped-xattr): the directory must be readable by
     /// --qemu-uid/--qemu-gid, writable by them for the guest to write (e.g. owned by 107:107),
-    /// and on a filesystem with user extended attributes (ext4, xfs, btrfs).
+    /// and on a filesystem with user extended attributes (ext4, xfs, btrfs; refused otherwise).
     #[arg(long = "host-volume", env = "CAPK_HOST_VOLUMES", value_delimiter = ',')]
     pub host_volumes: Vec<String>,
     /// Host directory shared into the guest read-only, as TAG=PATH (repeatable): 9p
