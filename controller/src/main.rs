@@ -122,10 +122,11 @@ struct Cli {
             .try_map(|s| s.parse::<NodeImageSource>()),
     )]
     node_image_source: NodeImageSource,
-    /// Host directories KVMMachines may share into their VMs (`spec.hostVolumes[].hostPath`
-    /// must be one of these or below one), comma-separated. Empty (default): no host volumes.
-    /// Guests write into read-write shares as QEMU's user, so list only directories meant for
-    /// them.
+    /// Directories of host volume shares, comma-separated: a KVMMachine in namespace NS may
+    /// share `<dir>/NS` or a directory below it into its VMs (`spec.hostVolumes[].hostPath`),
+    /// never another namespace's. The operator makes `<dir>/NS` on the nodes for each
+    /// namespace it grants a share (owned by QEMU's user, 107:107, for read-write volumes).
+    /// Empty (default): no host volumes.
     #[arg(
         long,
         env = "CAPK_ALLOWED_HOST_VOLUME_PATHS",

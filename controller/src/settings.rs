@@ -40,8 +40,9 @@ pub const DEFAULT_ETCD_HOST_PATH_PREFIX: &str = "/var/lib/capk/etcd";
 /// The operator's decision: everything past the tenant's VM is off unless listed here.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TenantPolicy {
-    /// Host directories `spec.hostVolumes[].hostPath` may name: each path must be one of these
-    /// or below one. Empty (the default): no host volumes.
+    /// Directories of host volume shares, one subdirectory per namespace: a KVMMachine's
+    /// `spec.hostVolumes[].hostPath` must be `<one of these>/<its namespace>` or below it.
+    /// Empty (the default): no host volumes.
     pub host_volume_prefixes: Vec<String>,
     /// Host directories `spec.etcdStorage.hostPath` may name, and the only places an etcd
     /// cleanup Pod removes data from.

@@ -664,6 +664,52 @@ async fn host_paths_and_placement_past_the_tenant_are_refused() -> Result<()> {
     Ok(())
 }
 
+/// The attack on shares: with one directory of shares allowed, a tenant (another
+/// namespace) names tenant A's share. It is refused before anything is applied, naming the
+/// field, the tenant's own share and the provider variable; no Pod mounts A's data.
+#[tokio::test]
+async fn another_namespaces_host_volume_share_is_refused() -> Result<()> {
+    let ns = "kvmmachine-share-b";
+    let client = TestEnv::shared().client().await?;
+    create_namespace(&client, ns).await?;
+    let _stop = support::start_controller_with(
+        client.clone(),
+        capk_controller::Settings {
+            namespace: Some(ns.to_owned()),
+            tenant_policy: capk_controller::settings::TenantPolicy {
+                host_volume_prefixes: vec!["/srv/capk-shares".into()],
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    );
+    support::bootstrap_secret(&client, ns, "demo-cp-8", CLOUD_CONFIG).await?;
+    let spec = json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
+                      "hostVolumes": [{"mountTag": "stolen",
+                                       "hostPath": "/srv/capk-shares/kvmmachine-share-a"}]});
+    support::control_plane_machine_with_spec(&client, ns, "demo-cp-8", spec).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let (status, message) = ready_with_reason(&kms, "demo-cp-8", "SpecInvalid").await?;
+    assert_eq!(status, "False");
+    let expected = "spec.hostVolumes[0].hostPath: \"/srv/capk-shares/kvmmachine-share-a\" is not \
+                    in a directory the operator allows host volumes in (allowed: \
+                    /srv/capk-shares/kvmmachine-share-b)";
+    assert!(
+        message.contains(expected) && message.contains("CAPK_ALLOWED_HOST_VOLUME_PATHS"),
+        "{expected:?} not in {message}"
+    );
+    spec_invalid_event(&client, ns, "demo-cp-8", "spec.hostVolumes[0].hostPath").await?;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(
+        Api::<Pod>::namespaced(client.clone(), ns)
+            .get_opt("demo-cp-8")
+            .await?
+            .is_none(),
+        "a machine Pod was made that mounts another namespace's share"
+    );
+    Ok(())
+}
+
 /// A tenant's machine Pod placed where the operator keeps other things: tolerating the
 /// control-plane, cordon, pressure and not-ready taints (NoExecute without a time limit),
 /// selecting control-plane nodes, an operator's own PriorityClass. Refused with the shipped

@@ -95,7 +95,8 @@ CAPK_DEFAULT_NODE_IMAGE: "$CAPK_TEST_GUEST_IMAGE"
 CAPK_CPU_ALLOCATION_RATIO: "10"
 # No KVM here: Kubernetes nodes under TCG need QEMU's translation cache at about 1 GiB.
 CAPK_TCG_TRANSLATION_CACHE_MIB: "1024"
-# The workload journey shares a directory of the MC node into a worker (tests/tests/e2e/workload.rs).
+# The workload journey shares a directory of the MC node into a worker: its namespace's share,
+# /var/lib/capk-e2e/<namespace> (tests/tests/e2e/workload.rs).
 CAPK_ALLOWED_HOST_VOLUME_PATHS: "/var/lib/capk-e2e"
 # The ClusterClass scenario reaches a cluster from the host through a node port
 # (tests/tests/e2e/topology.rs); kube-proxy opens node ports on the bridge address only.

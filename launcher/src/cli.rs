@@ -283,15 +283,18 @@ pub struct RunArgs {
     /// Size of the etcd disk when it is created.
     #[arg(long, env = "CAPK_ETCD_DISK_SIZE", default_value = "10Gi")]
     pub etcd_disk_size: ByteSize,
-    /// Host directory shared into the guest over virtio-9p, as TAG=PATH (repeatable). QEMU
-    /// reads and writes it as its own user (9p security_model=none): the directory must be
-    /// readable and searchable by --qemu-uid/--qemu-gid, and writable by them for the guest to
-    /// write (e.g. owned by 107:107).
+    /// Host directory shared into the guest over virtio-9p, as TAG=PATH (repeatable). No
+    /// element of PATH may be a symbolic link (refused before QEMU starts). QEMU reads and
+    /// writes it as its own user, and keeps what the guest makes as its own files of mode
+    /// 0600/0700 with the guest's owners, modes and links in `user.virtfs.*` extended
+    /// attributes (9p security_model=mapped-xattr): the directory must be readable by
+    /// --qemu-uid/--qemu-gid, writable by them for the guest to write (e.g. owned by 107:107),
+    /// and on a filesystem with user extended attributes (ext4, xfs, btrfs; refused otherwise).
     #[arg(long = "host-volume", env = "CAPK_HOST_VOLUMES", value_delimiter = ',')]
     pub host_volumes: Vec<String>,
     /// Host directory shared into the guest read-only, as TAG=PATH (repeatable): 9p
-    /// readonly=on and a read-only mount in the guest. Must be readable and searchable by
-    /// --qemu-uid/--qemu-gid.
+    /// readonly=on and a read-only mount in the guest. No element of PATH may be a symbolic
+    /// link; the directory must be readable by --qemu-uid/--qemu-gid.
     #[arg(
         long = "host-volume-readonly",
         env = "CAPK_HOST_VOLUMES_READONLY",

@@ -170,11 +170,13 @@ mod tests {
                     tag: "shared".into(),
                     path: "/srv".into(),
                     read_only: false,
+                    fd: None,
                 },
                 argv::HostVolume {
                     tag: "config".into(),
                     path: "/srv/config".into(),
                     read_only: true,
+                    fd: None,
                 },
             ],
         }

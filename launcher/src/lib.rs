@@ -9,6 +9,7 @@ pub mod console;
 pub mod control;
 pub mod disk;
 pub mod health;
+pub mod host_volume;
 pub mod ignition;
 pub mod image_cache;
 pub mod line;

@@ -15,6 +15,7 @@ use crate::console;
 use crate::control::{self, SharedQmp};
 use crate::disk::{self, DiskError, DiskRequest};
 use crate::health::{self, LauncherState, Phase, SharedState};
+use crate::host_volume::{self, HostVolumeError};
 use crate::ignition::{self, IgnitionError};
 use crate::net::netns::{self, NetnsKind, NetnsUnknown};
 use crate::net::observe::NetlinkError;
@@ -144,6 +145,9 @@ pub enum RunError {
         /// Why.
         reason: String,
     },
+    /// A host volume's directory is not one QEMU may be given.
+    #[error(transparent)]
+    HostVolume(#[from] HostVolumeError),
     /// A file the run needs is missing.
     #[error("{what} {path}: {reason}")]
     MissingFile {
@@ -289,6 +293,7 @@ pub fn validate(a: &RunConfig) -> Result<Validated, RunError> {
                 tag: tag.into(),
                 path: path.into(),
                 read_only,
+                fd: None,
             });
         }
     }
@@ -339,8 +344,12 @@ fn require_file(what: &'static str, path: &Path) -> Result<(), RunError> {
         })
 }
 
-/// Checks files and devices before anything is changed.
-fn preflight(a: &RunConfig, v: &Validated) -> Result<(), RunError> {
+/// The host volumes' directories, opened without following links, in the order of
+/// [`Validated::host_volumes`]: QEMU inherits these, so what was checked is what it exports.
+type OpenedVolumes = Vec<std::os::fd::OwnedFd>;
+
+/// Checks files and devices before anything is changed; opens the host volumes' directories.
+fn preflight(a: &RunConfig, v: &Validated) -> Result<OpenedVolumes, RunError> {
     require_file("node image", &a.image)?;
     if let Some(i) = &a.ignition {
         require_file("Ignition config", i)?;
@@ -351,15 +360,18 @@ fn preflight(a: &RunConfig, v: &Validated) -> Result<(), RunError> {
     if let Some(i) = &a.initrd {
         require_file("initrd", i)?;
     }
-    for h in &v.host_volumes {
-        if !h.path.is_dir() {
-            return Err(RunError::MissingFile {
-                what: "host volume",
-                path: h.path.clone(),
-                reason: "not a directory".into(),
-            });
-        }
-    }
+    let volumes = v
+        .host_volumes
+        .iter()
+        .map(|h| {
+            let fd = host_volume::open_dir(&h.tag, &h.path)?;
+            if !h.read_only {
+                let opened = host_volume::qemu_path(std::os::fd::AsRawFd::as_raw_fd(&fd));
+                host_volume::check_user_xattrs(&h.tag, &h.path, &opened)?;
+            }
+            Ok(fd)
+        })
+        .collect::<Result<OpenedVolumes, HostVolumeError>>()?;
     if !tap::tun_available() {
         return Err(RunError::NoTun);
     }
@@ -367,7 +379,7 @@ fn preflight(a: &RunConfig, v: &Validated) -> Result<(), RunError> {
     if netns::classify(Path::new(netns::CORE_SYSCTLS))? == NetnsKind::Initial {
         return Err(RunError::HostNetwork);
     }
-    Ok(())
+    Ok(volumes)
 }
 
 /// Naming facts for DHCP: flags win over the Pod's resolv.conf.
@@ -399,7 +411,7 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         "capk-launcher starting"
     );
     let v = validate(&a)?;
-    preflight(&a, &v)?;
+    let volumes = preflight(&a, &v)?;
     // Disks are planned before anything changes: a node image that names other files (qcow2
     // backing or data file) is refused here, before qemu-img or QEMU opens it.
     let disk_req = DiskRequest {
@@ -493,6 +505,7 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     let started = start_vm(
         &a,
         &v,
+        volumes,
         disk_plan,
         &net_plan,
         decision.accel,
@@ -639,9 +652,11 @@ type Started = (
     std::process::ChildStdout,
 );
 
+#[allow(clippy::too_many_arguments)]
 async fn start_vm(
     a: &RunConfig,
     v: &Validated,
+    volumes: OpenedVolumes,
     disk_plan: disk::DiskPlan,
     net_plan: &plan::NetworkPlan,
     accel: argv::Accel,
@@ -739,9 +754,19 @@ async fn start_vm(
         fd(vhost_file.as_ref()),
         fd(image_file.as_ref()),
     );
+    let host_volumes: Vec<HostVolume> = v
+        .host_volumes
+        .iter()
+        .zip(&volumes)
+        .map(|(h, fd)| HostVolume {
+            fd: Some(std::os::fd::AsRawFd::as_raw_fd(fd)),
+            ..h.clone()
+        })
+        .collect();
     let inherited: Vec<i32> = [Some(tap_fd), vhost_fd, image_fd]
         .into_iter()
         .flatten()
+        .chain(host_volumes.iter().filter_map(|h| h.fd))
         .collect();
     let spec = VmSpec {
         name: hostname.into(),
@@ -759,7 +784,7 @@ async fn start_vm(
         ignition,
         qmp_socket,
         heartbeat_socket,
-        host_volumes: v.host_volumes.clone(),
+        host_volumes,
         direct_kernel: a.kernel.clone().map(|kernel| DirectKernel {
             kernel,
             initrd: a.initrd.clone(),
@@ -785,7 +810,7 @@ async fn start_vm(
         dhcp_task.abort();
         RunError::SpawnQemu(a.qemu.clone(), e)
     })?;
-    drop((tap_file, vhost_file, image_file));
+    drop((tap_file, vhost_file, image_file, volumes));
     let pid = child.id();
     let stdout = child.stdout.take().expect("piped");
     // The reaper owns waiting from here on; dropping Child neither waits nor kills.

@@ -112,6 +112,8 @@ r "containerd-disk=$(disk /var/lib/containerd)"
 r "etcd-disk=$(disk /var/lib/etcd)"
 r "host-volume=$(findmnt -no FSTYPE /data/shared),$(cat /data/shared/hello 2>&1)"
 echo "$HOSTNAME" >/data/shared/from-guest
+# What a guest did to reach the node's root through the next machine's hostPath.
+ln -s / /data/shared/escape
 # The read-only share: mounted ro, readable; remounted rw it is still refused by QEMU (9p
 # readonly=on), not only by the guest's mount.
 r "host-volume-ro=$(findmnt -no FSTYPE /data/ro),$(findmnt -no OPTIONS /data/ro | tr , '\n' | grep -cx ro),$(cat /data/ro/hello 2>&1)"
@@ -548,6 +550,13 @@ fn node_image_runs_ignition_and_kubeadm_init_with_preloaded_images_and_no_route_
     let written = std::fs::metadata(work.path().join("shared/from-guest")).unwrap();
     use std::os::unix::fs::MetadataExt;
     assert_eq!((written.uid(), written.gid()), (QEMU_ID, QEMU_ID));
+    // The guest's symlink is, on the host, a file of QEMU's user holding the target's name (9p
+    // security_model=mapped-xattr): nothing on the node follows it.
+    let escape = work.path().join("shared/escape");
+    let link = std::fs::symlink_metadata(&escape).unwrap();
+    assert!(link.file_type().is_file(), "{link:?}");
+    assert_eq!((link.uid(), link.mode() & 0o7777), (QEMU_ID, 0o600));
+    assert_eq!(std::fs::read_to_string(&escape).unwrap(), "/");
     assert_eq!(
         l.fact("host-volume-ro="),
         format!("9p,1,{HOST_VOLUME_TEXT}")

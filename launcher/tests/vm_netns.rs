@@ -316,6 +316,7 @@ fn merged_ignition(bootstrap: Bootstrap) -> Vec<u8> {
         tag: tag.into(),
         path: "/unused".into(),
         read_only,
+        fd: None,
     };
     let inputs = BootInputs {
         hostname: HOSTNAME.into(),

@@ -369,9 +369,10 @@ pub struct HostVolume {
     #[schemars(length(max = 64))]
     #[x_kube(validation = Rule::new(crate::mount_tag::CEL_RULE).message(crate::mount_tag::CEL_MESSAGE))]
     pub mount_tag: String,
-    /// Absolute path of the directory on the MC node: one of the directories the operator
-    /// allows host volumes under (the controller's `--allowed-host-volume-paths`; none by
-    /// default).
+    /// Absolute path of the directory on the MC node: in this namespace's share,
+    /// `<dir>/<namespace>` for one of the directories the operator allows host volumes in (the
+    /// controller's `--allowed-host-volume-paths`; none by default). No element below the
+    /// share may be a symbolic link.
     #[schemars(length(max = 4096))]
     #[x_kube(validation = Rule::new("self.startsWith('/')").message("hostVolumes.hostPath must be an absolute path"))]
     pub host_path: String,

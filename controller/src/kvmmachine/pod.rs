@@ -200,18 +200,25 @@ pub fn machine_pod(
         args.push(format!("--etcd-disk={ETCD_DIR}/etcd.img"));
         args.push(format!("--etcd-disk-size={etcd_bytes}"));
     } else {
-        for hv in spec.host_volumes.iter().flatten() {
+        for hv in &valid.host_volumes {
             let name = format!("hostvol-{}", sanitize(&hv.mount_tag));
-            let path = format!("/var/lib/capk/host-volumes/{}", hv.mount_tag);
-            let read_only = hv.read_only == Some(true);
-            volumes.push(host_path(&name, &hv.host_path, "Directory"));
+            let mount_path = format!("/var/lib/capk/host-volumes/{}", hv.mount_tag);
+            // The share itself is the hostPath: the kubelet follows links in a hostPath, and the
+            // share's path is the operator's (a link a guest left in the share is a sub-path,
+            // which the launcher refuses to follow).
+            volumes.push(host_path(&name, &hv.share, "Directory"));
             // Read-only twice: the Pod's mount (nothing in the Pod writes it) and the 9p export
             // (the guest cannot, even through a QEMU that could).
-            mounts.push(mount(&name, &path, read_only));
-            let flag = if read_only {
+            mounts.push(mount(&name, &mount_path, hv.read_only));
+            let flag = if hv.read_only {
                 "--host-volume-readonly"
             } else {
                 "--host-volume"
+            };
+            let path = if hv.sub_path.is_empty() {
+                mount_path
+            } else {
+                format!("{mount_path}/{}", hv.sub_path)
             };
             args.push(format!("{flag}={}={path}", hv.mount_tag));
         }
@@ -398,8 +405,8 @@ mod tests {
     use crate::settings::NodeImageSource;
     use serde_json::json;
 
-    /// An operator who allows host volumes under /srv, the test's etcd directory and the
-    /// PriorityClass `workload-vms`.
+    /// An operator who allows host volumes under /srv (namespace team-a's in /srv/team-a), the
+    /// test's etcd directory and the PriorityClass `workload-vms`.
     fn lenient() -> crate::settings::TenantPolicy {
         crate::settings::TenantPolicy {
             host_volume_prefixes: vec!["/srv".into()],
@@ -453,8 +460,8 @@ mod tests {
             "demo-md-0-abcde",
             json!({
                 "resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi", "dockerVolumeSize": "5Gi"},
-                "hostVolumes": [{"mountTag": "Data_1", "hostPath": "/srv/data"},
-                                {"mountTag": "reference", "hostPath": "/srv/ref", "readOnly": true}],
+                "hostVolumes": [{"mountTag": "Data_1", "hostPath": "/srv/team-a"},
+                                {"mountTag": "reference", "hostPath": "/srv/team-a/ref/v1", "readOnly": true}],
                 "image": {"containerImage": {"image": "capk-test-guest:v1"}},
                 "nodeSelector": {"kvm": "true"},
                 "priorityClassName": "workload-vms",

@@ -6,8 +6,9 @@
 use std::net::Ipv4Addr;
 
 use capk_api::{quantity::SizeQuantity, v1alpha1::KVMMachine};
+use kube::ResourceExt;
 
-use super::{overhead, placement::MachinePlacement};
+use super::{node_image::HOST_IMAGE_CACHE, overhead, placement::MachinePlacement};
 use crate::settings::{KeyPatterns, MachineDefaults, TenantPolicy, is_reserved_label_key};
 
 /// Most vCPUs the launcher runs (its `--vcpus` limit), the CRD's limit too; checked here as well
@@ -32,6 +33,25 @@ pub struct ValidSpec {
     pub kubelet_disk: u64,
     /// etcd disk (control-plane machines).
     pub etcd_disk: u64,
+    /// Host volumes, each in its namespace's share.
+    pub host_volumes: Vec<ValidHostVolume>,
+}
+
+/// A host volume that passed [`validate`]: the machine Pod mounts the tenant's whole share (a
+/// directory the operator made, whose path has no part the tenant chose but the namespace), and
+/// the launcher opens the sub-path inside it without following links. The kubelet, which follows
+/// links in a hostPath, never sees a path a guest could have put a link into.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValidHostVolume {
+    /// The 9p mount tag.
+    pub mount_tag: String,
+    /// `<allowed directory>/<namespace>`: the hostPath volume.
+    pub share: String,
+    /// The directory inside `share` (`a/b`; empty for the share itself): no empty, `.` or `..`
+    /// element.
+    pub sub_path: String,
+    /// Exported read-only.
+    pub read_only: bool,
 }
 
 /// One rule a field breaks.
@@ -167,26 +187,28 @@ pub fn validate(
             }
         }
     }
+    let namespace = km.namespace().unwrap_or_else(|| "default".into());
+    let mut host_volumes = Vec::new();
     for (i, v) in spec.host_volumes.iter().flatten().enumerate() {
         if let Err(e) = capk_api::mount_tag::check(&v.mount_tag) {
             fail(format!("spec.hostVolumes[{i}].mountTag"), e.to_string());
         }
+        let field = format!("spec.hostVolumes[{i}].hostPath");
         if has_dot_dot(&v.host_path) {
             fail(
-                format!("spec.hostVolumes[{i}].hostPath"),
+                field,
                 "must not contain a '..' element (Kubernetes refuses such hostPath volumes)".into(),
             );
-        } else if !TenantPolicy::allows(&policy.host_volume_prefixes, &v.host_path) {
-            fail(
-                format!("spec.hostVolumes[{i}].hostPath"),
-                format!(
-                    "{:?} is not in a directory the operator allows host volumes in (allowed: {}); \
-                     the operator lists them with the provider variable \
-                     CAPK_ALLOWED_HOST_VOLUME_PATHS",
-                    v.host_path,
-                    TenantPolicy::describe(&policy.host_volume_prefixes)
-                ),
-            );
+            continue;
+        }
+        match host_volume_share(policy, &namespace, &v.host_path) {
+            Ok((share, sub_path)) => host_volumes.push(ValidHostVolume {
+                mount_tag: v.mount_tag.clone(),
+                share,
+                sub_path,
+                read_only: v.read_only == Some(true),
+            }),
+            Err(reason) => fail(field, format!("{:?} {reason}", v.host_path)),
         }
     }
     if let Some(path) = spec
@@ -370,7 +392,69 @@ pub fn validate(
         docker_disk,
         kubelet_disk,
         etcd_disk,
+        host_volumes,
     })
+}
+
+/// The share of `namespace` that holds `path` (`<allowed directory>/<namespace>`, the longest
+/// when allowed directories nest) and `path` inside it; or why there is none. A share that
+/// holds or lies in a directory the provider keeps other data in (etcd disks, node images,
+/// another allowed directory) is refused: a namespace named like that directory would reach it.
+fn host_volume_share(
+    policy: &TenantPolicy,
+    namespace: &str,
+    path: &str,
+) -> Result<(String, String), String> {
+    let shares: Vec<String> = policy
+        .host_volume_prefixes
+        .iter()
+        .filter(|p| p.starts_with('/'))
+        .map(|p| format!("{}/{namespace}", p.trim_end_matches('/')))
+        .collect();
+    let Some(share) = shares
+        .iter()
+        .filter(|s| TenantPolicy::allows(std::slice::from_ref(s), path))
+        .max_by_key(|s| elements(s).len())
+    else {
+        return Err(format!(
+            "is not in a directory the operator allows host volumes in (allowed: {}): a \
+             KVMMachine shares only its own namespace's directory, <dir>/{namespace}, of each \
+             directory the operator lists with the provider variable \
+             CAPK_ALLOWED_HOST_VOLUME_PATHS ({})",
+            TenantPolicy::describe(&shares),
+            TenantPolicy::describe(&policy.host_volume_prefixes),
+        ));
+    };
+    let within_share = |d: &str| TenantPolicy::allows(std::slice::from_ref(share), d);
+    let overlap = policy
+        .etcd_host_path_prefixes
+        .iter()
+        .map(String::as_str)
+        .chain([HOST_IMAGE_CACHE])
+        .find(|d| within_share(d) || TenantPolicy::allows(&[d.to_string()], share))
+        .or_else(|| {
+            policy
+                .host_volume_prefixes
+                .iter()
+                .map(String::as_str)
+                .find(|d| within_share(d))
+        });
+    if let Some(dir) = overlap {
+        return Err(format!(
+            "is in {share}, namespace {namespace}'s share, which overlaps {dir} (etcd data, node \
+             images or another allowed directory): the operator must keep the directories of \
+             the provider variable CAPK_ALLOWED_HOST_VOLUME_PATHS apart from those"
+        ));
+    }
+    let sub_path = elements(path)[elements(share).len()..].join("/");
+    Ok((share.clone(), sub_path))
+}
+
+/// A path's elements, without empty and `.` ones.
+fn elements(path: &str) -> Vec<&str> {
+    path.split('/')
+        .filter(|e| !e.is_empty() && *e != ".")
+        .collect()
 }
 
 fn has_dot_dot(path: &str) -> bool {
@@ -451,7 +535,8 @@ mod tests {
         spec
     }
 
-    /// An operator who allows host volumes under /srv and tolerations of the taint `k`.
+    /// An operator who allows host volumes under /srv (each namespace's in /srv/<namespace>) and
+    /// tolerations of the taint `k`.
     fn policy() -> TenantPolicy {
         TenantPolicy {
             host_volume_prefixes: vec!["/srv".into()],
@@ -506,7 +591,7 @@ mod tests {
                 "spec.dns.searches[1]",
             ),
             (
-                json!({"hostVolumes": [{"mountTag": "data.1", "hostPath": "/srv"}]}),
+                json!({"hostVolumes": [{"mountTag": "data.1", "hostPath": "/srv/team-a"}]}),
                 "spec.hostVolumes[0].mountTag",
             ),
             (
@@ -592,10 +677,10 @@ mod tests {
             "{msg}"
         );
         let msg = refused(root, false, &policy()).expect("refused");
-        assert!(msg.contains("allowed: /srv"), "{msg}");
-        let data = json!({"hostVolumes": [{"mountTag": "data", "hostPath": "/srv/data", "readOnly": true}]});
+        assert!(msg.contains("allowed: /srv/team-a"), "{msg}");
+        let data = json!({"hostVolumes": [{"mountTag": "data", "hostPath": "/srv/team-a/data", "readOnly": true}]});
         assert_eq!(refused(data, false, &policy()), None);
-        let sibling = json!({"hostVolumes": [{"mountTag": "data", "hostPath": "/srvx"}]});
+        let sibling = json!({"hostVolumes": [{"mountTag": "data", "hostPath": "/srvx/team-a"}]});
         assert!(refused(sibling, false, &policy()).is_some());
 
         // etcd data only under the allowed directories (shipped: /var/lib/capk/etcd).
@@ -706,6 +791,124 @@ mod tests {
         assert_eq!(refusals(zone, &shipped).len(), 1);
     }
 
+    /// The attack on shares: with `/srv/capk-shares` allowed, tenant B (namespace team-b) names
+    /// tenant A's share, or the directory above every share; both are refused naming the field,
+    /// the namespace's own share and the provider variable. A tenant's own share and what is
+    /// below it pass, split into the share (the Pod's hostPath) and the sub-path.
+    #[test]
+    fn each_namespace_shares_only_its_own_directory() {
+        let policy = TenantPolicy {
+            host_volume_prefixes: vec!["/srv/capk-shares/".into()],
+            ..TenantPolicy::default()
+        };
+        let machine = |namespace: &str, path: &str| {
+            let mut km = kvm_machine(
+                "m",
+                spec(json!({"hostVolumes": [{"mountTag": "data", "hostPath": path}]})),
+            );
+            km.metadata.namespace = Some(namespace.into());
+            validate(&km, &placement(false), &MachineDefaults::default(), &policy)
+        };
+        for path in [
+            "/srv/capk-shares/team-a",
+            "/srv/capk-shares/team-a/escape",
+            "/srv/capk-shares",
+            "/srv/capk-shares/team-b-x",
+        ] {
+            let msg = machine("team-b", path).unwrap_err().to_string();
+            assert!(
+                msg.starts_with(&format!("spec.hostVolumes[0].hostPath: {path:?} is not in")),
+                "{msg}"
+            );
+            assert_eq!(
+                msg,
+                format!(
+                    "spec.hostVolumes[0].hostPath: {path:?} is not in a directory the operator \
+                     allows host volumes in (allowed: /srv/capk-shares/team-b): a KVMMachine \
+                     shares only its own namespace's directory, <dir>/team-b, of each directory \
+                     the operator lists with the provider variable CAPK_ALLOWED_HOST_VOLUME_PATHS \
+                     (/srv/capk-shares/)"
+                )
+            );
+        }
+        let own = |path: &str| {
+            machine("team-a", path)
+                .unwrap_or_else(|e| panic!("{path}: {e}"))
+                .host_volumes
+        };
+        assert_eq!(
+            own("/srv/capk-shares/team-a"),
+            [ValidHostVolume {
+                mount_tag: "data".into(),
+                share: "/srv/capk-shares/team-a".into(),
+                sub_path: "".into(),
+                read_only: false,
+            }]
+        );
+        let nested = own("/srv/capk-shares//team-a/./cache/x/");
+        assert_eq!(
+            (nested[0].share.as_str(), nested[0].sub_path.as_str()),
+            ("/srv/capk-shares/team-a", "cache/x")
+        );
+    }
+
+    /// A namespace named like a directory the provider keeps data in (or an allowed directory
+    /// placed in, or around, one of those) does not make that directory a share.
+    #[test]
+    fn a_share_never_overlaps_the_providers_own_directories() {
+        let machine = |namespace: &str, prefixes: &[&str], path: &str| {
+            let mut km = kvm_machine(
+                "m",
+                spec(json!({"hostVolumes": [{"mountTag": "data", "hostPath": path}]})),
+            );
+            km.metadata.namespace = Some(namespace.into());
+            let policy = TenantPolicy {
+                host_volume_prefixes: prefixes.iter().map(|p| p.to_string()).collect(),
+                ..TenantPolicy::default()
+            };
+            validate(&km, &placement(false), &MachineDefaults::default(), &policy)
+                .err()
+                .map(|e| e.to_string())
+        };
+        for (namespace, prefixes, path, overlapped) in [
+            (
+                "etcd",
+                &["/var/lib/capk"][..],
+                "/var/lib/capk/etcd",
+                "/var/lib/capk/etcd",
+            ),
+            (
+                "images",
+                &["/var/lib/capk"],
+                "/var/lib/capk/images/x",
+                "/var/lib/capk/images",
+            ),
+            (
+                "a",
+                &["/var/lib/capk/etcd/shares"],
+                "/var/lib/capk/etcd/shares/a",
+                "/var/lib/capk/etcd",
+            ),
+            ("a", &["/srv", "/srv/a/more"], "/srv/a", "/srv/a/more"),
+        ] {
+            let msg = machine(namespace, prefixes, path).expect("refused");
+            assert!(
+                msg.contains("spec.hostVolumes[0].hostPath")
+                    && msg.contains(&format!("overlaps {overlapped} "))
+                    && msg.contains("CAPK_ALLOWED_HOST_VOLUME_PATHS"),
+                "{namespace} {path}: {msg}"
+            );
+        }
+        assert_eq!(
+            machine("team-a", &["/var/lib/capk"], "/var/lib/capk/team-a"),
+            None
+        );
+        assert_eq!(
+            machine("b", &["/srv", "/srv/a/more"], "/srv/a/more/b"),
+            None
+        );
+    }
+
     #[test]
     fn node_images_to_fetch_are_pinned_releases_and_urls_curl_can_take() {
         let current = json!({"image": {"flatcar": {"channel": "stable", "version": "current"}}});
@@ -758,6 +961,7 @@ mod tests {
                 docker_disk: 5 << 30,
                 kubelet_disk: defaults.kubelet_volume_bytes,
                 etcd_disk: 8 << 30,
+                host_volumes: vec![],
             }
         );
     }
@@ -782,9 +986,9 @@ mod tests {
             (
                 false,
                 json!({"resources": {"dockerVolumeSize": "1", "kubeletVolumeSize": "1"},
-                       "hostVolumes": [{"mountTag": "a", "hostPath": "/"},
-                                       {"mountTag": "ro", "hostPath": "/srv/ro", "readOnly": true},
-                                       {"mountTag": "A_b-012345678901234567890123456", "hostPath": "/srv/x..y"}],
+                       "hostVolumes": [{"mountTag": "a", "hostPath": "/team-a"},
+                                       {"mountTag": "ro", "hostPath": "/team-a/ro", "readOnly": true},
+                                       {"mountTag": "A_b-012345678901234567890123456", "hostPath": "/team-a/x..y/z"}],
                        "accel": "kvm",
                        "nodeSelector": {"example.com/kvm": "", "kvm": "true"},
                        "tolerations": [{"operator": "Exists"},
@@ -797,10 +1001,11 @@ mod tests {
             let km = kvm_machine("m", spec(extra.clone()));
             let placement = placement(control_plane);
             let defaults = MachineDefaults::default();
-            // An operator who allows everything: the launcher must take it all.
+            // An operator who allows everything (etcd data apart from host volumes): the
+            // launcher must take it all.
             let policy = TenantPolicy {
                 host_volume_prefixes: vec!["/".into()],
-                etcd_host_path_prefixes: vec!["/".into()],
+                etcd_host_path_prefixes: vec!["/var/lib/capk/etcd".into()],
                 allow_tolerate_all_taints: true,
                 toleration_keys: vec!["k".into()],
                 priority_classes: vec!["workload-vms".into()],

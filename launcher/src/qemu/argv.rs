@@ -119,6 +119,11 @@ pub struct HostVolume {
     pub path: PathBuf,
     /// Exported read-only (9p `readonly=on`): the guest cannot change the host's files.
     pub read_only: bool,
+    /// Descriptor of the directory, opened by the launcher without following links
+    /// ([`crate::host_volume::open_dir`]) and inherited by QEMU, which opens it through
+    /// `/proc/self/fd` instead of `path`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fd: Option<i32>,
 }
 
 /// Direct kernel boot (debugging and test guests).
@@ -356,18 +361,25 @@ pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
         format!("virtserialport,bus=vser0.0,chardev=heartbeat,name={HEARTBEAT_PORT}"),
     );
 
-    // security_model=none: QEMU reads and writes the host files as its own (unprivileged)
-    // user, which is what bounds a share; `mapped-*` would need that user to own the whole tree
-    // and keeps the guest's owners in xattrs the host does not enforce.
+    // security_model=mapped-xattr: whatever the guest makes is a plain file or directory of
+    // QEMU's (unprivileged) user on the host, mode 0600 or 0700; the owners, modes and kinds
+    // the guest asked for live in `user.virtfs.*` extended attributes, which the guest can
+    // neither read nor set. So a guest's symlink is a file holding the target's name, not a
+    // link the kubelet, the launcher or anything else on the node could follow, and a guest
+    // makes no device nodes, FIFOs or set-id files there. Files made on the host keep their
+    // owners and modes; the guest sees those, and QEMU's user is what the host enforces.
     for v in &spec.host_volumes {
         let ro = if v.read_only { ",readonly=on" } else { "" };
+        let path =
+            v.fd.map(crate::host_volume::qemu_path)
+                .unwrap_or_else(|| v.path.clone());
         push(
             &mut a,
             "-fsdev",
             format!(
-                "local,id=fs-{0},path={1},security_model=none{ro}",
+                "local,id=fs-{0},path={1},security_model=mapped-xattr{ro}",
                 v.tag,
-                p(&v.path)
+                p(&path)
             ),
         );
         push(
@@ -440,13 +452,15 @@ mod tests {
             host_volumes: vec![
                 HostVolume {
                     tag: "data".into(),
-                    path: "/data".into(),
+                    path: "/var/lib/capk/host-volumes/data".into(),
                     read_only: false,
+                    fd: Some(6),
                 },
                 HostVolume {
                     tag: "config".into(),
                     path: "/srv/config".into(),
                     read_only: true,
+                    fd: None,
                 },
             ],
             direct_kernel: None,
@@ -459,7 +473,9 @@ mod tests {
     }
 
     /// QEMU gets the tap as a descriptor (never by name: it could not open it), runs under its
-    /// seccomp sandbox, and exports a read-only host volume read-only.
+    /// seccomp sandbox, gets a host volume the launcher opened as a descriptor too, keeps what
+    /// guests make in a share as data (`mapped-xattr`: a guest's symlink is no link on the
+    /// host) and exports a read-only host volume read-only.
     #[test]
     fn qemu_gets_descriptors_a_sandbox_and_read_only_shares() {
         let a = qemu_args(&spec(Accel::Kvm)).0;
@@ -477,8 +493,8 @@ mod tests {
         assert_eq!(
             after("-fsdev"),
             [
-                "local,id=fs-data,path=/data,security_model=none",
-                "local,id=fs-config,path=/srv/config,security_model=none,readonly=on",
+                "local,id=fs-data,path=/proc/self/fd/6,security_model=mapped-xattr",
+                "local,id=fs-config,path=/srv/config,security_model=mapped-xattr,readonly=on",
             ]
         );
         let mut s = spec(Accel::Tcg);

@@ -8,9 +8,16 @@ use serde::Deserialize;
 
 use super::*;
 
-/// Where the worker's host volume lives on the MC node (the test writes a file there and reads it
-/// back from a workload Pod through the guest's virtio-9p mount).
-const HOST_VOLUME_DIR: &str = "/var/lib/capk-e2e/workload-shared";
+/// The directory of host volume shares the local MC allows (hack/dev/capi.sh,
+/// CAPK_ALLOWED_HOST_VOLUME_PATHS): each namespace shares only `<it>/<namespace>`.
+const HOST_VOLUME_SHARES: &str = "/var/lib/capk-e2e";
+
+/// Where the worker's host volume lives on the MC node, in the scenario's namespace's share (the
+/// test writes a file there and reads it back from a workload Pod through the guest's virtio-9p
+/// mount).
+fn host_volume_dir() -> String {
+    format!("{HOST_VOLUME_SHARES}/{}/shared", ns())
+}
 const MOUNT_TAG: &str = "shared";
 /// The toolbox image the node image preloads (images/node/images.sh): busybox.
 const TOOLBOX_PREFIX: &str = "localhost/capk/toolbox:";
@@ -272,13 +279,13 @@ fn create_workload_cluster(e: &E2e) -> Result<(String, Instant)> {
         e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
     }
     e.kubectl(&["create", "namespace", ns()])?;
-    std::fs::create_dir_all(HOST_VOLUME_DIR)?;
+    std::fs::create_dir_all(host_volume_dir())?;
 
     // --- 1. create: one control plane, one worker, from clusterctl's output --------------------------
     // The worker's template shares a directory of the MC node with the guest.
     apply_workload_cluster(e, &node_image, |worker| {
         worker["hostVolumes"] = serde_yaml_ng::to_value(json!([
-            {"mountTag": MOUNT_TAG, "hostPath": HOST_VOLUME_DIR}
+            {"mountTag": MOUNT_TAG, "hostPath": host_volume_dir()}
         ]))?;
         Ok(())
     })
@@ -404,7 +411,7 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
         Ok(s) => eprintln!("e2e: workload: kubeadm init ran {s:.0}s on {cp}"),
         Err(err) => eprintln!("e2e: workload: kubeadm init time unknown: {err:#}"),
     }
-    std::fs::write(format!("{HOST_VOLUME_DIR}/hello"), &host_text)?;
+    std::fs::write(format!("{}/hello", host_volume_dir()), &host_text)?;
     scale_machine_deployment(e, 1)?;
     let w = Workload::fetch(e)?;
     let nodes = wait("both Nodes Ready", NODE_READY, || {
