@@ -100,7 +100,7 @@ pub enum LimitError {
         limit: usize,
     },
     /// No answer, or not all of it, within the request's time.
-    #[error("the cluster did not answer within {}s", .0.as_secs())]
+    #[error("the cluster did not answer within {0:?}")]
     Timeout(Duration),
     /// The cluster has as many requests in flight as allowed; this one was not sent.
     #[error("the cluster already has {0} requests in flight; this one was not sent")]
@@ -409,11 +409,17 @@ impl<B> LimitedBody<B> {
                 })
             }
             Cap::Events(limit) => {
-                self.read = match data.iter().rposition(|b| *b == b'\n') {
-                    Some(i) => data.len() - i - 1,
-                    None => self.read.saturating_add(data.len()),
-                };
-                (self.read > limit).then_some(LimitError::TooLarge {
+                // Every line this chunk ends or continues, the one before it included.
+                let mut over = false;
+                for (i, line) in data.split(|b| *b == b'\n').enumerate() {
+                    self.read = if i == 0 {
+                        self.read.saturating_add(line.len())
+                    } else {
+                        line.len()
+                    };
+                    over |= self.read > limit;
+                }
+                over.then_some(LimitError::TooLarge {
                     what: "one watch event",
                     limit,
                 })
@@ -507,7 +513,7 @@ mod tests {
             max_response_bytes: 10,
             max_event_bytes: 4,
             max_in_flight: 1,
-            request_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_millis(300),
             ..Default::default()
         }
     }
@@ -542,7 +548,7 @@ mod tests {
             .map_err(|e| e.downcast_ref::<LimitError>().unwrap().clone())
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn an_answer_over_the_cap_fails_and_the_cluster_is_left_alone_for_a_while() {
         let mut svc = answering(vec![b"0123456", b"789", b"abc"]);
         let err = read(&mut svc, "/api/v1/nodes").await.unwrap_err();
@@ -559,23 +565,23 @@ mod tests {
             matches!(&err, LimitError::BackingOff { failures: 1, .. }) && err.is_too_large(),
             "{err:?}"
         );
-        tokio::time::advance(BACKOFF_FIRST).await;
+        tokio::time::sleep(BACKOFF_FIRST).await;
         assert!(read(&mut svc, "/api/v1/nodes").await.unwrap_err().is_too_large());
         // The second failure in a row doubles the wait.
-        tokio::time::advance(BACKOFF_FIRST).await;
+        tokio::time::sleep(BACKOFF_FIRST).await;
         assert!(matches!(
             read(&mut svc, "/small").await.unwrap_err(),
             LimitError::BackingOff { failures: 2, .. }
         ));
-        tokio::time::advance(BACKOFF_FIRST).await;
+        tokio::time::sleep(BACKOFF_FIRST).await;
         assert_eq!(read(&mut svc, "/small").await.unwrap(), "0123456789");
         // An answer read to its end: the next failure waits the first wait again.
         assert!(read(&mut svc, "/api/v1/nodes").await.is_err());
-        tokio::time::advance(BACKOFF_FIRST).await;
+        tokio::time::sleep(BACKOFF_FIRST).await;
         assert_eq!(read(&mut svc, "/small").await.unwrap(), "0123456789");
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_watch_is_capped_per_event_and_not_in_total() {
         let mut svc = answering(vec![b"abc\nab", b"cd\n", b"abc\n", b"abc\n"]);
         let uri = "/api/v1/nodes?watch=true&timeoutSeconds=25";
@@ -595,51 +601,61 @@ mod tests {
         assert!(read(&mut long, "/small").await.is_ok());
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_cluster_that_holds_its_requests_holds_one_and_times_out() {
         let layer = LimitsLayer::new(&limits());
         let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
             std::future::pending::<Result<Response<TestBody>, BoxError>>().await
         }));
+        let started = Instant::now();
         let held = svc.call(Request::patch("/api/v1/nodes/n").body(()).unwrap());
         let busy = svc
             .call(Request::patch("/api/v1/nodes/m").body(()).unwrap())
             .await
-            .unwrap_err();
+            .err()
+            .unwrap();
         assert_eq!(
             busy.downcast_ref::<LimitError>(),
             Some(&LimitError::Busy(1))
         );
-        let started = Instant::now();
-        let err = held.await.unwrap_err();
+        assert!(started.elapsed() < Duration::from_millis(100));
+        let err = held.await.err().unwrap();
         assert_eq!(
             err.downcast_ref::<LimitError>(),
-            Some(&LimitError::Timeout(Duration::from_secs(5)))
+            Some(&LimitError::Timeout(Duration::from_millis(300)))
         );
-        assert_eq!(started.elapsed(), Duration::from_secs(5));
+        assert!(started.elapsed() >= Duration::from_millis(300));
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn a_trickling_answer_ends_at_the_deadline() {
         let layer = LimitsLayer::new(&limits());
         let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
             let trickle = futures::stream::unfold((), |()| async {
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
                 Some((Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"\n"))), ()))
             });
             Ok::<_, BoxError>(Response::new(StreamBody::new(trickle).boxed()))
         }));
+        let started = Instant::now();
         let res = svc
-            .call(Request::get("/api/v1/nodes?watch=1&timeoutSeconds=25").body(()).unwrap())
+            .call(
+                Request::get("/api/v1/nodes?watch=1&timeoutSeconds=1")
+                    .body(())
+                    .unwrap(),
+            )
             .await
             .unwrap();
-        let started = Instant::now();
-        let err = res.into_body().collect().await.unwrap_err();
+        let err = res.into_body().collect().await.err().unwrap();
         assert_eq!(
             err.downcast_ref::<LimitError>(),
-            Some(&LimitError::Timeout(Duration::from_secs(30)))
+            Some(&LimitError::Timeout(Duration::from_millis(1300)))
         );
-        assert_eq!(started.elapsed(), Duration::from_secs(30));
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(1300) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
     }
 
     #[test]
