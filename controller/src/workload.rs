@@ -138,6 +138,17 @@ pub const REASON_UNREACHABLE: &str = "WorkloadClusterUnreachable";
 pub const REASON_ANSWER_TOO_LARGE: &str = "WorkloadClusterAnswerTooLarge";
 /// Gate reason: the workload cluster has as many requests in flight as the controller allows.
 pub const REASON_BUSY: &str = "WorkloadClusterBusy";
+/// Gate reason: the workload cluster lists more Nodes than the controller keeps.
+pub const REASON_TOO_MANY_NODES: &str = "WorkloadClusterTooManyNodes";
+
+/// What one workload cluster's Nodes may take in the controller's cache, as cached
+/// ([`strip_node`]: a few hundred bytes a Node, so tens of thousands of Nodes, more than a
+/// Kubernetes cluster has). Each answer is capped ([`RemoteLimits`]), but a server may send
+/// pages (`continue`) or new Nodes without end: a cluster that lists more than this is no
+/// longer watched, and says so, until its kubeconfig Secret changes.
+pub const MAX_NODE_CACHE_BYTES: usize = 16 << 20;
+/// The longest Ready condition message or reason kept of a Node.
+const MAX_NODE_MESSAGE_BYTES: usize = 1024;
 
 /// The gate reason for a failed request to the workload cluster.
 fn failure_reason(e: &kube::Error) -> &'static str {
@@ -286,8 +297,10 @@ impl Links {
         let on_change = self.on_change.clone();
         let (ns, cluster, st) = (ns.to_owned(), cluster.to_owned(), link.state().clone());
         link.spawn(async move {
-            // What each Node last looked like to us: (Ready, has providerID).
-            let mut seen: HashMap<String, (bool, bool)> = HashMap::new();
+            // What each Node last looked like to us, (Ready, has providerID), and its size in
+            // the cache; the sum of those sizes.
+            let mut seen: HashMap<String, ((bool, bool), usize)> = HashMap::new();
+            let mut cached = 0usize;
             let wake = |node: Option<&str>| on_change(&ns, &cluster, node);
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
@@ -315,12 +328,23 @@ impl Links {
                             }
                             watcher::Event::Apply(n) | watcher::Event::InitApply(n) => {
                                 let facts = (node_ready(&n), has_provider_id(&n));
-                                if seen.insert(n.name_any(), facts) != Some(facts) || recovered {
+                                let size = cached_size(&n);
+                                let before = seen.insert(n.name_any(), (facts, size));
+                                cached = cached + size - before.map_or(0, |(_, s)| s);
+                                if cached > MAX_NODE_CACHE_BYTES {
+                                    st.fail(too_many_nodes(&cluster));
+                                    wake(None);
+                                    // The watch ends: what was cached stays, nothing more is.
+                                    break;
+                                }
+                                if before.map(|(f, _)| f) != Some(facts) || recovered {
                                     wake(Some(&n.name_any()));
                                 }
                             }
                             watcher::Event::Delete(n) => {
-                                seen.remove(&n.name_any());
+                                if let Some((_, size)) = seen.remove(&n.name_any()) {
+                                    cached -= size;
+                                }
                                 wake(Some(&n.name_any()));
                             }
                             watcher::Event::Init => {}
@@ -336,9 +360,28 @@ impl Links {
     }
 }
 
+/// Why a workload cluster whose Nodes outgrew [`MAX_NODE_CACHE_BYTES`] is not watched.
+fn too_many_nodes(cluster: &str) -> Unavailable {
+    Unavailable {
+        reason: REASON_TOO_MANY_NODES,
+        message: format!(
+            "workload cluster {cluster} lists more Nodes than the controller keeps ({} MiB of \
+             them as cached); its Nodes are not watched until Secret {} changes",
+            MAX_NODE_CACHE_BYTES >> 20,
+            kubeconfig_secret_name(cluster)
+        ),
+    }
+}
+
+/// What a Node, as cached, takes in the cache (about: its size as JSON, its name twice).
+fn cached_size(n: &Node) -> usize {
+    serde_json::to_vec(n).map_or(0, |v| v.len()) + n.metadata.name.as_ref().map_or(0, String::len)
+}
+
 /// Of a workload Node only what the gate reads is kept: its identity, providerID, topology
-/// labels and `Ready` condition. Images, labels, annotations and managed fields are most of a
-/// Node's size, and the workload cluster's users write them.
+/// labels and `Ready` condition (its message and reason cut to [`MAX_NODE_MESSAGE_BYTES`]).
+/// Images, labels, annotations and managed fields are most of a Node's size, and the workload
+/// cluster's users write them.
 fn strip_node(n: &mut Node) {
     use k8s_openapi::api::core::v1::{NodeSpec, NodeStatus};
     let meta = &mut n.metadata;
@@ -362,6 +405,12 @@ fn strip_node(n: &mut Node) {
         .into_iter()
         .flatten()
         .filter(|c| c.type_ == "Ready")
+        .map(|mut c| {
+            for text in [c.message.as_mut(), c.reason.as_mut()].into_iter().flatten() {
+                *text = crate::redact::cap(text, MAX_NODE_MESSAGE_BYTES);
+            }
+            c
+        })
         .collect::<Vec<_>>();
     n.status = Some(NodeStatus {
         conditions: (!ready.is_empty()).then_some(ready),
@@ -551,5 +600,20 @@ mod tests {
                        "message": "kubelet is posting ready status"}]}})
         );
         assert!(node_ready(&n) && has_provider_id(&n));
+    }
+
+    #[test]
+    fn a_cached_nodes_ready_message_and_reason_are_cut() {
+        let mut n: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n1"},
+            "status": {"conditions": [{"type": "Ready", "status": "False",
+                "reason": "r".repeat(4096), "message": "m".repeat(1 << 20)}]},
+        }))
+        .unwrap();
+        strip_node(&mut n);
+        let ready = &n.status.as_ref().unwrap().conditions.as_ref().unwrap()[0];
+        assert!(ready.message.as_ref().unwrap().len() <= MAX_NODE_MESSAGE_BYTES);
+        assert!(ready.reason.as_ref().unwrap().len() <= MAX_NODE_MESSAGE_BYTES);
+        assert!(cached_size(&n) < 4 * MAX_NODE_MESSAGE_BYTES);
     }
 }

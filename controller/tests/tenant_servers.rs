@@ -43,6 +43,9 @@ enum Behaviour {
     /// `GET /api/v1/nodes` (a list) is a NodeList whose items never end, sent as fast as the
     /// client reads.
     EndlessNodeList,
+    /// `GET /api/v1/nodes` (a list) is a page of 100 new Nodes with 20 KiB names and a
+    /// `continue` to the next page, without end.
+    EndlessPages,
     /// Lists the Nodes named, each Ready and without a providerID (so the controller sets it);
     /// a watch stays open, quiet; every PATCH is held, never answered.
     HoldPatches(&'static [&'static str]),
@@ -53,6 +56,8 @@ enum Behaviour {
 struct Seen {
     /// Bytes of NodeList sent.
     sent: AtomicU64,
+    /// List pages sent.
+    pages: AtomicUsize,
     /// PATCHes received.
     patches: AtomicUsize,
     /// PATCHes held now (their connection still open).
@@ -122,6 +127,27 @@ async fn answer(
                 .header("content-type", "application/json")
                 .body(BodyExt::boxed(StreamBody::new(frames)))
                 .expect("response")
+        }
+        Behaviour::EndlessPages if nodes && !is_watch(&req) => {
+            let page: usize = req
+                .uri()
+                .query()
+                .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("continue=")))
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(0);
+            seen.pages.fetch_add(1, Ordering::SeqCst);
+            let items: Vec<_> = (0..100)
+                .map(|i| {
+                    let name = format!("p{page}-n{i}-{}", "x".repeat(20 << 10));
+                    json!({"metadata": {"name": name, "resourceVersion": "1"}})
+                })
+                .collect();
+            let list = json!({"kind": "NodeList", "apiVersion": "v1",
+                "metadata": {"resourceVersion": "1", "continue": (page + 1).to_string()},
+                "items": items});
+            let body = list.to_string();
+            seen.sent.fetch_add(body.len() as u64, Ordering::Relaxed);
+            full(200, list)
         }
         Behaviour::HoldPatches(names) if req.method() == hyper::Method::PATCH => {
             let _held = Held::new(&seen);
@@ -297,9 +323,99 @@ fn rss() -> Result<u64> {
     Ok(kib << 10)
 }
 
-/// More memory than the controller may take for one tenant's answer: the default cap on one
-/// answer (4 MiB) held as bytes, as text and as objects, with room for the allocator.
+/// More memory than the controller may take for one tenant: the default cap on one answer
+/// (4 MiB) held as bytes, as text and as objects, and the cap on one cluster's cached Nodes
+/// (16 MiB), with room for the allocator.
 const MEMORY_FOR_ONE_TENANT: u64 = 64 << 20;
+
+/// The tests that measure this process's memory run one at a time.
+static MEASURING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// This process's memory since a start, checked on every step of a test: the test ends at once
+/// when it grew too much (a server would send gigabytes to a controller that buffers them).
+struct Memory<'a> {
+    before: u64,
+    peak: u64,
+    server: &'a TenantServer,
+}
+
+impl<'a> Memory<'a> {
+    fn from_now(server: &'a TenantServer) -> Result<Self> {
+        let before = rss()?;
+        Ok(Self {
+            before,
+            peak: before,
+            server,
+        })
+    }
+
+    fn check(&mut self) -> Result<()> {
+        self.peak = self.peak.max(rss()?);
+        let grown = self.grown();
+        if grown > MEMORY_FOR_ONE_TENANT {
+            bail!(
+                "the controller's process grew by {} MiB while the tenant's server sent {} MiB",
+                grown >> 20,
+                self.server.seen.sent.load(Ordering::Relaxed) >> 20
+            );
+        }
+        Ok(())
+    }
+
+    fn grown(&self) -> u64 {
+        self.peak.saturating_sub(self.before)
+    }
+
+    /// The message of machine `name`'s NodeReady condition once its reason is `reason`, within
+    /// `secs`.
+    async fn until_node_ready(
+        &mut self,
+        kms: &Api<KVMMachine>,
+        name: &str,
+        reason: &str,
+        secs: u64,
+    ) -> Result<String> {
+        let started = Instant::now();
+        loop {
+            self.check()?;
+            let km = kms.get(name).await?;
+            if let Some((_, message)) = node_ready(&km).filter(|(r, _)| r == reason) {
+                return Ok(message);
+            }
+            if started.elapsed() > Duration::from_secs(secs) {
+                bail!(
+                    "NodeReady of {name} is not {reason} after {secs}s: {:?}",
+                    node_ready(&km)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Keeps checking for `secs`.
+    async fn hold_for(&mut self, secs: u64) -> Result<()> {
+        let until = Instant::now() + Duration::from_secs(secs);
+        while Instant::now() < until {
+            self.check()?;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(())
+    }
+}
+
+/// A tenant's cluster `cluster` in namespace `ns` with one machine `<cluster>-cp-0`, whose Pod
+/// exists: what it needs before its kubeconfig Secret is written.
+async fn tenant(mc: &Client, ns: &str, cluster: &str) -> Result<String> {
+    create_namespace(mc, ns).await?;
+    let name = format!("{cluster}-cp-0");
+    machine(mc, ns, cluster, &name).await?;
+    let pods: Api<Pod> = Api::namespaced(mc.clone(), ns);
+    eventually(30, "the tenant's machine Pod", || async {
+        Ok(pods.get_opt(&name).await?)
+    })
+    .await?;
+    Ok(name)
+}
 
 /// A tenant's server answers the Node list with a NodeList that never ends: the controller reads
 /// up to its cap, drops it, and the tenant's machine says why within seconds; its memory grows
@@ -309,74 +425,70 @@ const MEMORY_FOR_ONE_TENANT: u64 = 64 << 20;
 async fn an_endless_node_list_is_cut_at_the_cap_and_said_on_the_machine() -> Result<()> {
     let (mc, _stop) = management_cluster("capk-endless-").await?;
     let ns = "tenant-endless";
-    create_namespace(&mc, ns).await?;
-    machine(&mc, ns, "big", "big-cp-0").await?;
-    let pods: Api<Pod> = Api::namespaced(mc.clone(), ns);
-    eventually(30, "the tenant's machine Pod", || async {
-        Ok(pods.get_opt("big-cp-0").await?)
-    })
-    .await?;
-
+    let name = tenant(&mc, ns, "big").await?;
     let server = TenantServer::start(Behaviour::EndlessNodeList).await?;
-    let before = rss()?;
-    let mut peak = before;
+    let _one = MEASURING.lock().await;
+    let mut memory = Memory::from_now(&server)?;
     Api::<Secret>::namespaced(mc.clone(), ns)
         .create(&PostParams::default(), &server.kubeconfig_secret("big")?)
         .await?;
     let linked = Instant::now();
     let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
-    // Memory is checked on every step, and the test ends at once when it grows too much: the
-    // server would send gigabytes to a controller that buffers them.
-    let watch_memory = |peak: &mut u64| -> Result<()> {
-        *peak = (*peak).max(rss()?);
-        let grown = peak.saturating_sub(before);
-        if grown > MEMORY_FOR_ONE_TENANT {
-            bail!(
-                "the controller's process grew by {} MiB while the tenant's server sent {} MiB",
-                grown >> 20,
-                server.seen.sent.load(Ordering::Relaxed) >> 20
-            );
-        }
-        Ok(())
-    };
-    let message = loop {
-        watch_memory(&mut peak)?;
-        let km = kms.get("big-cp-0").await?;
-        if let Some((_, message)) =
-            node_ready(&km).filter(|(r, _)| r == "WorkloadClusterAnswerTooLarge")
-        {
-            break message;
-        }
-        if linked.elapsed() > Duration::from_secs(30) {
-            bail!(
-                "NodeReady does not say the answer is too large after 30s: {:?}",
-                node_ready(&km)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let message = memory
+        .until_node_ready(&kms, &name, "WorkloadClusterAnswerTooLarge", 30)
+        .await?;
     let reported = linked.elapsed();
     assert!(
         message.contains("more than 4194304 bytes in one answer"),
         "{message}"
     );
     assert!(reported < Duration::from_secs(15), "reported after {reported:?}");
-    let pod = pods.get("big-cp-0").await?;
+    let pod = Api::<Pod>::namespaced(mc.clone(), ns).get(&name).await?;
     assert_eq!(
         gate_reason(&pod).as_deref(),
         Some("WorkloadClusterAnswerTooLarge")
     );
 
     // The controller keeps asking, with back-off, and keeps cutting the answer at the cap.
-    let until = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < until {
-        watch_memory(&mut peak)?;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    memory.hold_for(10).await?;
     println!(
-        "tenant's server sent {} MiB; the controller's process grew by {} MiB at most",
+        "endless list: the server sent {} MiB; the controller's process grew by {} MiB at most",
         server.seen.sent.load(Ordering::Relaxed) >> 20,
-        peak.saturating_sub(before) >> 20
+        memory.grown() >> 20
+    );
+    Ok(())
+}
+
+/// A tenant's server answers the Node list page by page, each page under the cap, with a
+/// `continue` to another page without end (Nodes with 20 KiB names): the controller keeps at
+/// most 16 MiB of one cluster's Nodes, then stops watching it and the machine says why.
+#[tokio::test]
+async fn endless_list_pages_fill_no_more_than_the_node_cache_allows() -> Result<()> {
+    let (mc, _stop) = management_cluster("capk-pages-").await?;
+    let ns = "tenant-pages";
+    let name = tenant(&mc, ns, "paged").await?;
+    let server = TenantServer::start(Behaviour::EndlessPages).await?;
+    let _one = MEASURING.lock().await;
+    let mut memory = Memory::from_now(&server)?;
+    Api::<Secret>::namespaced(mc.clone(), ns)
+        .create(&PostParams::default(), &server.kubeconfig_secret("paged")?)
+        .await?;
+    let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
+    let message = memory
+        .until_node_ready(&kms, &name, "WorkloadClusterTooManyNodes", 30)
+        .await?;
+    assert!(
+        message.contains("Secret paged-kubeconfig changes"),
+        "{message}"
+    );
+    // It is not asked for more pages.
+    let pages = server.seen.pages.load(Ordering::SeqCst);
+    memory.hold_for(5).await?;
+    assert_eq!(server.seen.pages.load(Ordering::SeqCst), pages);
+    println!(
+        "endless pages: {pages} pages ({} MiB) sent; the controller's process grew by {} MiB at most",
+        server.seen.sent.load(Ordering::Relaxed) >> 20,
+        memory.grown() >> 20
     );
     Ok(())
 }
