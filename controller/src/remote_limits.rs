@@ -151,7 +151,9 @@ impl LimitError {
         }
     }
 
-    fn in_boxed<'a>(e: &'a (dyn std::error::Error + Send + Sync + 'static)) -> Option<&'a LimitError> {
+    fn in_boxed<'a>(
+        e: &'a (dyn std::error::Error + Send + Sync + 'static),
+    ) -> Option<&'a LimitError> {
         if let Some(l) = e.downcast_ref::<LimitError>() {
             return Some(l);
         }
@@ -332,7 +334,8 @@ where
                 Ok(Ok(res)) => res,
             };
             let status = res.status();
-            let healthy = !(status.is_server_error() || status == http::StatusCode::TOO_MANY_REQUESTS);
+            let healthy =
+                !(status.is_server_error() || status == http::StatusCode::TOO_MANY_REQUESTS);
             if !healthy {
                 fail(LimitError::ServerError(status.as_u16()));
             }
@@ -534,7 +537,11 @@ mod tests {
     }
 
     async fn read(
-        svc: &mut impl Service<Request<()>, Response = Response<LimitedBody<TestBody>>, Error = BoxError>,
+        svc: &mut impl Service<
+            Request<()>,
+            Response = Response<LimitedBody<TestBody>>,
+            Error = BoxError,
+        >,
         uri: &str,
     ) -> Result<Bytes, LimitError> {
         let res = svc
@@ -566,7 +573,12 @@ mod tests {
             "{err:?}"
         );
         tokio::time::sleep(BACKOFF_FIRST).await;
-        assert!(read(&mut svc, "/api/v1/nodes").await.unwrap_err().is_too_large());
+        assert!(
+            read(&mut svc, "/api/v1/nodes")
+                .await
+                .unwrap_err()
+                .is_too_large()
+        );
         // The second failure in a row doubles the wait.
         tokio::time::sleep(BACKOFF_FIRST).await;
         assert!(matches!(
@@ -585,10 +597,7 @@ mod tests {
     async fn a_watch_is_capped_per_event_and_not_in_total() {
         let mut svc = answering(vec![b"abc\nab", b"cd\n", b"abc\n", b"abc\n"]);
         let uri = "/api/v1/nodes?watch=true&timeoutSeconds=25";
-        assert_eq!(
-            read(&mut svc, uri).await.unwrap(),
-            "abc\nabcd\nabc\nabc\n"
-        );
+        assert_eq!(read(&mut svc, uri).await.unwrap(), "abc\nabcd\nabc\nabc\n");
         let mut long = answering(vec![b"ab\nabc", b"de\n"]);
         assert_eq!(
             read(&mut long, uri).await.unwrap_err(),
@@ -633,7 +642,10 @@ mod tests {
         let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
             let trickle = futures::stream::unfold((), |()| async {
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                Some((Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"\n"))), ()))
+                Some((
+                    Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"\n"))),
+                    (),
+                ))
             });
             Ok::<_, BoxError>(Response::new(StreamBody::new(trickle).boxed()))
         }));

@@ -406,7 +406,10 @@ fn strip_node(n: &mut Node) {
         .flatten()
         .filter(|c| c.type_ == "Ready")
         .map(|mut c| {
-            for text in [c.message.as_mut(), c.reason.as_mut()].into_iter().flatten() {
+            for text in [c.message.as_mut(), c.reason.as_mut()]
+                .into_iter()
+                .flatten()
+            {
                 *text = crate::redact::cap(text, MAX_NODE_MESSAGE_BYTES);
             }
             c

@@ -172,8 +172,10 @@ async fn answer(
                 "lastTransitionTime": "2026-01-01T00:00:00Z"}]);
             let items: Vec<_> = names
                 .iter()
-                .map(|n| json!({"metadata": {"name": n, "uid": format!("uid-{n}"),
-                    "resourceVersion": "1"}, "status": {"conditions": ready}}))
+                .map(|n| {
+                    json!({"metadata": {"name": n, "uid": format!("uid-{n}"),
+                    "resourceVersion": "1"}, "status": {"conditions": ready}})
+                })
                 .collect();
             full(
                 200,
@@ -231,9 +233,8 @@ impl TenantServer {
                     let Ok(tls) = acceptor.accept(tcp).await else {
                         return;
                     };
-                    let service = hyper::service::service_fn(move |req| {
-                        answer(behaviour, seen.clone(), req)
-                    });
+                    let service =
+                        hyper::service::service_fn(move |req| answer(behaviour, seen.clone(), req));
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
                         .await;
@@ -442,7 +443,10 @@ async fn an_endless_node_list_is_cut_at_the_cap_and_said_on_the_machine() -> Res
         message.contains("more than 4194304 bytes in one answer"),
         "{message}"
     );
-    assert!(reported < Duration::from_secs(15), "reported after {reported:?}");
+    assert!(
+        reported < Duration::from_secs(15),
+        "reported after {reported:?}"
+    );
     let pod = Api::<Pod>::namespaced(mc.clone(), ns).get(&name).await?;
     assert_eq!(
         gate_reason(&pod).as_deref(),
@@ -556,9 +560,8 @@ async fn a_server_that_holds_every_patch_holds_up_no_other_tenant() -> Result<()
     let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), slow);
     let (reason, message) = eventually(60, "NodeReady saying the PATCH failed", || async {
         let km = kms.get("slow-cp-0").await?;
-        Ok(node_ready(&km).filter(|(r, _)| {
-            r == "WorkloadClusterUnreachable" || r == "WorkloadClusterBusy"
-        }))
+        Ok(node_ready(&km)
+            .filter(|(r, _)| r == "WorkloadClusterUnreachable" || r == "WorkloadClusterBusy"))
     })
     .await?;
     assert!(message.contains("node slow-cp-0"), "{reason}: {message}");
