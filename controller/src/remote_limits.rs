@@ -1,7 +1,7 @@
 //! What one remote cluster may cost the controller. A workload or hosting cluster is reached
 //! through a kubeconfig Secret whose author may be a tenant, so its server may be theirs: every
-//! client built from such a Secret ([`crate::inline_kubeconfig`]) goes through a [`LimitsLayer`]
-//! holding it to the operator's [`RemoteLimits`]:
+//! client built from such a Secret goes through a [`LimitsLayer`] holding it to the operator's
+//! [`RemoteLimits`]:
 //!
 //! - an answer is read up to [`RemoteLimits::max_response_bytes`], one watch event up to
 //!   [`RemoteLimits::max_event_bytes`]; past that the request fails ([`LimitError::TooLarge`])
@@ -54,7 +54,7 @@ pub const BACKOFF_FIRST: Duration = Duration::from_secs(1);
 /// The longest wait after a remote cluster's failures.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(120);
 /// How long a watch asks the server to keep it open when the request does not say (the
-/// controller's own watches always say, [`crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS`]).
+/// controller's own watches always say: their `timeoutSeconds` is 25).
 const DEFAULT_WATCH_SECONDS: u64 = 300;
 
 /// The operator's limits on what one remote cluster's client reads and how long it waits.
