@@ -74,6 +74,10 @@ pub enum Error {
     /// The cluster where the objects live cannot be used now (the condition says why).
     #[error("hosting cluster unavailable: {0}")]
     HostingUnavailable(String),
+    /// The machine's workload cluster failed: its Node watch, or syncing its Node (the
+    /// `NodeReady` condition and the Pod's readiness gate say why).
+    #[error("workload cluster: {0}")]
+    WorkloadUnavailable(String),
     /// The reconcile took longer than its deadline (the back-off module's): a cluster it
     /// talks to answers too slowly.
     #[error(
@@ -106,6 +110,7 @@ impl Error {
             Error::MissingNamespace => "InvalidObject",
             Error::Foreign { .. } => "ForeignObject",
             Error::HostingUnavailable(_) => "HostingClusterUnavailable",
+            Error::WorkloadUnavailable(_) => "WorkloadClusterUnavailable",
             Error::MachinesRemain(_) => "WaitingForMachines",
             Error::Deadline(_) => "DeadlineExceeded",
         }
@@ -116,6 +121,7 @@ impl Error {
     pub fn is_waiting(&self) -> bool {
         match self {
             Error::HostingUnavailable(_)
+            | Error::WorkloadUnavailable(_)
             | Error::MachinesRemain(_)
             | Error::EtcdCleanupPending { .. } => true,
             Error::Finalizer(f) => matches!(

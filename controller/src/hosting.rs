@@ -15,6 +15,9 @@
 //! first full success makes it available again. Each change wakes every KVMCluster and
 //! KVMMachine of the link, which say so in their `HostingClusterAvailable` condition. Meanwhile
 //! nothing is created, adopted or deleted there: the VMs keep running, untouched.
+//!
+//! The hosting cluster's server may be a tenant's: its client is held to the operator's
+//! [`RemoteLimits`] (what it reads, requests in flight, their time, a back-off after failures).
 
 use std::{
     collections::HashMap,
@@ -51,6 +54,7 @@ use crate::{
     inline_kubeconfig::KubeconfigError,
     ownership::Home,
     remote::{self, KubeconfigSecret, LinkState},
+    remote_limits::{LimitError, RemoteLimits, describe},
 };
 
 /// Reason: the objects live in the management cluster (no hosting cluster is named).
@@ -69,6 +73,8 @@ pub const REASON_CONNECTING: &str = "WaitingForHostingCluster";
 pub const REASON_UNREACHABLE: &str = "HostingClusterUnreachable";
 /// Reason: the hosting cluster answers, but refuses the credential (401) or what it may do (403).
 pub const REASON_FORBIDDEN: &str = "HostingClusterForbidden";
+/// Reason: the hosting cluster sent an answer over the controller's limits.
+pub const REASON_ANSWER_TOO_LARGE: &str = "HostingClusterAnswerTooLarge";
 
 /// How often an unavailable hosting cluster is tried again.
 pub const PROBE_INTERVAL: Duration = Duration::from_secs(2);
@@ -223,6 +229,7 @@ pub struct Links {
     /// One connection at a time, so that two reconciles never start two links for one key.
     connecting: tokio::sync::Mutex<()>,
     on_change: OnChange,
+    limits: RemoteLimits,
 }
 
 /// One hosting cluster and namespace: its client, the caches of the objects the controller
@@ -230,13 +237,15 @@ pub struct Links {
 type Link = remote::Link<ObjectCaches>;
 
 impl Links {
-    /// No links yet; `on_change` hears of every change the links will see.
-    pub fn new(on_change: OnChange) -> Self {
+    /// No links yet; `on_change` hears of every change the links will see. Each hosting
+    /// cluster's client is held to `limits`.
+    pub fn new(on_change: OnChange, limits: &RemoteLimits) -> Self {
         Self {
             links: remote::Links::default(),
             refused: Mutex::default(),
             connecting: tokio::sync::Mutex::new(()),
             on_change,
+            limits: limits.clone(),
         }
     }
 
@@ -350,7 +359,7 @@ impl Links {
             link.renew(&secret.version);
             return Ok(link);
         }
-        let client = match secret.client().await {
+        let client = match secret.client(&self.limits).await {
             Ok(c) => c,
             Err(e) => {
                 let reason = match e {
@@ -377,7 +386,9 @@ impl Links {
     fn start(&self, key: &HostingKey, client: Client, secret: &KubeconfigSecret) -> Link {
         info!(hosting = %key, "watching the hosting cluster");
         let ns = key.namespace.as_str();
-        let config = owned().timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS);
+        let config = owned()
+            .timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS)
+            .page_size(self.limits.list_page_size);
         let (pods, pod_events) = cached(
             Api::<Pod>::namespaced(client.clone(), ns),
             config.clone(),
@@ -526,12 +537,13 @@ fn request_failure(e: &kube::Error) -> Unavailable {
                 crate::redact::untrusted_message(&s.message)
             ),
         },
+        other if LimitError::of(other).is_some_and(LimitError::is_too_large) => Unavailable {
+            reason: REASON_ANSWER_TOO_LARGE,
+            message: format!("the hosting cluster cannot be used: {}", describe(other)),
+        },
         other => Unavailable {
             reason: REASON_UNREACHABLE,
-            message: format!(
-                "the hosting cluster does not answer: {}",
-                crate::redact::untrusted_message(&other.to_string())
-            ),
+            message: format!("the hosting cluster does not answer: {}", describe(other)),
         },
     }
 }

@@ -15,13 +15,20 @@
 //! `proxy-url` (traffic sent through a host of their choosing) and `insecure-skip-tls-verify`
 //! (credentials sent to whoever answers) are refused, and the client gives up on a server that
 //! accepts connections and never answers ([`CONNECT_TIMEOUT`], [`READ_TIMEOUT`]; watches through
-//! it end before the read timeout, [`WATCH_TIMEOUT_SECONDS`]), so one tenant's cluster cannot hold
-//! the controller's work for everyone.
+//! it end before the read timeout, [`WATCH_TIMEOUT_SECONDS`]). What the client reads, how many
+//! requests it has in flight, how long each may take and how soon it asks again after a failure
+//! are bounded by the operator's [`RemoteLimits`] ([`crate::remote_limits`]), so one tenant's
+//! cluster can neither exhaust the controller's memory nor hold its work for everyone. The
+//! client does not retry by itself either: when a server's `Retry-After` would be obeyed is the
+//! controller's decision.
 
 use kube::{
     Client, Config,
+    client::ClientBuilder,
     config::{KubeConfigOptions, Kubeconfig},
 };
+
+use crate::remote_limits::{LimitsLayer, RemoteLimits};
 
 /// How long connecting to a remote apiserver may take.
 pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -107,8 +114,8 @@ impl InlineKubeconfig {
         Ok(Self(kc))
     }
 
-    /// A client for the kubeconfig's current context.
-    pub async fn client(self) -> Result<Client, KubeconfigError> {
+    /// A client for the kubeconfig's current context, held to `limits`.
+    pub async fn client(self, limits: &RemoteLimits) -> Result<Client, KubeconfigError> {
         let shown = |e: &dyn std::fmt::Display| {
             KubeconfigError::Config(crate::redact::untrusted_message(&e.to_string()))
         };
@@ -120,7 +127,11 @@ impl InlineKubeconfig {
         config.write_timeout = Some(READ_TIMEOUT);
         // A proxy from the controller's own environment is no business of a tenant's cluster.
         config.proxy_url = None;
-        Client::try_from(config).map_err(|e| shown(&e))
+        // Retries (and the waits a server's Retry-After asks for) are the controller's: its
+        // back-off per cluster, then the reconcile's.
+        config.default_retry = false;
+        let builder = ClientBuilder::try_from(config).map_err(|e| shown(&e))?;
+        Ok(builder.with_layer(&LimitsLayer::new(limits)).build())
     }
 }
 

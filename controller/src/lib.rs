@@ -23,6 +23,7 @@ pub mod objects;
 pub mod ownership;
 pub mod redact;
 pub mod remote;
+pub mod remote_limits;
 pub mod report;
 pub mod settings;
 pub mod workload;
@@ -69,18 +70,22 @@ pub async fn run_with_metrics(
     let (cluster_wake, cluster_wakes) = kvmcluster::watches::Wake::new();
     let (machine_wake, machine_wakes) = kvmmachine::watches::Wake::new();
     let events = cluster_wake.on(events, &caches);
-    let workloads = workload::Links::new(machine_wake.on_nodes(&caches));
+    let limits = &settings.remote_limits;
+    let workloads = workload::Links::new(machine_wake.on_nodes(&caches), limits);
     let hosting = {
         let (machines, clusters) = (
             machine_wake.on_hosting(&caches),
             cluster_wake.on_hosting(&caches),
         );
-        hosting::Links::new(Arc::new(
-            move |key: &hosting::HostingKey, meta: Option<&ObjectMeta>| {
-                machines(key, meta);
-                clusters(key, meta);
-            },
-        ))
+        hosting::Links::new(
+            Arc::new(
+                move |key: &hosting::HostingKey, meta: Option<&ObjectMeta>| {
+                    machines(key, meta);
+                    clusters(key, meta);
+                },
+            ),
+            limits,
+        )
     };
     let ctx = Arc::new(Context::new(
         client,

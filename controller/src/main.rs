@@ -1,6 +1,9 @@
 //! `capk-controller`: the Cluster API infrastructure provider for KVM.
 
-use std::io::{Read, Write};
+use std::{
+    io::{Read, Write},
+    time::Duration,
+};
 
 use anyhow::Context;
 use capk_api::v1alpha1::ServiceType;
@@ -11,6 +14,7 @@ use capk_controller::metrics::{
 };
 use capk_controller::{
     leader::LEASE_NAME,
+    remote_limits::RemoteLimits,
     settings::{MachineDefaults, NodeImageSource, TenantPolicy},
 };
 use clap::{
@@ -180,6 +184,50 @@ struct Cli {
     /// Reconciles that run at once, per kind.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     concurrency: u16,
+    /// The most the controller reads of one answer of a workload or hosting cluster (their
+    /// servers may be a tenant's): a larger one fails, as the cluster's condition says.
+    #[arg(
+        long,
+        env = "CAPK_REMOTE_MAX_RESPONSE_SIZE",
+        default_value = "4Mi",
+        value_parser = quantity_bytes
+    )]
+    remote_max_response_size: u64,
+    /// The most the controller reads of one watch event of a workload or hosting cluster.
+    #[arg(
+        long,
+        env = "CAPK_REMOTE_MAX_WATCH_EVENT_SIZE",
+        default_value = "2Mi",
+        value_parser = quantity_bytes
+    )]
+    remote_max_watch_event_size: u64,
+    /// Objects per list page asked of a workload or hosting cluster (the rest follows by
+    /// `continue`).
+    #[arg(
+        long,
+        env = "CAPK_REMOTE_LIST_PAGE_SIZE",
+        default_value_t = capk_controller::remote_limits::DEFAULT_LIST_PAGE_SIZE,
+        value_parser = clap::value_parser!(u32).range(1..=500)
+    )]
+    remote_list_page_size: u32,
+    /// Requests in flight at once to one workload or hosting cluster (watches aside); more fail
+    /// at once and are retried with back-off, so one cluster holds at most this many reconciles.
+    #[arg(
+        long,
+        env = "CAPK_REMOTE_MAX_IN_FLIGHT",
+        default_value_t = capk_controller::remote_limits::DEFAULT_MAX_IN_FLIGHT as u16,
+        value_parser = clap::value_parser!(u16).range(1..=64)
+    )]
+    remote_max_in_flight: u16,
+    /// The longest one request to a workload or hosting cluster may take, its answer read to the
+    /// end, in seconds.
+    #[arg(
+        long,
+        env = "CAPK_REMOTE_REQUEST_TIMEOUT_SECONDS",
+        default_value_t = capk_controller::remote_limits::DEFAULT_REQUEST_TIMEOUT.as_secs() as u16,
+        value_parser = clap::value_parser!(u16).range(1..=50)
+    )]
+    remote_request_timeout_seconds: u16,
     /// Run only while holding the Lease `capkvm-controller-leader` (for more than one replica).
     #[arg(long)]
     leader_elect: bool,
@@ -359,6 +407,13 @@ async fn main() -> anyhow::Result<()> {
                 .into_iter()
                 .flatten()
                 .collect(),
+        },
+        remote_limits: RemoteLimits {
+            max_response_bytes: usize::try_from(cli.remote_max_response_size)?,
+            max_event_bytes: usize::try_from(cli.remote_max_watch_event_size)?,
+            list_page_size: cli.remote_list_page_size,
+            max_in_flight: cli.remote_max_in_flight.into(),
+            request_timeout: Duration::from_secs(cli.remote_request_timeout_seconds.into()),
         },
     };
     // Kubernetes stops Pods with SIGTERM; a terminal sends SIGINT.

@@ -7,7 +7,8 @@
 //!
 //! The kubeconfig is data, never instructions: [`KubeconfigSecret::client`] refuses one that
 //! would run a command or read a file of the controller before any client exists, and the client
-//! gives up on a server that never answers ([`crate::inline_kubeconfig`]).
+//! is held to the operator's limits on what it reads and how long it waits
+//! ([`crate::remote_limits`]).
 
 use std::{
     collections::HashMap,
@@ -24,6 +25,7 @@ use kube::{Api, Client, ResourceExt};
 use crate::{
     conditions::DesiredCondition,
     inline_kubeconfig::{InlineKubeconfig, KubeconfigError},
+    remote_limits::RemoteLimits,
 };
 
 /// Why a remote cluster cannot be used now. The message never quotes the kubeconfig.
@@ -83,9 +85,9 @@ impl KubeconfigSecret {
 
     /// A client of the cluster the kubeconfig names. It is checked as data first
     /// ([`InlineKubeconfig`]): one that would run a command or read a file of the controller is
-    /// refused before any client exists.
-    pub async fn client(&self) -> Result<Client, KubeconfigError> {
-        InlineKubeconfig::parse(&self.value)?.client().await
+    /// refused before any client exists. The client is held to `limits`.
+    pub async fn client(&self, limits: &RemoteLimits) -> Result<Client, KubeconfigError> {
+        InlineKubeconfig::parse(&self.value)?.client(limits).await
     }
 }
 

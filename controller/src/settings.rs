@@ -17,6 +17,8 @@ pub struct Settings {
     pub concurrency: u16,
     /// What a KVMMachine's author may reach past their namespace.
     pub tenant_policy: TenantPolicy,
+    /// What one workload or hosting cluster may cost the controller.
+    pub remote_limits: crate::remote_limits::RemoteLimits,
 }
 
 impl Default for Settings {
@@ -27,6 +29,7 @@ impl Default for Settings {
             machine_defaults: Default::default(),
             concurrency: 16,
             tenant_policy: TenantPolicy::default(),
+            remote_limits: Default::default(),
         }
     }
 }

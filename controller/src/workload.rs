@@ -4,7 +4,10 @@
 //! wakes the machines whose Node changed; nothing polls. The machine Pod's readiness gate follows the Node's `Ready`
 //! condition, and the Node gets our providerID when it has none, and the zone and region labels of
 //! the management-cluster node its machine Pod runs on when it has neither (failure domains are
-//! those zones). An unreachable workload cluster is a reason on the gate, never a crash.
+//! those zones). An unreachable workload cluster is a reason on the gate, never a crash; its
+//! client is held to the operator's [`RemoteLimits`] (what it reads, requests in flight, their
+//! time, a back-off after failures), and a gate that could not be read or a Node that could not
+//! be synced is a failure of the reconcile ([`Gate::failed`]), retried with back-off.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -33,6 +36,7 @@ use crate::{
     inline_kubeconfig::KubeconfigError,
     objects,
     remote::{self, KubeconfigSecret, Unavailable},
+    remote_limits::{LimitError, RemoteLimits, describe},
 };
 
 /// The well-known labels that say where a Node is, copied from the management-cluster node a
@@ -96,6 +100,10 @@ pub struct Gate {
     pub reason: &'static str,
     /// Human-readable message.
     pub message: String,
+    /// The gate could not be read or the Node not synced (the workload cluster fails, or the
+    /// management cluster did not give its kubeconfig): the reconcile that asked fails after
+    /// writing it, and is retried with back-off rather than at the next change.
+    pub failed: bool,
 }
 
 impl Gate {
@@ -104,6 +112,14 @@ impl Gate {
             ready: false,
             reason,
             message: message.into(),
+            failed: false,
+        }
+    }
+
+    fn failure(reason: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            failed: true,
+            ..Self::not_ready(reason, message)
         }
     }
 }
@@ -113,17 +129,54 @@ pub struct Links {
     /// By namespace and cluster name.
     links: remote::Links<(String, String), Store<Node>>,
     on_change: OnNodeChange,
+    limits: RemoteLimits,
 }
 
-/// Gate reason: the Node watch of the workload cluster fails.
-const REASON_UNREACHABLE: &str = "WorkloadClusterUnreachable";
+/// Gate reason: the workload cluster does not answer, or not in time.
+pub const REASON_UNREACHABLE: &str = "WorkloadClusterUnreachable";
+/// Gate reason: the workload cluster sent an answer over the controller's limits.
+pub const REASON_ANSWER_TOO_LARGE: &str = "WorkloadClusterAnswerTooLarge";
+/// Gate reason: the workload cluster has as many requests in flight as the controller allows.
+pub const REASON_BUSY: &str = "WorkloadClusterBusy";
+/// Gate reason: the workload cluster lists more Nodes than the controller keeps.
+pub const REASON_TOO_MANY_NODES: &str = "WorkloadClusterTooManyNodes";
+
+/// What one workload cluster's Nodes may take in the controller's cache, as cached
+/// ([`strip_node`]: a few hundred bytes a Node, so tens of thousands of Nodes, more than a
+/// Kubernetes cluster has). Each answer is capped ([`RemoteLimits`]), but a server may send
+/// pages (`continue`) or new Nodes without end: a cluster that lists more than this is no
+/// longer watched, and says so, until its kubeconfig Secret changes.
+pub const MAX_NODE_CACHE_BYTES: usize = 16 << 20;
+/// The longest Ready condition message or reason kept of a Node.
+const MAX_NODE_MESSAGE_BYTES: usize = 1024;
+
+/// The gate reason for a failed request to the workload cluster.
+fn failure_reason(e: &kube::Error) -> &'static str {
+    match LimitError::of(e) {
+        Some(l) if l.is_too_large() => REASON_ANSWER_TOO_LARGE,
+        Some(LimitError::Busy(_)) => REASON_BUSY,
+        _ => REASON_UNREACHABLE,
+    }
+}
+
+/// The request a Node watch failed at, if it failed at one.
+fn watch_request_error(e: &watcher::Error) -> Option<&kube::Error> {
+    match e {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => Some(e),
+        _ => None,
+    }
+}
 
 impl Links {
-    /// No links yet; `on_change` hears of every change the Node watches will see.
-    pub fn new(on_change: OnNodeChange) -> Self {
+    /// No links yet; `on_change` hears of every change the Node watches will see. Each
+    /// workload cluster's client is held to `limits`.
+    pub fn new(on_change: OnNodeChange, limits: &RemoteLimits) -> Self {
         Self {
             links: remote::Links::default(),
             on_change,
+            limits: limits.clone(),
         }
     }
 
@@ -190,7 +243,7 @@ impl Links {
         let link = match self.links.current(&key, source) {
             Some(link) => link,
             None => {
-                let (secret, wc) = match connect(mc, ns, cluster).await {
+                let (secret, wc) = match connect(mc, ns, cluster, &self.limits).await {
                     Ok(connected) => connected,
                     Err(gate) => return gate,
                 };
@@ -199,7 +252,7 @@ impl Links {
             }
         };
         if let Some(u) = link.state().failure() {
-            return Gate::not_ready(u.reason, u.message);
+            return Gate::failure(u.reason, u.message);
         }
         if !link.state().synced() {
             return Gate::not_ready(
@@ -234,7 +287,9 @@ impl Links {
             writer,
             watcher(
                 Api::<Node>::all(wc),
-                watcher::Config::default().timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS),
+                watcher::Config::default()
+                    .timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS)
+                    .page_size(self.limits.list_page_size),
             )
             .modify(strip_node),
         )
@@ -242,17 +297,23 @@ impl Links {
         let on_change = self.on_change.clone();
         let (ns, cluster, st) = (ns.to_owned(), cluster.to_owned(), link.state().clone());
         link.spawn(async move {
-            // What each Node last looked like to us: (Ready, has providerID).
-            let mut seen: HashMap<String, (bool, bool)> = HashMap::new();
+            // What each Node last looked like to us, (Ready, has providerID), and its size in
+            // the cache; the sum of those sizes.
+            let mut seen: HashMap<String, ((bool, bool), usize)> = HashMap::new();
+            let mut cached = 0usize;
             let wake = |node: Option<&str>| on_change(&ns, &cluster, node);
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
                 match event {
                     Err(e) => {
                         debug!(error = %e, cluster = %cluster, "workload cluster Node watch failed");
+                        let (reason, what) = match watch_request_error(&e) {
+                            Some(e) => (failure_reason(e), describe(e)),
+                            None => (REASON_UNREACHABLE, e.to_string()),
+                        };
                         let u = Unavailable {
-                            reason: REASON_UNREACHABLE,
-                            message: format!("watch nodes of workload cluster {cluster}: {e}"),
+                            reason,
+                            message: format!("watch nodes of workload cluster {cluster}: {what}"),
                         };
                         if st.fail(u.clone()).as_ref() != Some(&u) {
                             wake(None);
@@ -267,12 +328,23 @@ impl Links {
                             }
                             watcher::Event::Apply(n) | watcher::Event::InitApply(n) => {
                                 let facts = (node_ready(&n), has_provider_id(&n));
-                                if seen.insert(n.name_any(), facts) != Some(facts) || recovered {
+                                let size = cached_size(&n);
+                                let before = seen.insert(n.name_any(), (facts, size));
+                                cached = cached + size - before.map_or(0, |(_, s)| s);
+                                if cached > MAX_NODE_CACHE_BYTES {
+                                    st.fail(too_many_nodes(&cluster));
+                                    wake(None);
+                                    // The watch ends: what was cached stays, nothing more is.
+                                    break;
+                                }
+                                if before.map(|(f, _)| f) != Some(facts) || recovered {
                                     wake(Some(&n.name_any()));
                                 }
                             }
                             watcher::Event::Delete(n) => {
-                                seen.remove(&n.name_any());
+                                if let Some((_, size)) = seen.remove(&n.name_any()) {
+                                    cached -= size;
+                                }
                                 wake(Some(&n.name_any()));
                             }
                             watcher::Event::Init => {}
@@ -288,9 +360,28 @@ impl Links {
     }
 }
 
+/// Why a workload cluster whose Nodes outgrew [`MAX_NODE_CACHE_BYTES`] is not watched.
+fn too_many_nodes(cluster: &str) -> Unavailable {
+    Unavailable {
+        reason: REASON_TOO_MANY_NODES,
+        message: format!(
+            "workload cluster {cluster} lists more Nodes than the controller keeps ({} MiB of \
+             them as cached); its Nodes are not watched until Secret {} changes",
+            MAX_NODE_CACHE_BYTES >> 20,
+            kubeconfig_secret_name(cluster)
+        ),
+    }
+}
+
+/// What a Node, as cached, takes in the cache (about: its size as JSON, its name twice).
+fn cached_size(n: &Node) -> usize {
+    serde_json::to_vec(n).map_or(0, |v| v.len()) + n.metadata.name.as_ref().map_or(0, String::len)
+}
+
 /// Of a workload Node only what the gate reads is kept: its identity, providerID, topology
-/// labels and `Ready` condition. Images, labels, annotations and managed fields are most of a
-/// Node's size, and the workload cluster's users write them.
+/// labels and `Ready` condition (its message and reason cut to [`MAX_NODE_MESSAGE_BYTES`]).
+/// Images, labels, annotations and managed fields are most of a Node's size, and the workload
+/// cluster's users write them.
 fn strip_node(n: &mut Node) {
     use k8s_openapi::api::core::v1::{NodeSpec, NodeStatus};
     let meta = &mut n.metadata;
@@ -314,6 +405,15 @@ fn strip_node(n: &mut Node) {
         .into_iter()
         .flatten()
         .filter(|c| c.type_ == "Ready")
+        .map(|mut c| {
+            for text in [c.message.as_mut(), c.reason.as_mut()]
+                .into_iter()
+                .flatten()
+            {
+                *text = crate::redact::cap(text, MAX_NODE_MESSAGE_BYTES);
+            }
+            c
+        })
         .collect::<Vec<_>>();
     n.status = Some(NodeStatus {
         conditions: (!ready.is_empty()).then_some(ready),
@@ -340,18 +440,23 @@ fn has_provider_id(n: &Node) -> bool {
 /// there is none. The kubeconfig is checked as data first ([`KubeconfigSecret::client`]): one
 /// that would run a command or read a file of the controller is refused before any client
 /// exists.
-async fn connect(mc: &Client, ns: &str, cluster: &str) -> Result<(KubeconfigSecret, Client), Gate> {
+async fn connect(
+    mc: &Client,
+    ns: &str,
+    cluster: &str,
+    limits: &RemoteLimits,
+) -> Result<(KubeconfigSecret, Client), Gate> {
     let name = kubeconfig_secret_name(cluster);
     let secret = KubeconfigSecret::read(mc, ns, &name, "value")
         .await
-        .map_err(|e| Gate::not_ready("WorkloadClusterUnavailable", format!("read Secret {name}: {e}")))?
+        .map_err(|e| Gate::failure("WorkloadClusterUnavailable", format!("read Secret {name}: {e}")))?
         .ok_or_else(|| {
             Gate::not_ready(
                 "WaitingForWorkloadClusterKubeconfig",
                 format!("Secret {name} does not exist yet (Cluster API writes it once the control plane is initialized)"),
             )
         })?;
-    match secret.client().await {
+    match secret.client(limits).await {
         Ok(client) => Ok((secret, client)),
         Err(e) => {
             let reason = match e {
@@ -402,9 +507,12 @@ pub async fn sync_node(wc: &Client, node: &Node, facts: NodeFacts<'_>) -> Gate {
             .patch(&node_name, &objects::params(&merge), &merge)
             .await
     {
-        return Gate::not_ready(
-            "WorkloadClusterUnreachable",
-            format!("set providerID or topology labels on node {node_name}: {e}"),
+        return Gate::failure(
+            failure_reason(&e),
+            format!(
+                "set providerID or topology labels on node {node_name}: {}",
+                describe(&e)
+            ),
         );
     }
     let ready = node
@@ -417,6 +525,7 @@ pub async fn sync_node(wc: &Client, node: &Node, facts: NodeFacts<'_>) -> Gate {
             ready: true,
             reason: "NodeReady",
             message: format!("node {node_name} is Ready"),
+            failed: false,
         },
         Some(c) => Gate::not_ready(
             "NodeNotReady",
@@ -494,5 +603,20 @@ mod tests {
                        "message": "kubelet is posting ready status"}]}})
         );
         assert!(node_ready(&n) && has_provider_id(&n));
+    }
+
+    #[test]
+    fn a_cached_nodes_ready_message_and_reason_are_cut() {
+        let mut n: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n1"},
+            "status": {"conditions": [{"type": "Ready", "status": "False",
+                "reason": "r".repeat(4096), "message": "m".repeat(1 << 20)}]},
+        }))
+        .unwrap();
+        strip_node(&mut n);
+        let ready = &n.status.as_ref().unwrap().conditions.as_ref().unwrap()[0];
+        assert!(ready.message.as_ref().unwrap().len() <= MAX_NODE_MESSAGE_BYTES);
+        assert!(ready.reason.as_ref().unwrap().len() <= MAX_NODE_MESSAGE_BYTES);
+        assert!(cached_size(&n) < 4 * MAX_NODE_MESSAGE_BYTES);
     }
 }

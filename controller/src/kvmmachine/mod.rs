@@ -575,6 +575,11 @@ async fn apply(
         // Recovery wakes this machine; this is a safety net.
         return Ok(Action::requeue(Duration::from_secs(60)));
     }
+    // A workload cluster that failed is tried again after the machine's back-off, not at once
+    // at the next change of anything.
+    if let Some(gate) = observed.gate.filter(|g| g.failed) {
+        return Err(Error::WorkloadUnavailable(gate.message));
+    }
     Ok(Action::await_change())
 }
 
