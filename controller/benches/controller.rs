@@ -83,7 +83,10 @@ fn large_metadata(extra: Value) -> Value {
             "c".repeat(63),
             "d".repeat(56)
         );
-        labels.insert(format!("{prefix}/{}", "n".repeat(63)), json!("v".repeat(63)));
+        labels.insert(
+            format!("{prefix}/{}", "n".repeat(63)),
+            json!("v".repeat(63)),
+        );
     }
     if let Value::Object(extra) = extra {
         labels.extend(extra);
