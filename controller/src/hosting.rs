@@ -1,7 +1,8 @@
 //! Hosting clusters: where a workload cluster's machine Pods, Ignition Secrets, etcd PVCs and
 //! control-plane Service live when its KVMCluster names one (`spec.hostingCluster`), reached
-//! through a kubeconfig Secret in the management cluster. Without one they live in the management
-//! cluster, in the KVMCluster's namespace, as they always did.
+//! through a kubeconfig Secret in the management cluster (which the reconcilers find, and label
+//! for clusterctl move and the controller's watch, before they ask for a [`Target`]). Without
+//! one they live in the management cluster, in the KVMCluster's namespace, as they always did.
 //!
 //! One link ([`crate::remote`]) per hosting cluster and namespace, however many KVMClusters and
 //! machines use it: one client and one watch per kind (machine Pods, our Secrets, PVCs and

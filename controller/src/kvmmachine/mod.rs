@@ -59,8 +59,8 @@ use crate::{
     ownership::{Claim, Owner},
     report,
     workload::{
-        Gate, NodeFacts, PodNode, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_REFUSED,
-        kubeconfig_secret_name, set_gate,
+        Gate, NodeFacts, PodNode, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_MISSING,
+        REASON_KUBECONFIG_REFUSED, kubeconfig_secret_name, set_gate,
     },
 };
 
@@ -588,8 +588,22 @@ async fn apply(
         // Recovery wakes this machine; this is a safety net.
         return Ok(Action::requeue(Duration::from_secs(60)));
     }
+    // The watch sees Secrets by their cluster label: one made without it (by hand) appears
+    // unseen, and is looked for (and labelled) again at this pace.
+    let waiting_for_secret = matches!(observed.state, MachineState::WaitingForBootstrapSecret(_))
+        || observed
+            .gate
+            .as_ref()
+            .is_some_and(|g| g.reason == REASON_KUBECONFIG_MISSING);
+    if waiting_for_secret {
+        return Ok(Action::requeue(UNLABELLED_SECRET_RECHECK));
+    }
     Ok(Action::await_change())
 }
+
+/// How often a machine waiting for its bootstrap data or kubeconfig Secret looks for it while
+/// the watch has not shown it (it may exist without the cluster label the watch selects).
+pub const UNLABELLED_SECRET_RECHECK: Duration = Duration::from_secs(60);
 
 /// Publishes a Warning Event for a condition the user must act on, unless the KVMMachine's
 /// `Ready` condition already reports it (the Event went out with it).
