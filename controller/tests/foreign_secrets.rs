@@ -310,6 +310,7 @@ async fn large_foreign_secrets_stay_out_of_memory_and_the_secrets_read_are_still
         );
 
         let rss = rss_peak_mib(pid)?;
+        eprintln!("controller peak RSS: {rss} MiB");
         assert!(
             rss <= RSS_BUDGET_MIB,
             "the controller's peak RSS is {rss} MiB beside {UNRELATED} unrelated and {LABELLED} \
