@@ -441,15 +441,16 @@ impl Caches {
         );
         let (pods, pod_events) = cached(api::<Pod>(client, ns), owned(), strip_pod);
         // Secrets, PVCs and Services as metadata only: their data is read when needed. Pages of
-        // 10 Secrets: each may carry up to 1.5 MiB of labels and annotations until stripped.
+        // 2 Secrets: each may carry up to 1.5 MiB of labels and annotations until stripped, and
+        // a page is held about five times over while it is read (body, text, objects).
         let (secrets, secret_events) = cached(
             api::<PartialObjectMeta<Secret>>(client, ns),
-            cluster_secrets().page_size(10),
+            cluster_secrets().page_size(2),
             strip_secret,
         );
         let (hosting_kubeconfigs, hosting_kubeconfig_events) = cached(
             api::<PartialObjectMeta<Secret>>(client, ns),
-            hosting_kubeconfigs().page_size(10),
+            hosting_kubeconfigs().page_size(2),
             strip_secret,
         );
         let (claims, claim_events) = cached(
