@@ -166,6 +166,16 @@ async fn hosted_cluster(client: &Client, secret: &str) -> Result<()> {
     Ok(())
 }
 
+/// The controller's process, stopped when the test ends, a failed assertion too.
+struct Controller(std::process::Child);
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn rss_peak_mib(pid: u32) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kib: u64 = status
@@ -185,21 +195,23 @@ async fn large_foreign_secrets_stay_out_of_memory_and_the_secrets_read_are_still
     create_namespace(&client, HOSTING_NS).await?;
     create_foreign_secrets(&client).await?;
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_capk-controller"))
-        .args([
-            &format!("--namespace={NS}"),
-            "--metrics-addr=127.0.0.1:0",
-            "--health-addr=127.0.0.1:0",
-        ])
-        .env("KUBECONFIG", env.kubeconfig())
-        .env("RUST_LOG", "warn")
-        // As the Deployment (manifests/manager/manager.yaml) and the image run it.
-        .env("MALLOC_ARENA_MAX", "2")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let pid = child.id();
-    let result = async {
+    let controller = Controller(
+        Command::new(env!("CARGO_BIN_EXE_capk-controller"))
+            .args([
+                &format!("--namespace={NS}"),
+                "--metrics-addr=127.0.0.1:0",
+                "--health-addr=127.0.0.1:0",
+            ])
+            .env("KUBECONFIG", env.kubeconfig())
+            .env("RUST_LOG", "warn")
+            // As the Deployment (manifests/manager/manager.yaml) and the image run it.
+            .env("MALLOC_ARENA_MAX", "2")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    let pid = controller.0.id();
+    {
         let kms: Api<KVMMachine> = Api::namespaced(client.clone(), NS);
         let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
         let secrets: Api<Secret> = Api::namespaced(client.clone(), NS);
@@ -307,10 +319,6 @@ async fn large_foreign_secrets_stay_out_of_memory_and_the_secrets_read_are_still
             "the controller's peak RSS is {rss} MiB beside {UNRELATED} unrelated and {LABELLED} \
              labelled Secrets with ~0.55 MiB of labels each (budget {RSS_BUDGET_MIB} MiB)"
         );
-        anyhow::Ok(())
     }
-    .await;
-    let _ = child.kill();
-    let _ = child.wait();
-    result
+    Ok(())
 }
