@@ -32,6 +32,14 @@ pub const RENDERED_FROM_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/rend
 pub const BLOCK_MOVE_ANNOTATION: &str = "clusterctl.cluster.x-k8s.io/block-move";
 /// Finalizer on KVMMachines.
 pub const KVMMACHINE_FINALIZER: &str = "kvmmachine.infrastructure.cluster.x-k8s.io";
+/// Annotation on a KVMMachine: where its machine Pod kept the etcd disk, `<node>:<directory>`.
+pub const ETCD_HOST_DIR_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/etcd-host-dir";
+/// Annotation on an etcd cleanup Pod: which attempt it is (1, 2, ...).
+pub const ETCD_CLEANUP_ATTEMPT_ANNOTATION: &str =
+    "infrastructure.cluster.x-k8s.io/etcd-cleanup-attempt";
+/// Annotation on an etcd cleanup Pod: when the first attempt was made (RFC 3339).
+pub const ETCD_CLEANUP_SINCE_ANNOTATION: &str =
+    "infrastructure.cluster.x-k8s.io/etcd-cleanup-since";
 
 /// Pod readiness gate the controller sets from the workload cluster Node's Ready condition.
 pub const NODE_READY_GATE: &str = "infrastructure.cluster.x-k8s.io/node-ready";

@@ -1,10 +1,14 @@
 //! `make bench-controller`: N KVMMachines (with Machines and bootstrap Secrets) against a real
-//! kube-apiserver, no kubelet (Pods stay Pending), beside M Secrets that are none of the
-//! controller's business, each carrying a 64 KiB annotation (what any tenant can write). Prints:
-//! time until every Pod and status exists, the controller's peak RSS against its budget, API
-//! requests per machine, and object changes at rest.
+//! kube-apiserver, no kubelet (Pods stay Pending), beside Secrets that are none of the
+//! controller's business, each carrying what any tenant may write on one: labels up to
+//! [`LABEL_BYTES`] and an annotation of [`ANNOTATION_BYTES`]. Most are unrelated (M of them);
+//! some carry the cluster's label as Cluster API's own Secrets do (L of them), so the
+//! controller's watch selects them and its cache must strip them. Prints: time until every Pod
+//! and status exists, the controller's peak RSS against its budget, API requests per machine,
+//! and object changes at rest.
 //!
-//!   CAPK_BENCH_MACHINES=1000 CAPK_BENCH_UNRELATED_SECRETS=10000 cargo bench -p capk-controller --bench controller
+//!   CAPK_BENCH_MACHINES=1000 CAPK_BENCH_UNRELATED_SECRETS=10000 CAPK_BENCH_LABELLED_SECRETS=1000 \
+//!     cargo bench -p capk-controller --bench controller
 
 use std::{
     process::{Command, Stdio},
@@ -28,6 +32,11 @@ const NS: &str = "bench";
 /// The controller's peak RSS budget, MiB: the Deployment's VPA starts from its requests, and
 /// one tenant's objects must not grow it.
 const RSS_BUDGET_MIB: f64 = 64.0;
+/// Labels on each foreign Secret, about this many bytes in all: 48 labels with the longest key
+/// (a 253-byte prefix and a 63-byte name) and value (63 bytes) the apiserver accepts.
+const LABEL_BYTES: usize = 48 * (253 + 1 + 63 + 63);
+/// One annotation on each foreign Secret (the apiserver allows 256 KiB of annotations).
+const ANNOTATION_BYTES: usize = 32 << 10;
 
 fn rss_peak_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -61,11 +70,38 @@ async fn apiserver_requests(client: &Client) -> Result<f64> {
         .sum())
 }
 
-/// Secret `i` of the unrelated ones: no label, a 64 KiB annotation.
-async fn create_unrelated_secret(client: &Client, i: usize) -> Result<()> {
+/// The labels (about [`LABEL_BYTES`]) and annotations ([`ANNOTATION_BYTES`]) of a foreign
+/// Secret, plus `extra` labels.
+fn large_metadata(extra: Value) -> Value {
+    let mut labels = serde_json::Map::new();
+    for j in 0..LABEL_BYTES / (253 + 1 + 63 + 63) {
+        // A DNS subdomain of 253 bytes: four labels of up to 63 bytes and the counter.
+        let prefix = format!(
+            "{}.{}.{}.{}.l{j:03}",
+            "a".repeat(63),
+            "b".repeat(63),
+            "c".repeat(63),
+            "d".repeat(56)
+        );
+        labels.insert(
+            format!("{prefix}/{}", "n".repeat(63)),
+            json!("v".repeat(63)),
+        );
+    }
+    if let Value::Object(extra) = extra {
+        labels.extend(extra);
+    }
+    json!({"labels": labels,
+           "annotations": {"example.com/blob": "x".repeat(ANNOTATION_BYTES)}})
+}
+
+/// Secret `name`, none of the controller's business, with large labels and annotations (and
+/// `extra` labels).
+async fn create_foreign_secret(client: &Client, name: String, extra: Value) -> Result<()> {
+    let mut metadata = large_metadata(extra);
+    metadata["name"] = json!(name);
     let secret: Secret = serde_json::from_value(json!({
-        "metadata": {"name": format!("unrelated-{i:05}"),
-                     "annotations": {"example.com/blob": "x".repeat(64 << 10)}},
+        "metadata": metadata,
         "stringData": {"value": "not the controller's"},
     }))?;
     Api::<Secret>::namespaced(client.clone(), NS)
@@ -77,7 +113,9 @@ async fn create_unrelated_secret(client: &Client, i: usize) -> Result<()> {
 async fn create_machine(client: &Client, i: usize) -> Result<()> {
     let name = format!("m-{i:05}");
     let secret: Secret = serde_json::from_value(json!({
-        "metadata": {"name": format!("{name}-bootstrap")},
+        // As CABPK writes it: labelled with its cluster (the Cluster API bootstrap contract).
+        "metadata": {"name": format!("{name}-bootstrap"),
+                     "labels": {"cluster.x-k8s.io/cluster-name": "demo"}},
         "stringData": {"value": "#cloud-config\nruncmd:\n- kubeadm join --config /run/kubeadm/kubeadm-join-config.yaml\n", "format": "cloud-config"},
     }))?;
     Api::<Secret>::namespaced(client.clone(), NS)
@@ -154,16 +192,31 @@ async fn main() -> Result<()> {
         )
         .await?;
 
-    let unrelated: usize = std::env::var("CAPK_BENCH_UNRELATED_SECRETS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10_000);
+    let count = |var: &str, default: usize| -> usize {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let unrelated = count("CAPK_BENCH_UNRELATED_SECRETS", 10_000);
+    let labelled = count("CAPK_BENCH_LABELLED_SECRETS", 1_000);
     stream::iter(0..unrelated)
-        .map(|i| create_unrelated_secret(&client, i))
+        .map(|i| create_foreign_secret(&client, format!("unrelated-{i:05}"), json!({})))
+        .chain(stream::iter(0..labelled).map(|i| {
+            create_foreign_secret(
+                &client,
+                format!("labelled-{i:05}"),
+                json!({"cluster.x-k8s.io/cluster-name": "demo"}),
+            )
+        }))
         .buffer_unordered(16)
         .try_collect::<Vec<_>>()
         .await?;
-    println!("bench-controller: {unrelated} unrelated Secrets with 64 KiB annotations created");
+    let foreign_kib = (LABEL_BYTES + ANNOTATION_BYTES) as f64 / 1024.0;
+    let foreign_mib = (unrelated + labelled) as f64 * foreign_kib / 1024.0;
+    println!(
+        "bench-controller: {unrelated} unrelated + {labelled} labelled foreign Secrets created ({foreign_mib:.0} MiB of labels and annotations)"
+    );
 
     // The objects exist first (as after a `clusterctl move` or a controller restart), then the
     // controller starts: this measures how fast it converges on N machines.
@@ -274,7 +327,11 @@ async fn main() -> Result<()> {
         "bench-controller: time to all Pods + statuses {:.1} s",
         converge.as_secs_f64()
     );
-    println!("bench-controller: unrelated Secrets           {unrelated} (64 KiB annotation each)");
+    println!(
+        "bench-controller: foreign Secrets             {unrelated} unrelated + {labelled} with the cluster's label ({:.0} KiB of labels + {:.0} KiB annotation each, {foreign_mib:.0} MiB in all)",
+        LABEL_BYTES as f64 / 1024.0,
+        ANNOTATION_BYTES as f64 / 1024.0
+    );
     let rss_mib = rss as f64 / 1024.0;
     println!(
         "bench-controller: controller peak RSS         {rss_mib:.1} MiB (budget {RSS_BUDGET_MIB} MiB: {})",

@@ -1,19 +1,29 @@
 //! The watch caches the reconcilers read instead of asking an apiserver, and how they are made.
 //! [`cached`] turns one watch into a cache and the stream of changed objects that triggers
-//! reconciles; each cache keeps only what the reconcilers read of an object (`strip_*`), so
-//! thousands of objects written by others are not the controller's memory. [`Caches`] are the
-//! management cluster's; [`ObjectCaches`] those of the objects the controller makes in one
+//! reconciles. What a cache holds is bounded by what the controller reads, never by what others
+//! write: each watch selects by label the objects the controller may read (Secrets too: see
+//! [`Caches`]), and each object is stripped (`strip_*`) to the labels, annotations, owner
+//! references and fields the reconcilers read; an annotation value is kept up to
+//! [`MAX_KEPT_ANNOTATION_BYTES`], owner references up to [`MAX_KEPT_OWNERS`]. [`Caches`] are
+//! the management cluster's; [`ObjectCaches`] those of the objects the controller makes in one
 //! cluster (the management cluster or a hosting cluster).
 
 use capk_api::{
-    capi::{Cluster, Machine},
-    constants::{ETCD_VOLUME, MANAGED_BY, MAX_LABEL_LEN, RENDERED_FROM_ANNOTATION, bounded_name},
-    v1alpha1::{KVMCluster, KVMMachine},
+    capi::{Cluster, ClusterStatus, Machine},
+    constants::{
+        BLOCK_MOVE_ANNOTATION, CLUSTER_NAME_LABEL, CONTROL_PLANE_LABEL,
+        ETCD_CLEANUP_ATTEMPT_ANNOTATION, ETCD_CLEANUP_SINCE_ANNOTATION, ETCD_HOST_DIR_ANNOTATION,
+        ETCD_VOLUME, KVMCLUSTER_LABEL, KVMMACHINE_LABEL, MACHINE_ROLE_LABEL, MANAGED_BY,
+        MAX_LABEL_LEN, MOVE_LABEL, OWNER_NAMESPACE_LABEL, OWNER_UID_LABEL, PAUSED_ANNOTATION,
+        RENDERED_FROM_ANNOTATION, bounded_name,
+    },
+    v1alpha1::{KVMCluster, KVMMachine, KVMMachineTemplate},
 };
 use futures::{Stream, StreamExt, stream::BoxStream};
 use k8s_openapi::{
     NamespaceResourceScope,
     api::core::v1::{Container, PersistentVolumeClaim, Pod, PodSpec, Secret, Service},
+    apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference},
 };
 use kube::{
     Api, Client, Resource, ResourceExt,
@@ -25,6 +35,8 @@ use kube::{
     },
 };
 use serde::de::DeserializeOwned;
+
+use crate::ownership::{is_capi, is_ours};
 
 /// The changed objects of one watch, as they come: each wakes the reconciles it concerns.
 pub type Changes<K> = BoxStream<'static, Result<K, watcher::Error>>;
@@ -43,6 +55,19 @@ where
 /// A watch of the objects the controller made (by their managed-by label).
 pub fn owned() -> watcher::Config {
     watcher::Config::default().labels(&format!("app.kubernetes.io/managed-by={MANAGED_BY}"))
+}
+
+/// A watch of the Secrets of Cluster API clusters (by the cluster-name label, which Cluster
+/// API's contracts require on bootstrap data and `<cluster>-kubeconfig` Secrets, and which
+/// the controller's Ignition Secrets carry).
+pub fn cluster_secrets() -> watcher::Config {
+    watcher::Config::default().labels(CLUSTER_NAME_LABEL)
+}
+
+/// A watch of hosting kubeconfig Secrets (by clusterctl's move label, which the controller
+/// puts on every one a KVMCluster names: see `objects::labelled_secret`).
+pub fn hosting_kubeconfigs() -> watcher::Config {
+    watcher::Config::default().labels(MOVE_LABEL)
 }
 
 /// One watch of `K` that fills a cache and yields the changed objects (to trigger reconciles).
@@ -80,20 +105,170 @@ where
     (store, stream)
 }
 
-/// Every Secret's metadata is watched (bootstrap data, kubeconfigs, hosting kubeconfigs are
-/// found by name), but of its annotations only the one the controller reads is kept: anyone
-/// may annotate a Secret with up to 256 KiB, and thousands of them would otherwise be the
-/// controller's memory.
-pub fn strip_secret(s: &mut PartialObjectMeta<Secret>) {
-    if let Some(annotations) = s.metadata.annotations.as_mut() {
-        annotations.retain(|k, _| k == RENDERED_FROM_ANNOTATION);
+/// The longest annotation value a cache keeps. Longer than any value the controller writes or
+/// compares (a Secret's name and resourceVersion, a node and a directory); a longer one is cut
+/// and ends in `…`, so it still differs from every one of them.
+pub const MAX_KEPT_ANNOTATION_BYTES: usize = 1024;
+
+/// The most owner references (of the kinds the controller reads) a cache keeps of one object:
+/// the controller's objects have one, and a list it rewrites is read from the apiserver first
+/// (`objects::adopt`).
+pub const MAX_KEPT_OWNERS: usize = 4;
+
+/// What a cache keeps of one kind's metadata, besides its name, namespace, UID, versions and
+/// timestamps.
+struct Kept {
+    /// Labels, by key.
+    labels: &'static [&'static str],
+    /// Annotations, by key (values cut at [`MAX_KEPT_ANNOTATION_BYTES`]).
+    annotations: &'static [&'static str],
+    /// Owner references of the kinds read (up to [`MAX_KEPT_OWNERS`]).
+    owners: fn(&OwnerReference) -> bool,
+    /// The finalizers: a reconciler's finalizer patch tests the whole list.
+    finalizers: bool,
+}
+
+/// The labels the controller reads on the objects it makes and the Secrets it reads: cluster,
+/// role, owner (namespace, name, UID) and clusterctl's move label.
+const OBJECT_LABELS: &[&str] = &[
+    CLUSTER_NAME_LABEL,
+    MACHINE_ROLE_LABEL,
+    OWNER_NAMESPACE_LABEL,
+    KVMMACHINE_LABEL,
+    KVMCLUSTER_LABEL,
+    OWNER_UID_LABEL,
+    MOVE_LABEL,
+];
+
+fn none(_: &OwnerReference) -> bool {
+    false
+}
+
+/// Secrets: ours, bootstrap data, kubeconfigs (workload and hosting clusters).
+const SECRET: Kept = Kept {
+    labels: OBJECT_LABELS,
+    annotations: &[RENDERED_FROM_ANNOTATION],
+    owners: is_ours,
+    finalizers: false,
+};
+/// Machine Pods and etcd cleanup Pods.
+const POD: Kept = Kept {
+    labels: OBJECT_LABELS,
+    annotations: &[
+        ETCD_CLEANUP_ATTEMPT_ANNOTATION,
+        ETCD_CLEANUP_SINCE_ANNOTATION,
+    ],
+    owners: is_ours,
+    finalizers: false,
+};
+/// PVCs and Services the controller makes.
+const OBJECT: Kept = Kept {
+    labels: OBJECT_LABELS,
+    annotations: &[],
+    owners: is_ours,
+    finalizers: false,
+};
+const KVM_MACHINE: Kept = Kept {
+    labels: &[CLUSTER_NAME_LABEL],
+    annotations: &[
+        PAUSED_ANNOTATION,
+        BLOCK_MOVE_ANNOTATION,
+        ETCD_HOST_DIR_ANNOTATION,
+    ],
+    owners: is_capi,
+    finalizers: true,
+};
+const KVM_CLUSTER: Kept = Kept {
+    labels: &[CLUSTER_NAME_LABEL],
+    annotations: &[PAUSED_ANNOTATION],
+    owners: is_capi,
+    finalizers: true,
+};
+const KVM_MACHINE_TEMPLATE: Kept = Kept {
+    labels: &[],
+    annotations: &[PAUSED_ANNOTATION],
+    owners: none,
+    finalizers: false,
+};
+const MACHINE: Kept = Kept {
+    labels: &[CONTROL_PLANE_LABEL],
+    annotations: &[],
+    owners: none,
+    finalizers: false,
+};
+const CLUSTER: Kept = Kept {
+    labels: &[],
+    annotations: &[],
+    owners: none,
+    finalizers: false,
+};
+
+/// Strips `meta` to what `kept` keeps.
+fn keep(meta: &mut ObjectMeta, kept: &Kept) {
+    meta.managed_fields = None;
+    meta.labels = meta
+        .labels
+        .take()
+        .map(|mut l| {
+            l.retain(|k, _| kept.labels.contains(&k.as_str()));
+            l
+        })
+        .filter(|l| !l.is_empty());
+    meta.annotations = meta
+        .annotations
+        .take()
+        .map(|mut a| {
+            a.retain(|k, _| kept.annotations.contains(&k.as_str()));
+            a.values_mut().for_each(cut);
+            a
+        })
+        .filter(|a| !a.is_empty());
+    meta.owner_references = meta
+        .owner_references
+        .take()
+        .map(|refs| {
+            refs.into_iter()
+                .filter(|r| (kept.owners)(r))
+                .take(MAX_KEPT_OWNERS)
+                .collect::<Vec<_>>()
+        })
+        .filter(|r| !r.is_empty());
+    if !kept.finalizers {
+        meta.finalizers = None;
     }
 }
 
-/// Of a machine Pod only its status, node, hostPath etcd volume (where its etcd data stays
-/// behind) and whether its containers have a startup probe are read; the spec is most of its
-/// size.
+/// Cuts `value` to at most [`MAX_KEPT_ANNOTATION_BYTES`], ending in `…` when cut.
+fn cut(value: &mut String) {
+    if value.len() <= MAX_KEPT_ANNOTATION_BYTES {
+        return;
+    }
+    let mut end = MAX_KEPT_ANNOTATION_BYTES - '…'.len_utf8();
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    value.truncate(end);
+    value.push('…');
+}
+
+/// Of a Secret only its metadata is watched (data is read when needed), and of that only what
+/// the controller reads: the owner labels, the cluster's and the move label, the rendered-from
+/// annotation and owner references to our kinds. Anyone who may write a Secret may give it
+/// hundreds of KiB of labels and annotations.
+pub fn strip_secret(s: &mut PartialObjectMeta<Secret>) {
+    keep(&mut s.metadata, &SECRET);
+}
+
+/// Of a PVC or Service the controller makes only its owner labels and owner references.
+pub fn strip_object<K: Resource>(o: &mut K) {
+    keep(o.meta_mut(), &OBJECT);
+}
+
+/// Of a machine Pod only its owner labels and references, its status, node, hostPath etcd
+/// volume (where its etcd data stays behind) and whether its containers have a startup probe
+/// are read, and of an etcd cleanup Pod its attempt annotations; the spec is most of its size.
 pub fn strip_pod(p: &mut Pod) {
+    keep(&mut p.metadata, &POD);
     if let Some(spec) = p.spec.as_mut() {
         let etcd = std::mem::take(&mut spec.volumes)
             .into_iter()
@@ -114,6 +289,41 @@ pub fn strip_pod(p: &mut Pod) {
             ..Default::default()
         };
     }
+}
+
+/// Of a KVMMachine its spec and status, finalizers, its Machine's owner reference, its
+/// cluster's label, and the annotations the controller reads (paused, clusterctl's block-move,
+/// the etcd directory).
+pub fn strip_kvm_machine(km: &mut KVMMachine) {
+    keep(&mut km.metadata, &KVM_MACHINE);
+}
+
+/// Of a KVMCluster its spec and status, finalizers, its Cluster's owner reference, its
+/// cluster's label and the paused annotation.
+pub fn strip_kvm_cluster(kc: &mut KVMCluster) {
+    keep(&mut kc.metadata, &KVM_CLUSTER);
+}
+
+/// Of a KVMMachineTemplate its spec, status and the paused annotation.
+pub fn strip_kvm_machine_template(t: &mut KVMMachineTemplate) {
+    keep(&mut t.metadata, &KVM_MACHINE_TEMPLATE);
+}
+
+/// Of a Cluster API Machine (the controller watches every provider's) its spec (the few fields
+/// [`capk_api::capi::Machine`] has) and the control-plane label; no status.
+pub fn strip_machine(m: &mut Machine) {
+    keep(&mut m.metadata, &MACHINE);
+    m.status = None;
+}
+
+/// Of a Cluster API Cluster its spec (the few fields [`capk_api::capi::Cluster`] has) and
+/// whether its infrastructure is provisioned.
+pub fn strip_cluster(c: &mut Cluster) {
+    keep(&mut c.metadata, &CLUSTER);
+    c.status = c.status.take().map(|s| ClusterStatus {
+        initialization: s.initialization,
+        ..Default::default()
+    });
 }
 
 /// The object of `store` in `ns` whose name label (the name, cut and hashed when long, as
@@ -137,8 +347,8 @@ where
 }
 
 /// The watch caches of the objects the controller makes in one cluster (metadata only but for
-/// the Pods). In the management cluster the Secrets are all of them (bootstrap data and
-/// kubeconfigs too); in a hosting cluster only ours.
+/// the Pods). In the management cluster the Secrets are those of Cluster API clusters (ours,
+/// bootstrap data and kubeconfigs: [`cluster_secrets`]); in a hosting cluster only ours.
 #[derive(Clone)]
 pub struct ObjectCaches {
     /// Machine Pods (ours, by label).
@@ -153,7 +363,9 @@ pub struct ObjectCaches {
 
 /// Read-only views of the management cluster's watches that also trigger reconciles. Each is
 /// filled by exactly one watch; Secrets, PVCs and Services are watched as metadata only (data is
-/// read when needed).
+/// read when needed). No cache holds a Secret the controller does not read: Secrets are
+/// selected by label ([`cluster_secrets`], [`hosting_kubeconfigs`]); one the controller finds
+/// by name without the label gets it (`objects::labelled_secret`).
 #[derive(Clone)]
 pub struct Caches {
     /// KVMMachines (the KVMMachine controller's own store).
@@ -166,8 +378,11 @@ pub struct Caches {
     pub clusters: Store<Cluster>,
     /// Machine Pods (ours only, by label), without managed fields.
     pub pods: Store<Pod>,
-    /// Every Secret's metadata: our Ignition Secrets, bootstrap data, `<cluster>-kubeconfig`.
+    /// The metadata of Cluster API clusters' Secrets: our Ignition Secrets, bootstrap data,
+    /// `<cluster>-kubeconfig` ([`cluster_secrets`]).
     pub secrets: Store<PartialObjectMeta<Secret>>,
+    /// The metadata of hosting kubeconfig Secrets ([`hosting_kubeconfigs`]).
+    pub hosting_kubeconfigs: Store<PartialObjectMeta<Secret>>,
     /// Our etcd PVCs' metadata.
     pub claims: Store<PartialObjectMeta<PersistentVolumeClaim>>,
     /// Our control-plane Services' metadata.
@@ -190,7 +405,7 @@ pub struct Events {
     pub clusters: Changes<Cluster>,
     /// Machine Pods (and etcd cleanup Pods).
     pub pods: Changes<Pod>,
-    /// Secrets' metadata.
+    /// Secrets' metadata: those of Cluster API clusters and hosting kubeconfigs.
     pub secrets: Changes<PartialObjectMeta<Secret>>,
     /// Our PVCs' metadata.
     pub claims: Changes<PartialObjectMeta<PersistentVolumeClaim>>,
@@ -204,31 +419,49 @@ impl Caches {
         client: &Client,
         ns: Option<&str>,
     ) -> (Self, Events, Changes<PartialObjectMeta<Service>>) {
-        let (kvm_clusters, kvm_cluster_events) =
-            cached(api::<KVMCluster>(client, ns), Default::default(), |_| {});
-        let (kvm_machines, kvm_machine_events) =
-            cached(api::<KVMMachine>(client, ns), Default::default(), |_| {});
-        let (machines, machine_events) =
-            cached(api::<Machine>(client, ns), Default::default(), |_| {});
-        let (clusters, cluster_events) =
-            cached(api::<Cluster>(client, ns), Default::default(), |_| {});
+        let (kvm_clusters, kvm_cluster_events) = cached(
+            api::<KVMCluster>(client, ns),
+            Default::default(),
+            strip_kvm_cluster,
+        );
+        let (kvm_machines, kvm_machine_events) = cached(
+            api::<KVMMachine>(client, ns),
+            Default::default(),
+            strip_kvm_machine,
+        );
+        let (machines, machine_events) = cached(
+            api::<Machine>(client, ns),
+            Default::default(),
+            strip_machine,
+        );
+        let (clusters, cluster_events) = cached(
+            api::<Cluster>(client, ns),
+            Default::default(),
+            strip_cluster,
+        );
         let (pods, pod_events) = cached(api::<Pod>(client, ns), owned(), strip_pod);
-        // Secrets, PVCs and Services as metadata only: their data is read when needed.
+        // Secrets, PVCs and Services as metadata only: their data is read when needed. Pages of
+        // 2 Secrets: each may carry up to 1.5 MiB of labels and annotations until stripped, and
+        // a page is held about five times over while it is read (body, text, objects).
         let (secrets, secret_events) = cached(
             api::<PartialObjectMeta<Secret>>(client, ns),
-            // Pages of 25: each Secret may carry up to 256 KiB of annotations until stripped.
-            watcher::Config::default().page_size(25),
+            cluster_secrets().page_size(2),
+            strip_secret,
+        );
+        let (hosting_kubeconfigs, hosting_kubeconfig_events) = cached(
+            api::<PartialObjectMeta<Secret>>(client, ns),
+            hosting_kubeconfigs().page_size(2),
             strip_secret,
         );
         let (claims, claim_events) = cached(
             api::<PartialObjectMeta<PersistentVolumeClaim>>(client, ns),
             owned(),
-            |_| {},
+            strip_object,
         );
         let (services, service_events) = cached(
             api::<PartialObjectMeta<Service>>(client, ns),
             owned(),
-            |_| {},
+            strip_object,
         );
         let (synced_tx, synced) = tokio::sync::watch::channel(false);
         let caches = Self {
@@ -238,6 +471,7 @@ impl Caches {
             clusters,
             pods,
             secrets,
+            hosting_kubeconfigs,
             claims,
             services,
             synced,
@@ -249,7 +483,7 @@ impl Caches {
             machines: machine_events.boxed(),
             clusters: cluster_events.boxed(),
             pods: pod_events.boxed(),
-            secrets: secret_events.boxed(),
+            secrets: futures::stream::select(secret_events, hosting_kubeconfig_events).boxed(),
             claims: claim_events.boxed(),
         };
         (caches, events, service_events.boxed())
@@ -271,6 +505,7 @@ impl Caches {
         let _ = self.clusters.wait_until_ready().await;
         let _ = self.pods.wait_until_ready().await;
         let _ = self.secrets.wait_until_ready().await;
+        let _ = self.hosting_kubeconfigs.wait_until_ready().await;
         let _ = self.claims.wait_until_ready().await;
         let _ = self.services.wait_until_ready().await;
         let _ = synced.send(true);
@@ -284,15 +519,6 @@ impl Caches {
             claims: self.claims.clone(),
             services: self.services.clone(),
         }
-    }
-
-    /// The metadata of Secret `name` in `ns`, if it exists.
-    pub fn secret(
-        &self,
-        ns: &str,
-        name: &str,
-    ) -> Option<std::sync::Arc<PartialObjectMeta<Secret>>> {
-        self.secrets.get(&ObjectRef::new(name).within(ns))
     }
 }
 
@@ -317,27 +543,241 @@ pub(crate) mod testing {
 mod tests {
     use super::*;
 
+    use serde_json::{Value, json};
+
+    /// Metadata as anyone who may write the object can make it: hundreds of labels and
+    /// annotations, owner references and finalizers of others, beside `ours`.
+    fn crowded(ours: Value) -> Value {
+        let mut meta = json!({
+            "name": "m", "namespace": "team-a", "uid": "u", "resourceVersion": "7",
+            "labels": {}, "annotations": {"example.com/blob": "x".repeat(200 << 10)},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "r",
+                                 "uid": "r"}],
+            "finalizers": ["example.com/keep"],
+            "managedFields": [{"manager": "kubectl", "operation": "Update"}],
+        });
+        for i in 0..300 {
+            meta["labels"][format!("example.com/l{i}")] = json!("v".repeat(63));
+        }
+        for (k, v) in ours.as_object().unwrap() {
+            let section = meta[k].as_object_mut().map(|m| m.len());
+            match (v, section) {
+                (Value::Object(o), Some(_)) => {
+                    meta[k].as_object_mut().unwrap().extend(o.clone());
+                }
+                (Value::Array(a), _) => meta[k].as_array_mut().unwrap().extend(a.clone()),
+                _ => meta[k] = v.clone(),
+            }
+        }
+        meta
+    }
+
+    fn reference(api_version: &str, kind: &str) -> Value {
+        json!({"apiVersion": api_version, "kind": kind, "name": "m", "uid": kind})
+    }
+
     #[test]
-    fn a_cached_secret_keeps_only_the_annotation_the_controller_reads() {
-        let mut s: PartialObjectMeta<Secret> = serde_json::from_value(serde_json::json!({
+    fn a_cached_secret_keeps_only_the_labels_annotation_and_owners_the_controller_reads() {
+        let mut s: PartialObjectMeta<Secret> = serde_json::from_value(json!({
             "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
-            "metadata": {"name": "m-ignition", "labels": {"a": "b"}, "annotations": {
-                "example.com/blob": "x".repeat(64 << 10),
-                RENDERED_FROM_ANNOTATION: "m-bootstrap@7"}},
+            "metadata": crowded(json!({
+                "labels": {CLUSTER_NAME_LABEL: "demo", OWNER_NAMESPACE_LABEL: "team-a",
+                           KVMMACHINE_LABEL: "m", MOVE_LABEL: ""},
+                "annotations": {RENDERED_FROM_ANNOTATION: "m-bootstrap@7"},
+                "ownerReferences": [reference("infrastructure.cluster.x-k8s.io/v1alpha1",
+                                              "KVMMachine")],
+            })),
         }))
         .unwrap();
         strip_secret(&mut s);
-        let annotations = s.metadata.annotations.unwrap();
         assert_eq!(
-            annotations.keys().collect::<Vec<_>>(),
-            [RENDERED_FROM_ANNOTATION]
+            serde_json::to_value(&s.metadata).unwrap(),
+            json!({"name": "m", "namespace": "team-a", "uid": "u", "resourceVersion": "7",
+                "labels": {CLUSTER_NAME_LABEL: "demo", OWNER_NAMESPACE_LABEL: "team-a",
+                           KVMMACHINE_LABEL: "m", MOVE_LABEL: ""},
+                "annotations": {RENDERED_FROM_ANNOTATION: "m-bootstrap@7"},
+                "ownerReferences": [reference("infrastructure.cluster.x-k8s.io/v1alpha1",
+                                              "KVMMachine")]})
         );
-        assert_eq!(s.metadata.labels.unwrap()["a"], "b");
+    }
+
+    #[test]
+    fn a_long_annotation_value_is_cut_and_differs_from_every_shorter_one() {
+        let kept = format!(
+            "{}{}",
+            "n:/srv/etcd/",
+            "d".repeat(MAX_KEPT_ANNOTATION_BYTES)
+        );
+        // A multi-byte character across the cut: the cut stays on a character boundary.
+        let mut value = format!(
+            "{}é{}",
+            "a".repeat(MAX_KEPT_ANNOTATION_BYTES - 4),
+            "b".repeat(9)
+        );
+        cut(&mut value);
+        assert!(value.len() <= MAX_KEPT_ANNOTATION_BYTES);
+        assert!(value.ends_with('…'));
+        let mut value = kept.clone();
+        cut(&mut value);
+        assert!(value.len() <= MAX_KEPT_ANNOTATION_BYTES && value.ends_with('…'));
+        assert!(kept.starts_with(value.trim_end_matches('…')));
+        let mut short = "m-bootstrap@7".to_owned();
+        cut(&mut short);
+        assert_eq!(short, "m-bootstrap@7");
+    }
+
+    #[test]
+    fn a_cached_kvmmachine_keeps_its_finalizers_machine_and_the_annotations_read() {
+        let mut km: KVMMachine = serde_json::from_value(json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
+            "metadata": crowded(json!({
+                "labels": {CLUSTER_NAME_LABEL: "demo"},
+                "annotations": {PAUSED_ANNOTATION: "", BLOCK_MOVE_ANNOTATION: "true",
+                                ETCD_HOST_DIR_ANNOTATION: "n1:/srv/etcd/team-a/m",
+                                "kubectl.kubernetes.io/last-applied-configuration": "{}"},
+                "ownerReferences": [reference("cluster.x-k8s.io/v1beta2", "Machine")],
+                "finalizers": ["kvmmachine.infrastructure.cluster.x-k8s.io"],
+            })),
+            "spec": {"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}},
+        }))
+        .unwrap();
+        let spec = km.spec.clone();
+        strip_kvm_machine(&mut km);
+        assert_eq!(
+            serde_json::to_value(&km.metadata).unwrap(),
+            json!({"name": "m", "namespace": "team-a", "uid": "u", "resourceVersion": "7",
+                "labels": {CLUSTER_NAME_LABEL: "demo"},
+                "annotations": {PAUSED_ANNOTATION: "", BLOCK_MOVE_ANNOTATION: "true",
+                                ETCD_HOST_DIR_ANNOTATION: "n1:/srv/etcd/team-a/m"},
+                "ownerReferences": [reference("cluster.x-k8s.io/v1beta2", "Machine")],
+                "finalizers": ["example.com/keep", "kvmmachine.infrastructure.cluster.x-k8s.io"]})
+        );
+        assert_eq!(km.spec, spec);
+    }
+
+    #[test]
+    fn a_cached_kvmcluster_keeps_its_finalizers_cluster_label_and_paused() {
+        let mut kc: KVMCluster = serde_json::from_value(json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
+            "metadata": crowded(json!({
+                "labels": {CLUSTER_NAME_LABEL: "demo"},
+                "annotations": {PAUSED_ANNOTATION: ""},
+                "ownerReferences": [reference("cluster.x-k8s.io/v1beta2", "Cluster")],
+            })),
+            "spec": {},
+        }))
+        .unwrap();
+        strip_kvm_cluster(&mut kc);
+        let meta = serde_json::to_value(&kc.metadata).unwrap();
+        assert_eq!(meta["labels"], json!({CLUSTER_NAME_LABEL: "demo"}));
+        assert_eq!(meta["annotations"], json!({PAUSED_ANNOTATION: ""}));
+        assert_eq!(
+            meta["ownerReferences"],
+            json!([reference("cluster.x-k8s.io/v1beta2", "Cluster")])
+        );
+        assert_eq!(meta["finalizers"], json!(["example.com/keep"]));
+        assert!(meta.get("managedFields").is_none());
+    }
+
+    #[test]
+    fn a_cached_machine_and_cluster_keep_their_spec_the_control_plane_label_and_provisioned() {
+        let mut m: Machine = serde_json::from_value(json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+            "metadata": crowded(json!({"labels": {CONTROL_PLANE_LABEL: ""}})),
+            "spec": {"clusterName": "demo", "bootstrap": {"dataSecretName": "m-bootstrap"},
+                     "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
+                                           "kind": "KVMMachine", "name": "m"}},
+            "status": {"phase": "Running", "conditions": []},
+        }))
+        .unwrap();
+        let spec = m.spec.clone();
+        strip_machine(&mut m);
+        assert!(m.is_control_plane());
+        assert_eq!(m.spec, spec);
+        assert_eq!(
+            serde_json::to_value(&m.metadata).unwrap(),
+            json!({"name": "m", "namespace": "team-a", "uid": "u", "resourceVersion": "7",
+                   "labels": {CONTROL_PLANE_LABEL: ""}})
+        );
+        assert_eq!(m.status, None);
+
+        let mut c: Cluster = serde_json::from_value(json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+            "metadata": crowded(json!({})),
+            "spec": {"paused": true},
+            "status": {"initialization": {"infrastructureProvisioned": true}, "phase": "x",
+                       "conditions": []},
+        }))
+        .unwrap();
+        strip_cluster(&mut c);
+        assert!(c.is_paused() && c.infrastructure_provisioned());
+        assert_eq!(
+            serde_json::to_value(&c).unwrap()["status"],
+            json!({"initialization": {"infrastructureProvisioned": true}})
+        );
+        assert_eq!(c.metadata.labels, None);
+        assert_eq!(c.metadata.annotations, None);
+    }
+
+    #[test]
+    fn a_cached_cleanup_pod_keeps_its_attempt_and_our_owner_references_only() {
+        let mut p: Pod = serde_json::from_value(json!({
+            "metadata": crowded(json!({
+                "labels": {OWNER_NAMESPACE_LABEL: "team-a", KVMMACHINE_LABEL: "m",
+                           MACHINE_ROLE_LABEL: "control-plane"},
+                "annotations": {ETCD_CLEANUP_ATTEMPT_ANNOTATION: "2",
+                                ETCD_CLEANUP_SINCE_ANNOTATION: "2026-01-01T00:00:00Z"},
+                "ownerReferences": (0..10).map(|_| reference(
+                    "infrastructure.cluster.x-k8s.io/v1alpha1", "KVMMachine"))
+                    .collect::<Vec<_>>(),
+            })),
+        }))
+        .unwrap();
+        strip_pod(&mut p);
+        let meta = serde_json::to_value(&p.metadata).unwrap();
+        assert_eq!(
+            meta["labels"],
+            json!({OWNER_NAMESPACE_LABEL: "team-a", KVMMACHINE_LABEL: "m",
+                   MACHINE_ROLE_LABEL: "control-plane"})
+        );
+        assert_eq!(
+            meta["annotations"],
+            json!({ETCD_CLEANUP_ATTEMPT_ANNOTATION: "2",
+                   ETCD_CLEANUP_SINCE_ANNOTATION: "2026-01-01T00:00:00Z"})
+        );
+        assert_eq!(
+            meta["ownerReferences"].as_array().unwrap().len(),
+            MAX_KEPT_OWNERS
+        );
+        assert!(meta.get("finalizers").is_none());
+    }
+
+    #[test]
+    fn a_cached_pvc_or_service_keeps_only_its_owner_labels_and_references() {
+        let mut s: PartialObjectMeta<Service> = serde_json::from_value(json!({
+            "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+            "metadata": crowded(json!({
+                "labels": {OWNER_NAMESPACE_LABEL: "team-a", KVMCLUSTER_LABEL: "demo",
+                           OWNER_UID_LABEL: "u"},
+                "ownerReferences": [reference("infrastructure.cluster.x-k8s.io/v1alpha1",
+                                              "KVMCluster")],
+            })),
+        }))
+        .unwrap();
+        strip_object(&mut s);
+        assert_eq!(
+            serde_json::to_value(&s.metadata).unwrap(),
+            json!({"name": "m", "namespace": "team-a", "uid": "u", "resourceVersion": "7",
+                "labels": {OWNER_NAMESPACE_LABEL: "team-a", KVMCLUSTER_LABEL: "demo",
+                           OWNER_UID_LABEL: "u"},
+                "ownerReferences": [reference("infrastructure.cluster.x-k8s.io/v1alpha1",
+                                              "KVMCluster")]})
+        );
     }
 
     #[test]
     fn a_cached_machine_pod_keeps_its_node_its_hostpath_etcd_volume_and_startup_probes() {
-        let mut p: Pod = serde_json::from_value(serde_json::json!({
+        let mut p: Pod = serde_json::from_value(json!({
             "metadata": {"name": "m"},
             "spec": {
                 "nodeName": "n1",

@@ -1,7 +1,8 @@
 //! Hosting clusters: where a workload cluster's machine Pods, Ignition Secrets, etcd PVCs and
 //! control-plane Service live when its KVMCluster names one (`spec.hostingCluster`), reached
-//! through a kubeconfig Secret in the management cluster. Without one they live in the management
-//! cluster, in the KVMCluster's namespace, as they always did.
+//! through a kubeconfig Secret in the management cluster (which the reconcilers find, and label
+//! for clusterctl move and the controller's watch, before they ask for a [`Target`]). Without
+//! one they live in the management cluster, in the KVMCluster's namespace, as they always did.
 //!
 //! One link ([`crate::remote`]) per hosting cluster and namespace, however many KVMClusters and
 //! machines use it: one client and one watch per kind (machine Pods, our Secrets, PVCs and
@@ -40,16 +41,13 @@ use kube::{
     Api, Client, Resource, ResourceExt,
     api::ListParams,
     core::PartialObjectMeta,
-    runtime::{
-        reflector::{ObjectRef, Store},
-        watcher,
-    },
+    runtime::{reflector::ObjectRef, watcher},
 };
 use tracing::{debug, info, warn};
 
 pub use crate::remote::Unavailable;
 use crate::{
-    caches::{ObjectCaches, cached, owned, strip_pod},
+    caches::{ObjectCaches, cached, owned, strip_object, strip_pod, strip_secret},
     conditions::DesiredCondition,
     inline_kubeconfig::KubeconfigError,
     ownership::Home,
@@ -273,17 +271,20 @@ impl Links {
 
     /// Where `kc`'s objects live: the management cluster (no `hostingCluster`; `mc` and its
     /// caches), or the hosting cluster it names once its watches are in sync; otherwise why not.
+    /// `kubeconfig` is the resourceVersion of the hosting kubeconfig Secret, `None` when it
+    /// does not exist.
     pub async fn target(
         &self,
         mc: &Client,
         caches: &ObjectCaches,
         kc: &KVMCluster,
+        kubeconfig: Option<String>,
     ) -> Result<Target, Unavailable> {
         let Some(key) = HostingKey::of(kc) else {
             let ns = kc.namespace().unwrap_or_default();
             return Ok(Target::management(mc, caches.clone(), &ns));
         };
-        let link = self.link(mc, &caches.secrets, &key).await?;
+        let link = self.link(mc, kubeconfig, &key).await?;
         if let Some(failure) = link.state().failure() {
             return Err(failure);
         }
@@ -304,11 +305,12 @@ impl Links {
         })
     }
 
-    /// The link of `key` as of the kubeconfig Secret's current version, built if needed.
+    /// The link of `key` as of the kubeconfig Secret's current version (`source`), built if
+    /// needed.
     async fn link(
         &self,
         mc: &Client,
-        mc_secrets: &Store<PartialObjectMeta<Secret>>,
+        source: Option<String>,
         key: &HostingKey,
     ) -> Result<Arc<Link>, Unavailable> {
         let missing = || Unavailable {
@@ -318,10 +320,7 @@ impl Links {
                 key.secret, key.secret_namespace
             ),
         };
-        let Some(source) = mc_secrets
-            .get(&ObjectRef::new(&key.secret).within(&key.secret_namespace))
-            .map(|m| m.resource_version().unwrap_or_default())
-        else {
+        let Some(source) = source else {
             self.links.remove(key);
             return Err(missing());
         };
@@ -397,17 +396,17 @@ impl Links {
         let (secrets, secret_events) = cached(
             Api::<PartialObjectMeta<Secret>>::namespaced(client.clone(), ns),
             config.clone(),
-            |_| {},
+            strip_secret,
         );
         let (claims, claim_events) = cached(
             Api::<PartialObjectMeta<PersistentVolumeClaim>>::namespaced(client.clone(), ns),
             config.clone(),
-            |_| {},
+            strip_object,
         );
         let (services, service_events) = cached(
             Api::<PartialObjectMeta<Service>>::namespaced(client.clone(), ns),
             config,
-            |_| {},
+            strip_object,
         );
         let caches = ObjectCaches {
             pods,

@@ -25,7 +25,7 @@ use kube::{
 use tracing::instrument;
 
 use crate::{
-    caches::api,
+    caches::{api, cached, strip_kvm_machine_template},
     context::Context,
     error::{Error, Result},
     objects, report,
@@ -89,18 +89,20 @@ pub async fn run(
 ) {
     let ns = ctx.settings.namespace.clone();
     let (backoff, metrics) = (ctx.backoff.clone(), ctx.metrics.clone());
-    Controller::new(
+    let (templates, changes) = cached(
         api::<KVMMachineTemplate>(&ctx.client, ns.as_deref()),
         watcher::Config::default(),
-    )
-    .with_config(config)
-    .graceful_shutdown_on(stopped)
-    .run(reconcile, error_policy, ctx)
-    .for_each(move |res| {
-        report::finished(&backoff, &metrics, "KVMMachineTemplate", res);
-        futures::future::ready(())
-    })
-    .await
+        strip_kvm_machine_template,
+    );
+    Controller::for_stream(changes, templates)
+        .with_config(config)
+        .graceful_shutdown_on(stopped)
+        .run(reconcile, error_policy, ctx)
+        .for_each(move |res| {
+            report::finished(&backoff, &metrics, "KVMMachineTemplate", res);
+            futures::future::ready(())
+        })
+        .await
 }
 
 #[cfg(test)]

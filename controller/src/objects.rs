@@ -1,17 +1,19 @@
 //! The verbs both reconcilers use on objects, all as the controller's field manager
 //! ([`FIELD_MANAGER`], with its patch parameters from [`params`]): server-side apply of a desired
 //! object, create once, adopt what exists under the name the controller would give it (whose it
-//! is, [`crate::ownership`] decides), a merge patch, the status write, and deletion (only of
-//! what the owner owns; already gone is done). Each failure is the [`Error`] naming the verb,
-//! the kind and the name.
+//! is, [`crate::ownership`] decides), a merge patch, the status write, deletion (only of what
+//! the owner owns; already gone is done), and the label that lets a watch see a Secret the
+//! controller reads ([`labelled_secret`]). Each failure is the [`Error`] naming the verb, the
+//! kind and the name.
 
-use std::fmt::Debug;
+use std::{fmt::Debug, sync::Arc};
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::{api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use kube::{
-    Api, Resource, ResourceExt,
+    Api, Client, Resource, ResourceExt,
     api::{DeleteParams, Patch, PatchParams, PostParams},
     core::PartialObjectMeta,
+    runtime::reflector::{ObjectRef, Store},
 };
 use serde::{Serialize, de::DeserializeOwned};
 use serde_json::json;
@@ -75,7 +77,9 @@ where
 /// Makes `meta` (an existing object of the name the controller would give it) `owner`'s:
 /// nothing when it already is; its labels and owner references patched when it is the owner's
 /// by its labels or an owner reference ([`crate::ownership`]); an error when it is someone
-/// else's. Returns whether it was patched.
+/// else's. Returns whether it was patched. `meta` may come from a cache, which keeps only the
+/// owner references of our kinds ([`crate::caches`]): the patch, which rewrites the whole list,
+/// is made from the object as stored.
 pub async fn adopt<K>(
     api: &Api<K>,
     kind: &'static str,
@@ -87,27 +91,85 @@ where
     K: Resource + Clone + DeserializeOwned + Debug,
 {
     let name = meta.name.clone().unwrap_or_default();
+    let foreign = || Error::Foreign {
+        kind,
+        name: name.clone(),
+        place: target.describe(),
+    };
     match crate::ownership::claim(meta, owner, &target.home) {
-        Claim::Current => Ok(false),
-        Claim::Foreign => Err(Error::Foreign {
-            kind,
-            name,
-            place: target.describe(),
-        }),
-        Claim::Adopt(patch) => {
-            let patch = Patch::Merge(&patch);
-            let _: PartialObjectMeta<K> = api
-                .patch_metadata(&name, &params(&patch), &patch)
-                .await
-                .map_err(|source| Error::Apply {
-                    kind,
-                    name: name.clone(),
-                    source,
-                })?;
-            info!(kind, name = %name, place = %target.describe(), "adopted");
-            Ok(true)
-        }
+        Claim::Current => return Ok(false),
+        Claim::Foreign => return Err(foreign()),
+        Claim::Adopt(_) => {}
     }
+    let Some(stored) = api
+        .get_metadata_opt(&name)
+        .await
+        .map_err(read_error(kind, &name))?
+    else {
+        return Ok(false);
+    };
+    let patch = match crate::ownership::claim(&stored.metadata, owner, &target.home) {
+        Claim::Current => return Ok(false),
+        Claim::Foreign => return Err(foreign()),
+        Claim::Adopt(patch) => patch,
+    };
+    let patch = Patch::Merge(&patch);
+    let _: PartialObjectMeta<K> = api
+        .patch_metadata(&name, &params(&patch), &patch)
+        .await
+        .map_err(|source| Error::Apply {
+            kind,
+            name: name.clone(),
+            source,
+        })?;
+    info!(kind, name = %name, place = %target.describe(), "adopted");
+    Ok(true)
+}
+
+/// The metadata of Secret `name` in `ns`, which the controller reads by name and watches by
+/// label `(key, value)` (into `cache`): as cached, else as stored. One stored without the label
+/// gets it (a merge patch of that label alone), so that the watch sees it from then on and its
+/// changes wake the reconciles it concerns: a Secret a user made by hand, without the label
+/// Cluster API's contracts ask for, still serves. `None` when it does not exist.
+pub async fn labelled_secret(
+    client: &Client,
+    cache: &Store<PartialObjectMeta<Secret>>,
+    ns: &str,
+    name: &str,
+    (key, value): (&str, &str),
+) -> Result<Option<Arc<PartialObjectMeta<Secret>>>> {
+    if let Some(cached) = cache.get(&ObjectRef::new(name).within(ns)) {
+        return Ok(Some(cached));
+    }
+    let api: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let Some(mut stored) = api
+        .get_metadata_opt(name)
+        .await
+        .map_err(read_error("Secret", name))?
+    else {
+        return Ok(None);
+    };
+    // Labelled already: the watch has not shown it yet.
+    if !stored.labels().contains_key(key) {
+        info!(
+            secret = name,
+            namespace = ns,
+            label = key,
+            "labelling a Secret the controller reads, for its watch"
+        );
+        let patch = json!({"metadata": {"labels": {key: value}}});
+        let patch = Patch::Merge(&patch);
+        stored = api
+            .patch_metadata(name, &params(&patch), &patch)
+            .await
+            .map_err(|source| Error::Apply {
+                kind: "Secret",
+                name: name.to_owned(),
+                source,
+            })?;
+    }
+    crate::caches::strip_secret(&mut stored);
+    Ok(Some(Arc::new(stored)))
 }
 
 /// A JSON merge patch of `obj`; returns the patched object.

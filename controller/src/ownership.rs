@@ -140,9 +140,15 @@ pub enum Claim {
 }
 
 /// An owner reference to one of our kinds (which only the controller sets).
-fn is_ours(r: &OwnerReference) -> bool {
+pub fn is_ours(r: &OwnerReference) -> bool {
     r.api_version.starts_with(&format!("{GROUP}/"))
         && matches!(r.kind.as_str(), "KVMMachine" | "KVMCluster")
+}
+
+/// An owner reference to a Cluster API object (`cluster.x-k8s.io`): a KVMMachine's Machine, a
+/// KVMCluster's Cluster.
+pub fn is_capi(r: &OwnerReference) -> bool {
+    r.api_version.starts_with("cluster.x-k8s.io/")
 }
 
 /// Whether `meta` belongs to `owner`, and what makes its labels and owner references those of

@@ -24,7 +24,7 @@ use crate::{
 pub fn capi_owner<K: Resource>(obj: &K, kind: &str) -> Option<String> {
     obj.owner_references()
         .iter()
-        .find(|o| o.kind == kind && o.api_version.starts_with("cluster.x-k8s.io/"))
+        .find(|o| o.kind == kind && crate::ownership::is_capi(o))
         .map(|o| o.name.clone())
 }
 

@@ -86,6 +86,8 @@ pub fn kubeconfig_secret_name(cluster: &str) -> String {
 /// itself (`None`: in sync, failing, recovered).
 pub type OnNodeChange = Arc<dyn Fn(&str, &str, Option<&str>) + Send + Sync>;
 
+/// Gate reason: the workload kubeconfig Secret does not exist (yet).
+pub const REASON_KUBECONFIG_MISSING: &str = "WaitingForWorkloadClusterKubeconfig";
 /// Gate reason: the workload kubeconfig would run a command or read a file, and is not used.
 pub const REASON_KUBECONFIG_REFUSED: &str = "WorkloadKubeconfigRefused";
 /// Gate reason: the workload kubeconfig cannot be read or used.
@@ -231,7 +233,7 @@ impl Links {
         let Some(source) = kubeconfig else {
             self.forget(ns, cluster);
             return Gate::not_ready(
-                "WaitingForWorkloadClusterKubeconfig",
+                REASON_KUBECONFIG_MISSING,
                 format!(
                     "Secret {secret_name} does not exist yet (Cluster API writes it once the control plane is initialized)"
                 ),

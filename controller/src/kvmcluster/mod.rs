@@ -26,7 +26,7 @@ use k8s_openapi::{
 };
 use kube::{
     Api, ResourceExt,
-    api::{ListParams, Patch},
+    api::ListParams,
     runtime::{
         controller::Action,
         events::EventType,
@@ -113,10 +113,14 @@ async fn get_cluster(ctx: &Context, ns: &str, name: &str) -> Result<Option<Clust
 /// stops being usable (a Normal one while its first list is on the way: every start and every
 /// `clusterctl move` goes through that, and nothing is wrong).
 async fn target(ctx: &Context, kc: &KVMCluster) -> std::result::Result<Target, Unavailable> {
-    let result = ctx
-        .hosting
-        .target(&ctx.client, &ctx.caches.objects(), kc)
-        .await;
+    let result = match hosting_kubeconfig(ctx, kc).await {
+        Ok(kubeconfig) => {
+            ctx.hosting
+                .target(&ctx.client, &ctx.caches.objects(), kc, kubeconfig)
+                .await
+        }
+        Err(u) => Err(u),
+    };
     if let Err(u) = &result {
         let shown = kc
             .status
@@ -189,9 +193,6 @@ async fn apply(
             return Ok(Action::requeue(Duration::from_secs(60)));
         }
     };
-    if let Some(key) = target.key() {
-        label_for_move(ctx, key).await?;
-    }
 
     let name = service_name(kc, &cluster_name, &target).await?;
     let service = build::control_plane_service(kc, &cluster_name, &name, &target.home);
@@ -272,30 +273,32 @@ fn retain_hosting_links(ctx: &Context, leaving: Option<&str>) {
     ctx.hosting.retain(|k| in_use.contains(k));
 }
 
-/// Labels the hosting kubeconfig Secret for `clusterctl move`, which then takes it along with
-/// the cluster: the moved KVMCluster still reaches its machines.
-async fn label_for_move(ctx: &Context, key: &HostingKey) -> Result<()> {
-    let Some(meta) = ctx.caches.secret(&key.secret_namespace, &key.secret) else {
-        return Ok(());
+/// The resourceVersion of `kc`'s hosting kubeconfig Secret (`None`: none named, or it does
+/// not exist), or why it cannot be read. The Secret carries clusterctl's move label, which
+/// the controller puts on it when it lacks it ([`objects::labelled_secret`]): `clusterctl move`
+/// then takes it along with the cluster, so the moved KVMCluster still reaches its machines,
+/// and the controller's watch of hosting kubeconfigs ([`crate::caches::hosting_kubeconfigs`])
+/// sees it, a user's hand-made Secret too.
+pub async fn hosting_kubeconfig(
+    ctx: &Context,
+    kc: &KVMCluster,
+) -> std::result::Result<Option<String>, Unavailable> {
+    let Some(key) = HostingKey::of(kc) else {
+        return Ok(None);
     };
-    if meta.labels().contains_key(MOVE_LABEL) {
-        return Ok(());
-    }
-    info!(secret = %key.secret, "labelling the hosting kubeconfig Secret for clusterctl move");
-    let labels = json!({"metadata": {"labels": {MOVE_LABEL: ""}}});
-    let patch = Patch::Merge(&labels);
-    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(
-        ctx.client.clone(),
+    let secret = objects::labelled_secret(
+        &ctx.client,
+        &ctx.caches.hosting_kubeconfigs,
         &key.secret_namespace,
+        &key.secret,
+        (MOVE_LABEL, ""),
     )
-    .patch_metadata(&key.secret, &objects::params(&patch), &patch)
     .await
-    .map_err(|source| Error::Apply {
-        kind: "Secret",
-        name: key.secret.clone(),
-        source,
+    .map_err(|e| Unavailable {
+        reason: crate::hosting::REASON_KUBECONFIG_INVALID,
+        message: e.to_string(),
     })?;
-    Ok(())
+    Ok(secret.map(|s| s.resource_version().unwrap_or_default()))
 }
 
 /// The control-plane Service's name in `target` ([`build::service_name`]): one made under the

@@ -36,7 +36,7 @@ use kube::{
 };
 
 use crate::{
-    caches::{Caches, Changes, Events, api, named_by_label},
+    caches::{Caches, Changes, Events, api, cached, named_by_label, strip_kvm_cluster},
     context::Context,
     hosting::{HostingKey, OnChange},
     report,
@@ -222,25 +222,27 @@ pub async fn run(
     let ns = ctx.settings.namespace.clone();
     let client = ctx.client.clone();
     let (backoff, metrics) = (ctx.backoff.clone(), ctx.metrics.clone());
-    Controller::new(
+    let (kvm_clusters, changes) = cached(
         api::<KVMCluster>(&client, ns.as_deref()),
         watcher::Config::default(),
-    )
-    .with_config(config)
-    .owns_stream(services)
-    .watches(
-        api::<Cluster>(&client, ns.as_deref()),
-        watcher::Config::default(),
-        kvmcluster_of_cluster,
-    )
-    .reconcile_on(wakes)
-    .graceful_shutdown_on(stopped)
-    .run(super::reconcile, super::error_policy, ctx)
-    .for_each(move |res| {
-        report::finished(&backoff, &metrics, "KVMCluster", res);
-        futures::future::ready(())
-    })
-    .await
+        strip_kvm_cluster,
+    );
+    Controller::for_stream(changes, kvm_clusters)
+        .with_config(config)
+        .owns_stream(services)
+        .watches(
+            api::<Cluster>(&client, ns.as_deref()),
+            watcher::Config::default(),
+            kvmcluster_of_cluster,
+        )
+        .reconcile_on(wakes)
+        .graceful_shutdown_on(stopped)
+        .run(super::reconcile, super::error_policy, ctx)
+        .for_each(move |res| {
+            report::finished(&backoff, &metrics, "KVMCluster", res);
+            futures::future::ready(())
+        })
+        .await
 }
 
 #[cfg(test)]

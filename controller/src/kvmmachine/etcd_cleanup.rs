@@ -40,12 +40,11 @@ use crate::{
     ownership::{Home, Owner},
 };
 
-/// Annotation on a KVMMachine: where its machine Pod kept the etcd disk, `<node>:<directory>`.
-pub const ETCD_HOST_DIR_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/etcd-host-dir";
-/// Annotation on a cleanup Pod: which attempt it is (1, 2, ...).
-pub const ATTEMPT_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/etcd-cleanup-attempt";
-/// Annotation on a cleanup Pod: when the first attempt was made (RFC 3339).
-pub const SINCE_ANNOTATION: &str = "infrastructure.cluster.x-k8s.io/etcd-cleanup-since";
+// The annotations are defined with the others, where the controller's caches keep them.
+pub use capk_api::constants::{
+    ETCD_CLEANUP_ATTEMPT_ANNOTATION as ATTEMPT_ANNOTATION,
+    ETCD_CLEANUP_SINCE_ANNOTATION as SINCE_ANNOTATION, ETCD_HOST_DIR_ANNOTATION,
+};
 /// `app.kubernetes.io/component` of cleanup Pods.
 pub const COMPONENT: &str = "etcd-cleanup";
 /// How long the cleanup may take, from its first attempt, before the directory is left (and

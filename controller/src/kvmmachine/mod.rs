@@ -59,8 +59,8 @@ use crate::{
     ownership::{Claim, Owner},
     report,
     workload::{
-        Gate, NodeFacts, PodNode, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_REFUSED,
-        kubeconfig_secret_name, set_gate,
+        Gate, NodeFacts, PodNode, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_MISSING,
+        REASON_KUBECONFIG_REFUSED, kubeconfig_secret_name, set_gate,
     },
 };
 
@@ -173,8 +173,9 @@ async fn target_of(
 ) -> std::result::Result<Target, Unavailable> {
     match kvm_cluster {
         Some(kc) => {
+            let kubeconfig = crate::kvmcluster::hosting_kubeconfig(ctx, kc).await?;
             ctx.hosting
-                .target(&ctx.client, &ctx.caches.objects(), kc)
+                .target(&ctx.client, &ctx.caches.objects(), kc, kubeconfig)
                 .await
         }
         None => Ok(Target::management(&ctx.client, ctx.caches.objects(), ns)),
@@ -218,18 +219,22 @@ async fn machine_names(km: &KVMMachine, there: &Target) -> Result<MachineNames> 
     Ok(MachineNames::choose(km, &there.home, old_pod.as_ref()))
 }
 
-/// Fetches the bootstrap data Secret `name` (next to the KVMMachine), unless the Ignition
-/// Secret `ignition` (in `target`) was rendered from its current version. `None` while it does
-/// not exist.
+/// Fetches the bootstrap data Secret `name` of cluster `cluster` (next to the KVMMachine),
+/// unless the Ignition Secret `ignition` (in `target`) was rendered from its current version.
+/// `None` while it does not exist. The cache holds it by its cluster-name label, which Cluster
+/// API's bootstrap contract asks for and the controller adds when it is missing.
 async fn fetch_bootstrap(
     km: &KVMMachine,
-    name: &str,
+    (name, cluster): (&str, &str),
     target: &Target,
     ignition: &str,
     ctx: &Context,
 ) -> Result<Option<Bootstrap>> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
-    let Some(meta) = ctx.caches.secret(&ns, name) else {
+    let label = (CLUSTER_NAME_LABEL, cluster);
+    let Some(meta) =
+        objects::labelled_secret(&ctx.client, &ctx.caches.secrets, &ns, name, label).await?
+    else {
         return Ok(None);
     };
     let source = ignition_secret::rendered_from(name, &meta.resource_version().unwrap_or_default());
@@ -332,7 +337,9 @@ async fn apply(
             break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapData);
         };
         let ignition_name = &names.ignition_secret;
-        let Some(bootstrap) = fetch_bootstrap(km, secret_name, there, ignition_name, ctx).await?
+        let bootstrap_secret = (secret_name, placement.cluster.as_str());
+        let Some(bootstrap) =
+            fetch_bootstrap(km, bootstrap_secret, there, ignition_name, ctx).await?
         else {
             let name = secret_name.to_owned();
             break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapSecret(name));
@@ -373,9 +380,10 @@ async fn apply(
         let secret_name = names.ignition_secret.clone();
         let existing = match there.secret(&secret_name) {
             Some(meta) => Some(meta.metadata.clone()),
-            // A hosting cluster's cache holds only Secrets labelled as ours: before an apply
-            // (which would overwrite whatever has the name), ask whether another one exists.
-            None if ignition.is_some() && !there.home.management => secrets
+            // A cache holds only labelled Secrets (ours in a hosting cluster, Cluster API's in
+            // the management cluster): before an apply (which would overwrite whatever has the
+            // name), ask whether another one exists.
+            None if ignition.is_some() => secrets
                 .get_metadata_opt(&secret_name)
                 .await
                 .map_err(read_error("Secret", &secret_name))?
@@ -492,10 +500,15 @@ async fn apply(
         // The Node in the workload cluster: the Pod's readiness gate follows it (the Node watch
         // wakes this machine when it changes). A kubeconfig that is refused or unusable is the
         // user's to fix: a Warning Event, once.
-        let kubeconfig = ctx
-            .caches
-            .secret(&ns, &kubeconfig_secret_name(&placement.cluster))
-            .map(|m| m.resource_version().unwrap_or_default());
+        let kubeconfig = objects::labelled_secret(
+            &ctx.client,
+            &ctx.caches.secrets,
+            &ns,
+            &kubeconfig_secret_name(&placement.cluster),
+            (CLUSTER_NAME_LABEL, &placement.cluster),
+        )
+        .await?
+        .map(|m| m.resource_version().unwrap_or_default());
         let gate = ctx
             .workloads
             .node_gate(
@@ -575,6 +588,16 @@ async fn apply(
         // Recovery wakes this machine; this is a safety net.
         return Ok(Action::requeue(Duration::from_secs(60)));
     }
+    // The watch sees Secrets by their cluster label: one made without it (by hand) appears
+    // unseen, and is looked for (and labelled) again at this pace.
+    let waiting_for_secret = matches!(observed.state, MachineState::WaitingForBootstrapSecret(_))
+        || observed
+            .gate
+            .as_ref()
+            .is_some_and(|g| g.reason == REASON_KUBECONFIG_MISSING);
+    if waiting_for_secret {
+        return Ok(Action::requeue(UNLABELLED_SECRET_RECHECK));
+    }
     // A workload cluster that failed is tried again after the machine's back-off, not at once
     // at the next change of anything.
     if let Some(gate) = observed.gate.filter(|g| g.failed) {
@@ -582,6 +605,10 @@ async fn apply(
     }
     Ok(Action::await_change())
 }
+
+/// How often a machine waiting for its bootstrap data or kubeconfig Secret looks for it while
+/// the watch has not shown it (it may exist without the cluster label the watch selects).
+pub const UNLABELLED_SECRET_RECHECK: Duration = Duration::from_secs(60);
 
 /// Publishes a Warning Event for a condition the user must act on, unless the KVMMachine's
 /// `Ready` condition already reports it (the Event went out with it).

@@ -388,6 +388,7 @@ mod tests {
             clusters: store(vec![]),
             pods: store(vec![]),
             secrets: store(vec![]),
+            hosting_kubeconfigs: store(vec![]),
             claims: store(vec![]),
             services: store(vec![]),
             synced: tokio::sync::watch::channel(true).1,
