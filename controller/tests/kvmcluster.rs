@@ -313,17 +313,7 @@ async fn a_service_type_the_operator_does_not_allow_is_refused() -> Result<()> {
     let spec = json!({"controlPlaneService": {
         "type": "NodePort", "externalHost": "nodes.example.com"}});
     owned_kvmcluster_with(&client, ns, "open", spec).await?;
-    let message = eventually(30, "Ready=False SpecInvalid", || async {
-        let kc = kvmclusters.get("open").await?;
-        let ready = kc
-            .status
-            .and_then(|s| s.conditions)
-            .and_then(|cs| cs.into_iter().find(|c| c.type_ == "Ready"));
-        Ok(ready
-            .filter(|c| c.status == "False" && c.reason == "SpecInvalid")
-            .map(|c| c.message))
-    })
-    .await?;
+    let message = spec_invalid_message(&kvmclusters, "open").await?;
     assert!(
         message.contains("NodePort is not allowed")
             && message.contains("--allowed-control-plane-service-types"),
@@ -362,17 +352,7 @@ async fn service_annotations_the_operator_does_not_allow_are_refused() -> Result
         "external-dns.alpha.kubernetes.io/hostname": "api.victim.example.com",
         "tailscale.com/expose": "true"}}});
     owned_kvmcluster_with(&client, ns, "announced", spec).await?;
-    let message = eventually(30, "Ready=False SpecInvalid", || async {
-        let kc = kvmclusters.get("announced").await?;
-        let ready = kc
-            .status
-            .and_then(|s| s.conditions)
-            .and_then(|cs| cs.into_iter().find(|c| c.type_ == "Ready"));
-        Ok(ready
-            .filter(|c| c.status == "False" && c.reason == "SpecInvalid")
-            .map(|c| c.message))
-    })
-    .await?;
+    let message = spec_invalid_message(&kvmclusters, "announced").await?;
     for expected in [
         "spec.controlPlaneService.annotations[\"external-dns.alpha.kubernetes.io/hostname\"]",
         "spec.controlPlaneService.annotations[\"tailscale.com/expose\"]",
@@ -383,6 +363,22 @@ async fn service_annotations_the_operator_does_not_allow_are_refused() -> Result
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     assert!(services.get_opt("announced-apiserver").await?.is_none());
     Ok(())
+}
+
+/// The message of KVMCluster `name`'s `Ready` condition once it is False with reason
+/// `SpecInvalid`.
+async fn spec_invalid_message(kvmclusters: &Api<KVMCluster>, name: &str) -> Result<String> {
+    eventually(30, "Ready=False SpecInvalid", || async {
+        let kc = kvmclusters.get(name).await?;
+        let ready = kc
+            .status
+            .and_then(|s| s.conditions)
+            .and_then(|cs| cs.into_iter().find(|c| c.type_ == "Ready"));
+        Ok(ready
+            .filter(|c| c.status == "False" && c.reason == "SpecInvalid")
+            .map(|c| c.message))
+    })
+    .await
 }
 
 // ---------------------------------------------------------------------------------------------
