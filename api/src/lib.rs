@@ -8,6 +8,7 @@ pub mod capi;
 pub mod constants;
 #[cfg(feature = "kube")]
 pub mod crd;
+pub mod etcd_owner;
 pub mod mount_tag;
 pub mod quantity;
 #[cfg(feature = "kube")]

@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::accel::AccelChoice;
 use crate::control::ProbeKind;
+use crate::etcd_dir::EtcdOwner;
 use crate::qemu::argv::TcgThreads;
 use crate::qemu::qmp::SimpleCommand;
 use crate::run::{Role, RunConfig};
@@ -63,6 +64,11 @@ pub enum Command {
     /// limit, link it for `run --image`. On failure, one line for the KVMMachine's `Ready`
     /// condition goes to --termination-log.
     FetchImage(Box<FetchImageArgs>),
+    /// Remove a deleted KVMMachine's etcd directory (the controller's etcd cleanup Pod): its
+    /// etcd disk, owner marker and the directory, only when the marker names --owner. Anything
+    /// else is left as it is, with exit code 3 and `EtcdCleanupRefused: <why>` on
+    /// --termination-log.
+    RemoveEtcdData(RemoveEtcdDataArgs),
     /// Check whether KVM can run a guest instruction here and print the accelerator `auto` picks.
     ProbeAccel {
         /// How long the probe vCPU may take for its loop (real KVM needs about 1 ms).
@@ -196,6 +202,22 @@ pub struct FetchImageArgs {
     pub gpgv: PathBuf,
 }
 
+/// `remove-etcd-data` arguments.
+#[derive(Args, Debug, Clone)]
+pub struct RemoveEtcdDataArgs {
+    /// The etcd directory.
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// The deleted KVMMachine, `<namespace>/<name>/<uid>`: the directory's marker must name
+    /// its UID.
+    #[arg(long)]
+    pub owner: EtcdOwner,
+    /// Where the one-line outcome for the controller goes (the container's
+    /// terminationMessagePath).
+    #[arg(long, default_value = "/dev/termination-log")]
+    pub termination_log: PathBuf,
+}
+
 /// Hardware accelerator choice.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum AccelArg {
@@ -283,6 +305,11 @@ pub struct RunArgs {
     /// Size of the etcd disk when it is created.
     #[arg(long, env = "CAPK_ETCD_DISK_SIZE", default_value = "10Gi")]
     pub etcd_disk_size: ByteSize,
+    /// The KVMMachine the etcd disk belongs to, `<namespace>/<name>/<uid>` (required with
+    /// --etcd-disk): its directory is marked for it when the disk is created, and a directory
+    /// marked for another KVMMachine, or a disk without a marker, is refused.
+    #[arg(long, env = "CAPK_ETCD_OWNER")]
+    pub etcd_owner: Option<EtcdOwner>,
     /// Host directory shared into the guest over virtio-9p, as TAG=PATH (repeatable). No
     /// element of PATH may be a symbolic link (refused before QEMU starts). QEMU reads and
     /// writes it as its own user, and keeps what the guest makes as its own files of mode
@@ -407,6 +434,7 @@ impl From<RunArgs> for RunConfig {
             kubelet_disk_size: a.kubelet_disk_size,
             etcd_disk: a.etcd_disk,
             etcd_disk_size: a.etcd_disk_size,
+            etcd_owner: a.etcd_owner,
             host_volumes: a.host_volumes,
             host_volumes_readonly: a.host_volumes_readonly,
             qemu_uid: a.qemu_uid,
@@ -499,6 +527,15 @@ mod tests {
                 "invalid --iscsi-initiator-name: must be an iqn. or eui. name without spaces, at most 223 bytes",
             ),
             (
+                &["--etcd-disk", "/var/lib/capk/etcd/etcd.img"],
+                "invalid --etcd-owner: is required with --etcd-disk: the KVMMachine \
+                 (<namespace>/<name>/<uid>) whose directory it is",
+            ),
+            (
+                &["--etcd-disk", "/var/lib/capk/etcd", "--etcd-owner", "a/b/c"],
+                "invalid --etcd-disk: must be a file named etcd.img in a directory of its own",
+            ),
+            (
                 &["--hostname", "Bad_Name"],
                 "invalid --hostname: must be a DNS name of labels [a-z0-9-], at most 253 characters",
             ),
@@ -529,6 +566,35 @@ mod tests {
                 "{tag:?}: {got:?}"
             );
         }
+    }
+
+    #[test]
+    fn etcd_owners_are_parsed_once_at_the_edge() {
+        let r = config(&[
+            "--etcd-disk",
+            "/var/lib/capk/etcd/etcd.img",
+            "--etcd-owner",
+            "team-a/demo-cp-0/6f1c2a8e-0b7d-4c1e-9a53-2f0e8d7c6b5a",
+        ]);
+        assert!(validate(&r).is_ok());
+        assert_eq!(
+            r.etcd_owner.unwrap().uid,
+            "6f1c2a8e-0b7d-4c1e-9a53-2f0e8d7c6b5a"
+        );
+        let e = Cli::try_parse_from([
+            "capk-launcher",
+            "remove-etcd-data",
+            "--dir",
+            "/var/lib/capk/etcd-cleanup/demo-cp-0",
+            "--owner",
+            "team-a/../uid",
+        ])
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("\"team-a/../uid\" is not <namespace>/<name>/<uid> of a KVMMachine"),
+            "{e}"
+        );
     }
 
     #[test]

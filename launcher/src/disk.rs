@@ -1,12 +1,15 @@
 //! Disks: a qcow2 overlay on the read-only node image (never a copy), raw data disks of the
 //! configured sizes, and the etcd disk on persistent storage that is created once and never
-//! recreated, shrunk or formatted by the launcher.
+//! recreated, shrunk or formatted by the launcher. Its directory is marked as the KVMMachine's
+//! before the disk is made, and a directory marked for another, or a disk without a marker, is
+//! refused ([`crate::etcd_dir`]).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde::Serialize;
 
+use crate::etcd_dir::{self, EtcdOwner, Marker};
 use crate::qcow2::{self, NotSelfContained};
 use crate::qemu::argv::{BaseImage, DiskAttachment, DiskFormat};
 use crate::size::ByteSize;
@@ -26,8 +29,29 @@ pub struct DiskRequest {
     pub docker_size: ByteSize,
     /// kubelet disk size (0 = none).
     pub kubelet_size: ByteSize,
-    /// etcd disk file and its size at creation.
-    pub etcd: Option<(PathBuf, ByteSize)>,
+    /// The etcd disk, on persistent storage.
+    pub etcd: Option<EtcdDiskRequest>,
+}
+
+/// The etcd disk the controller asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdDiskRequest {
+    /// The disk file (in its own directory, which the marker is written to).
+    pub path: PathBuf,
+    /// Its size at creation.
+    pub size: ByteSize,
+    /// The KVMMachine it belongs to.
+    pub owner: EtcdOwner,
+}
+
+impl EtcdDiskRequest {
+    /// The directory the disk and its marker are in.
+    pub fn dir(&self) -> PathBuf {
+        self.path
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("/"))
+    }
 }
 
 /// What exists on disk now (filled by [`observe`]).
@@ -47,6 +71,8 @@ pub struct DiskState {
     pub kubelet_size: Option<ByteSize>,
     /// Size of the etcd disk, when it exists.
     pub etcd_size: Option<ByteSize>,
+    /// What the etcd directory's owner marker says.
+    pub etcd_marker: Marker,
 }
 
 /// One thing to do to one disk.
@@ -90,6 +116,13 @@ pub enum DiskAction {
         /// File.
         path: PathBuf,
     },
+    /// Write the owner marker into the etcd disk's directory (before the disk is created).
+    MarkEtcdOwner {
+        /// The directory.
+        dir: PathBuf,
+        /// The KVMMachine.
+        owner: EtcdOwner,
+    },
 }
 
 /// The disk plan: actions and the resulting attachments, root first.
@@ -129,6 +162,34 @@ pub enum DiskError {
     /// Running qemu-img failed.
     #[error("run {0} (install qemu-utils)")]
     RunQemuImg(PathBuf, #[source] std::io::Error),
+    /// The etcd directory is marked for another KVMMachine.
+    #[error(
+        "etcd directory {}: its owner marker names KVMMachine {}/{} (uid {}), not this machine \
+         {}/{} (uid {}); its data is left alone: give this machine another etcdStorage, or \
+         remove that directory on the node if its machine is gone",
+        dir.display(), marker.namespace, marker.name, marker.uid, owner.namespace, owner.name,
+        owner.uid
+    )]
+    EtcdDirForeign {
+        /// The directory.
+        dir: PathBuf,
+        /// Whom its marker names.
+        marker: EtcdOwner,
+        /// This machine.
+        owner: EtcdOwner,
+    },
+    /// The etcd disk exists but its directory has no owner marker, or one no launcher wrote.
+    #[error(
+        "etcd directory {}: {why}, so the etcd disk in it was not made for this machine and is \
+         left alone: give this machine another etcdStorage, or remove that directory on the node",
+        dir.display()
+    )]
+    EtcdDirUnmarked {
+        /// The directory.
+        dir: PathBuf,
+        /// What is wrong with the marker.
+        why: String,
+    },
     /// File I/O on a disk file failed.
     #[error("{action} {path}")]
     Io {
@@ -234,18 +295,11 @@ pub fn plan(r: &DiskRequest, s: &DiskState) -> Result<DiskPlan, DiskError> {
         });
     }
 
-    if let Some((path, size)) = &r.etcd {
-        // An existing etcd disk is never touched: it holds the cluster's state.
-        actions.push(match s.etcd_size {
-            None => DiskAction::CreateRaw {
-                path: path.clone(),
-                size: ByteSize(size.aligned_kib()),
-            },
-            Some(_) => DiskAction::Keep { path: path.clone() },
-        });
+    if let Some(etcd) = &r.etcd {
+        etcd_actions(etcd, s, &mut actions)?;
         attachments.push(DiskAttachment {
             serial: ETCD_SERIAL.into(),
-            path: path.clone(),
+            path: etcd.path.clone(),
             format: DiskFormat::Raw,
             base: None,
         });
@@ -254,6 +308,53 @@ pub fn plan(r: &DiskRequest, s: &DiskState) -> Result<DiskPlan, DiskError> {
         actions,
         attachments,
     })
+}
+
+/// The etcd disk's actions: an existing disk is never touched (it holds the cluster's state)
+/// and is used only when its directory's marker names this KVMMachine; a new one is made after
+/// the marker is written.
+fn etcd_actions(
+    etcd: &EtcdDiskRequest,
+    s: &DiskState,
+    actions: &mut Vec<DiskAction>,
+) -> Result<(), DiskError> {
+    let dir = etcd.dir();
+    match (&s.etcd_marker, s.etcd_size) {
+        (Marker::Owner(m), _) if !etcd.owner.owns(m) => {
+            return Err(DiskError::EtcdDirForeign {
+                dir,
+                marker: m.clone(),
+                owner: etcd.owner.clone(),
+            });
+        }
+        (Marker::Unreadable(why), _) => {
+            return Err(DiskError::EtcdDirUnmarked {
+                dir,
+                why: why.clone(),
+            });
+        }
+        (Marker::Absent, Some(_)) => {
+            return Err(DiskError::EtcdDirUnmarked {
+                dir,
+                why: format!("it has no owner marker {}", etcd_dir::MARKER_FILE),
+            });
+        }
+        (Marker::Absent, None) => actions.push(DiskAction::MarkEtcdOwner {
+            dir,
+            owner: etcd.owner.clone(),
+        }),
+        (Marker::Owner(_), _) => {}
+    }
+    actions.push(match s.etcd_size {
+        None => DiskAction::CreateRaw {
+            path: etcd.path.clone(),
+            size: ByteSize(etcd.size.aligned_kib()),
+        },
+        Some(_) => DiskAction::Keep {
+            path: etcd.path.clone(),
+        },
+    });
+    Ok(())
 }
 
 fn qemu_img(qemu_img: &Path, args: &[&str]) -> Result<String, DiskError> {
@@ -316,7 +417,12 @@ pub fn observe(r: &DiskRequest) -> Result<DiskState, DiskError> {
         },
         docker_size: file_size(&r.state_dir.join("docker.img")),
         kubelet_size: file_size(&r.state_dir.join("kubelet.img")),
-        etcd_size: r.etcd.as_ref().and_then(|(p, _)| file_size(p)),
+        etcd_size: r.etcd.as_ref().and_then(|e| file_size(&e.path)),
+        etcd_marker: r
+            .etcd
+            .as_ref()
+            .map(|e| etcd_dir::read_marker(&e.dir()))
+            .unwrap_or_default(),
     })
 }
 
@@ -443,6 +549,13 @@ pub fn apply(plan: &DiskPlan, qemu_img_bin: &Path) -> Result<(), DiskError> {
                     })?;
                 }
             }
+            DiskAction::MarkEtcdOwner { dir, owner } => {
+                etcd_dir::write_marker(dir, owner).map_err(|source| DiskError::Io {
+                    action: "write the owner marker into",
+                    path: dir.clone(),
+                    source,
+                })?;
+            }
             DiskAction::Keep { .. } => {}
         }
     }
@@ -461,7 +574,19 @@ mod tests {
             root_size: ByteSize::gib(40),
             docker_size: ByteSize::gib(40),
             kubelet_size: ByteSize::gib(20),
-            etcd: Some(("/var/lib/etcd-disk/etcd.img".into(), ByteSize::gib(10))),
+            etcd: Some(EtcdDiskRequest {
+                path: "/var/lib/etcd-disk/etcd.img".into(),
+                size: ByteSize::gib(10),
+                owner: owner("uid-1"),
+            }),
+        }
+    }
+
+    fn owner(uid: &str) -> EtcdOwner {
+        EtcdOwner {
+            namespace: "team-a".into(),
+            name: "demo-cp-0".into(),
+            uid: uid.into(),
         }
     }
 
@@ -482,6 +607,7 @@ mod tests {
             docker_size: Some(ByteSize::gib(30)),
             kubelet_size: Some(ByteSize::gib(20)),
             etcd_size: Some(ByteSize::gib(5)),
+            etcd_marker: Marker::Owner(owner("uid-1")),
             ..Default::default()
         };
         let p = plan(&request(), &s).unwrap();
@@ -519,6 +645,82 @@ mod tests {
         );
     }
 
+    /// The etcd directory is marked as the machine's before its disk is made; a restart uses
+    /// it; a machine of another UID (a tenant whose path names this directory, or a machine made
+    /// again under the same name) is refused before anything changes, and so is a disk without
+    /// a marker.
+    #[test]
+    fn the_etcd_directory_is_marked_at_creation_and_refused_to_another_machine() {
+        let dir = tempfile::tempdir().unwrap();
+        let image = dir.path().join("node.raw");
+        std::fs::File::create(&image)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let etcd_dir = dir.path().join("etcd/team-a/demo-cp-0");
+        let request = |uid: &str| DiskRequest {
+            etcd: Some(EtcdDiskRequest {
+                path: etcd_dir.join("etcd.img"),
+                size: ByteSize::mib(16),
+                owner: owner(uid),
+            }),
+            ..root_only(dir.path(), &image, DiskFormat::Raw)
+        };
+        // Only the etcd actions: the overlay would need qemu-img.
+        let apply_etcd = |p: &DiskPlan| {
+            let etcd = DiskPlan {
+                actions: p.actions[1..].to_vec(),
+                attachments: vec![],
+            };
+            apply(&etcd, Path::new("/nonexistent/qemu-img")).unwrap();
+        };
+        let r = request("uid-1");
+        let p = plan(&r, &observe(&r).unwrap()).unwrap();
+        assert_eq!(
+            p.actions[1..],
+            [
+                DiskAction::MarkEtcdOwner {
+                    dir: etcd_dir.clone(),
+                    owner: owner("uid-1")
+                },
+                DiskAction::CreateRaw {
+                    path: etcd_dir.join("etcd.img"),
+                    size: ByteSize::mib(16)
+                },
+            ]
+        );
+        apply_etcd(&p);
+        assert_eq!(
+            etcd_dir::read_marker(&etcd_dir),
+            Marker::Owner(owner("uid-1"))
+        );
+        // A restart: the disk is used as it is.
+        let p = plan(&r, &observe(&r).unwrap()).unwrap();
+        assert_eq!(
+            p.actions[1..],
+            [DiskAction::Keep {
+                path: etcd_dir.join("etcd.img")
+            }]
+        );
+        // Another machine whose directory is this one.
+        let other = request("uid-2");
+        let e = plan(&other, &observe(&other).unwrap()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "etcd directory {}: its owner marker names KVMMachine team-a/demo-cp-0 (uid \
+                 uid-1), not this machine team-a/demo-cp-0 (uid uid-2); its data is left alone: \
+                 give this machine another etcdStorage, or remove that directory on the node if \
+                 its machine is gone",
+                etcd_dir.display()
+            )
+        );
+        // An etcd disk nobody marked.
+        std::fs::remove_file(etcd_dir.join(etcd_dir::MARKER_FILE)).unwrap();
+        let e = plan(&r, &observe(&r).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("it has no owner marker .capk-owner"), "{e}");
+    }
+
     /// Real qemu-img: the overlay is backed by the image (no copy) and a second apply keeps
     /// the etcd disk's bytes.
     #[test]
@@ -549,7 +751,11 @@ mod tests {
             root_size: ByteSize::mib(128),
             docker_size: ByteSize::mib(32),
             kubelet_size: ByteSize(0),
-            etcd: Some((dir.path().join("etcd/etcd.img"), ByteSize::mib(16))),
+            etcd: Some(EtcdDiskRequest {
+                path: dir.path().join("etcd/etcd.img"),
+                size: ByteSize::mib(16),
+                owner: owner("uid-1"),
+            }),
         };
         let p = plan(&r, &observe(&r).unwrap()).unwrap();
         apply(&p, &qemu_img_bin).unwrap();

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod console;
 pub mod control;
 pub mod disk;
+pub mod etcd_dir;
 pub mod health;
 pub mod host_volume;
 pub mod ignition;

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use capk_launcher::cli::{Cli, Command, FetchImageArgs, LogFormat};
+use capk_launcher::cli::{Cli, Command, FetchImageArgs, LogFormat, RemoveEtcdDataArgs};
 use capk_launcher::control::{self, ProbeKind, Request};
 use capk_launcher::{accel, run};
 use clap::Parser;
@@ -96,6 +96,39 @@ fn fetch_image(args: &FetchImageArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `remove-etcd-data`: removes the directory when its marker names the owner given, and writes
+/// one line for the controller to the termination log: what was done, or
+/// `EtcdCleanupRefused: <why>` (exit code 3: nothing removed, for good), or the failure (exit
+/// code 1: worth another try).
+fn remove_etcd_data(args: &RemoveEtcdDataArgs) -> ExitCode {
+    use capk_api::etcd_owner::{CLEANUP_REFUSED_EXIT_CODE, REASON_CLEANUP_REFUSED};
+    use capk_launcher::etcd_dir::{self, Removal, RemoveError};
+    let dir = args.dir.display();
+    let (line, code) = match etcd_dir::remove(&args.dir, &args.owner) {
+        Ok(Removal::Removed) => (
+            format!("removed the etcd disk, its owner marker and {dir}"),
+            ExitCode::SUCCESS,
+        ),
+        Ok(Removal::DiskRemoved { left }) => (
+            format!(
+                "removed the etcd disk; left {dir} and its owner marker: it also holds {}",
+                left.join(", ")
+            ),
+            ExitCode::SUCCESS,
+        ),
+        Ok(Removal::NothingThere) => (format!("nothing to remove in {dir}"), ExitCode::SUCCESS),
+        Err(RemoveError::Refused { refusal, .. }) => (
+            format!("{REASON_CLEANUP_REFUSED}: {dir} left as it is: {refusal}"),
+            ExitCode::from(CLEANUP_REFUSED_EXIT_CODE as u8),
+        ),
+        Err(e) => (one_line(&e), ExitCode::FAILURE),
+    };
+    eprintln!("capk-launcher: {line}");
+    // The kubelet shows it in the container's terminated state, where the controller reads it.
+    let _ = std::fs::write(&args.termination_log, format!("{line}\n"));
+    code
 }
 
 /// The source and cache settings `fetch-image` was given.
@@ -250,6 +283,7 @@ fn main() -> ExitCode {
             init_tracing(cli.log_format);
             fetch_image(&args)
         }
+        Command::RemoveEtcdData(args) => remove_etcd_data(&args),
         Command::ProbeAccel { timeout_ms } => {
             match accel::probe_kvm(Duration::from_millis(timeout_ms)) {
                 Ok(()) => {

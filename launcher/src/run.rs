@@ -13,7 +13,8 @@ use crate::accel::{self, AccelChoice, KvmUnusable};
 use crate::apiserver;
 use crate::console;
 use crate::control::{self, SharedQmp};
-use crate::disk::{self, DiskError, DiskRequest};
+use crate::disk::{self, DiskError, DiskRequest, EtcdDiskRequest};
+use crate::etcd_dir::{self, EtcdOwner};
 use crate::health::{self, LauncherState, Phase, SharedState};
 use crate::host_volume::{self, HostVolumeError};
 use crate::ignition::{self, IgnitionError};
@@ -76,6 +77,8 @@ pub struct RunConfig {
     pub etcd_disk: Option<PathBuf>,
     /// Size of the etcd disk when it is created.
     pub etcd_disk_size: ByteSize,
+    /// The KVMMachine the etcd disk's directory is marked for.
+    pub etcd_owner: Option<EtcdOwner>,
     /// Host directories shared into the guest, as `TAG=PATH`.
     pub host_volumes: Vec<String>,
     /// Host directories shared into the guest read-only, as `TAG=PATH`.
@@ -253,6 +256,25 @@ pub fn validate(a: &RunConfig) -> Result<Validated, RunError> {
     if a.etcd_disk.is_some() && a.etcd_disk_size.0 == 0 {
         return Err(invalid("etcd-disk-size", "must be larger than 0"));
     }
+    // The cleanup removes exactly the disk it knows by name, and only where this marker is.
+    if let Some(p) = &a.etcd_disk
+        && p.file_name().and_then(|n| n.to_str()) != Some(etcd_dir::DISK_FILE)
+    {
+        return Err(invalid(
+            "etcd-disk",
+            &format!(
+                "must be a file named {} in a directory of its own",
+                etcd_dir::DISK_FILE
+            ),
+        ));
+    }
+    if a.etcd_disk.is_some() && a.etcd_owner.is_none() {
+        return Err(invalid(
+            "etcd-owner",
+            "is required with --etcd-disk: the KVMMachine (<namespace>/<name>/<uid>) whose \
+             directory it is",
+        ));
+    }
     if let Some(h) = &a.hostname
         && !valid_hostname(h)
     {
@@ -421,7 +443,15 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         root_size: a.disk_size,
         docker_size: a.docker_disk_size,
         kubelet_size: a.kubelet_disk_size,
-        etcd: a.etcd_disk.clone().map(|p| (p, a.etcd_disk_size)),
+        etcd: a
+            .etcd_disk
+            .clone()
+            .zip(a.etcd_owner.clone())
+            .map(|(path, owner)| EtcdDiskRequest {
+                path,
+                size: a.etcd_disk_size,
+                owner,
+            }),
     };
     let disk_plan = disk::plan(&disk_req, &disk::observe(&disk_req)?)?;
     let hostname = match &a.hostname {

@@ -308,6 +308,8 @@ impl Launcher {
                 &work.join("etcd/etcd.img").display().to_string(),
                 "--etcd-disk-size",
                 "1Gi",
+                "--etcd-owner",
+                "capk-test/vm-test/00000000-0000-4000-8000-000000000001",
             ])
             .args(["--state-dir", &work.join("state").display().to_string()])
             .args(["--runtime-dir", &runtime_dir.display().to_string()])
