@@ -129,6 +129,9 @@ pub const REASON_REMOVING_ETCD_DATA: &str = "RemovingEtcdData";
 pub const REASON_ETCD_CLEANUP_FAILED: &str = "EtcdCleanupFailed";
 /// Normal Event: the etcd data is gone from the MC node.
 pub const REASON_ETCD_DATA_REMOVED: &str = "EtcdDataRemoved";
+/// Warning Event: the cleanup Pod refused the directory (its owner marker does not name this
+/// KVMMachine's UID): nothing was removed, and the deletion goes on.
+pub const REASON_ETCD_CLEANUP_REFUSED: &str = capk_api::etcd_owner::REASON_CLEANUP_REFUSED;
 /// Warning Event: the etcd data could not be removed and is left on the MC node.
 pub const REASON_ETCD_DATA_LEFT: &str = "EtcdDataLeft";
 
@@ -204,6 +207,31 @@ async fn remove_etcd_data(
         let note = format!("removed {} on node {}", dir.path(), dir.node);
         info!(node = %dir.node, dir = %dir.path(), "etcd data removed");
         report::publish(ctx, km, EventType::Normal, REASON_ETCD_DATA_REMOVED, note).await;
+        return done;
+    }
+    // The directory is not this machine's (its marker names another, or none): left as it
+    // is, for good; the deletion goes on.
+    if let Some(why) = existing
+        .as_ref()
+        .filter(|_| phase == "Failed")
+        .and_then(etcd_cleanup::refused)
+    {
+        objects::delete_if_present(&pods, "Pod", &name).await?;
+        writes::forget_etcd_dir(api, km).await?;
+        let note = format!(
+            "etcd data left on node {} in {}: the cleanup refused it: {why}; nothing was removed",
+            dir.node,
+            dir.path()
+        );
+        warn!(node = %dir.node, dir = %dir.path(), reason = %why, "etcd cleanup refused");
+        report::publish(
+            ctx,
+            km,
+            EventType::Warning,
+            REASON_ETCD_CLEANUP_REFUSED,
+            note,
+        )
+        .await;
         return done;
     }
     let now = Timestamp::now();

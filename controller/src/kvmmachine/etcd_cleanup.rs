@@ -308,11 +308,14 @@ pub fn cleanup_pod(
                 name: "remove".into(),
                 image: Some(image.to_owned()),
                 image_pull_policy: Some("IfNotPresent".into()),
+                // Removes the directory only when its owner marker names this KVMMachine's UID
+                // (a path is made of names tenants choose); exit code
+                // CLEANUP_REFUSED_EXIT_CODE otherwise.
                 command: Some(vec![
-                    "rm".into(),
-                    "-rf".into(),
-                    "--".into(),
-                    format!("{MOUNT_DIR}/{}", dir.name),
+                    "capk-launcher".into(),
+                    "remove-etcd-data".into(),
+                    format!("--dir={MOUNT_DIR}/{}", dir.name),
+                    format!("--owner={}", owner_of(km)),
                 ]),
                 // The files were written by the privileged launcher: as root, with whatever
                 // labels (SELinux) a privileged container leaves; the same rights remove them.
@@ -340,6 +343,43 @@ pub fn cleanup_pod(
         }),
         status: None,
     }
+}
+
+/// The KVMMachine as the launcher marks its etcd directory and the cleanup checks the mark.
+pub fn owner_of(km: &KVMMachine) -> capk_api::etcd_owner::EtcdOwner {
+    capk_api::etcd_owner::EtcdOwner {
+        namespace: km.namespace().unwrap_or_else(|| "default".into()),
+        name: km.name_any(),
+        uid: km.uid().unwrap_or_default(),
+    }
+}
+
+/// Why the cleanup Pod refused the directory (its marker does not name this KVMMachine), when
+/// it did: nothing was removed, and another attempt would not change that.
+pub fn refused(pod: &Pod) -> Option<String> {
+    let t = pod
+        .status
+        .as_ref()?
+        .container_statuses
+        .iter()
+        .flatten()
+        .filter_map(|c| c.state.as_ref()?.terminated.as_ref())
+        .next()?;
+    if t.exit_code != capk_api::etcd_owner::CLEANUP_REFUSED_EXIT_CODE {
+        return None;
+    }
+    let text = t.message.as_deref().unwrap_or_default().trim();
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or_default();
+    let why = line
+        .split_once(": ")
+        .filter(|(r, _)| *r == capk_api::etcd_owner::REASON_CLEANUP_REFUSED)
+        .map(|(_, m)| m)
+        .unwrap_or(line);
+    Some(crate::redact::untrusted_message(why))
 }
 
 /// Why the apiserver refused a cleanup Pod for good, if it did: the namespace is being deleted

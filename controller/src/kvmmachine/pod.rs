@@ -8,6 +8,7 @@ use capk_api::{
     constants::{
         CLUSTER_NAME_LABEL, ETCD_VOLUME, MACHINE_ROLE_LABEL, NODE_READY_GATE, ROLE_CONTROL_PLANE,
     },
+    etcd_owner,
     v1alpha1::{Accel, EtcdStorageType, KVMMachine},
 };
 use k8s_openapi::{
@@ -197,8 +198,14 @@ pub fn machine_pod(
         };
         volumes.push(volume);
         mounts.push(mount(ETCD_VOLUME, ETCD_DIR, false));
-        args.push(format!("--etcd-disk={ETCD_DIR}/etcd.img"));
+        args.push(format!("--etcd-disk={ETCD_DIR}/{}", etcd_owner::DISK_FILE));
         args.push(format!("--etcd-disk-size={etcd_bytes}"));
+        // The launcher marks the etcd directory as this KVMMachine's (by UID) and refuses one
+        // marked for another; the cleanup removes only a directory so marked.
+        args.push(format!(
+            "--etcd-owner={}",
+            super::etcd_cleanup::owner_of(km)
+        ));
     } else {
         for hv in &valid.host_volumes {
             let name = format!("hostvol-{}", sanitize(&hv.mount_tag));
