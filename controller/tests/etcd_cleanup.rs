@@ -169,13 +169,14 @@ async fn the_kvmmachine_stays_until_its_cleanup_pod_removed_the_etcd_directory()
     assert_eq!(host.path, format!("{HOST_PATH}/{ns}"));
     let c = &spec.containers[0];
     let mount = &c.volume_mounts.as_ref().context("mounts")?[0];
+    let km = kms.get("demo-cp-0").await?;
     assert_eq!(
         c.command.clone().unwrap_or_default(),
         [
-            "rm",
-            "-rf",
-            "--",
-            &format!("{}/demo-cp-0", mount.mount_path)
+            "capk-launcher".to_owned(),
+            "remove-etcd-data".to_owned(),
+            format!("--dir={}/demo-cp-0", mount.mount_path),
+            format!("--owner={ns}/demo-cp-0/{}", km.uid().unwrap_or_default()),
         ]
     );
     assert_eq!(
@@ -465,5 +466,113 @@ async fn an_etcd_dir_only_annotated_removes_nothing() -> Result<()> {
         "{note}"
     );
     assert!(pods.get_opt("demo-cp-6-etcd-cleanup").await?.is_none());
+    Ok(())
+}
+
+/// Plays the kubelet for cleanup Pod `pod`: its hostPath volume is `host` (a directory of the
+/// test's), and its command runs as the launcher would parse and run it. The container's exit
+/// code.
+fn run_cleanup(pod: &Pod, host: &std::path::Path) -> Result<i32> {
+    use capk_launcher::cli::{Cli, Command};
+    use clap::Parser;
+    let spec = pod.spec.as_ref().context("spec")?;
+    let c = &spec.containers[0];
+    let mount = &c.volume_mounts.as_ref().context("mounts")?[0].mount_path;
+    let argv: Vec<String> = c
+        .command
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|a| a.replace(mount.as_str(), &host.display().to_string()))
+        .collect();
+    let Command::RemoveEtcdData(args) = Cli::try_parse_from(&argv)?.command else {
+        anyhow::bail!("the cleanup Pod runs {argv:?}, not capk-launcher remove-etcd-data");
+    };
+    Ok(
+        match capk_launcher::etcd_dir::remove(&args.dir, &args.owner) {
+            Ok(_) => 0,
+            Err(capk_launcher::etcd_dir::RemoveError::Refused { .. }) => {
+                capk_api::etcd_owner::CLEANUP_REFUSED_EXIT_CODE
+            }
+            Err(_) => 1,
+        },
+    )
+}
+
+/// The attack of issue 38: tenant B names its namespace like tenant A's control-plane
+/// KVMMachine, and its own KVMMachine `etcd.img` with etcd under `<prefix>/<A's namespace>`:
+/// its "directory" is A's etcd disk. The cleanup Pod refuses it (A's marker names A's UID),
+/// A's etcd data stays, and B's deletion finishes with an EtcdCleanupRefused Warning.
+#[tokio::test]
+async fn a_cleanup_pointed_at_another_tenants_etcd_disk_removes_nothing() -> Result<()> {
+    let victim_ns = "etcd-victim";
+    let ns = "victim-cp-0";
+    let (client, _stop) = setup(ns).await?;
+    create_node(&client, "etcd-node-7").await?;
+    support::bootstrap_secret(&client, ns, "etcd.img", CLOUD_CONFIG).await?;
+    let spec = json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "20Gi"},
+        "etcdStorage": {"type": "hostPath", "hostPath": format!("{HOST_PATH}/{victim_ns}")}});
+    control_plane_machine_with_spec(&client, ns, "etcd.img", spec).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    schedule(&pods, "etcd.img", "etcd-node-7").await?;
+    recorded(&kms, "etcd.img").await?;
+
+    // Tenant A's machine directory on the node, as its launcher left it.
+    let node = tempfile::tempdir()?;
+    let victim_dir = node.path().join("victim-cp-0");
+    let a = capk_api::etcd_owner::EtcdOwner {
+        namespace: victim_ns.into(),
+        name: "victim-cp-0".into(),
+        uid: "aaaaaaaa-0000-4000-8000-000000000001".into(),
+    };
+    capk_launcher::etcd_dir::write_marker(&victim_dir, &a)?;
+    std::fs::write(victim_dir.join("etcd.img"), b"tenant A's etcd data")?;
+
+    delete_machine(&kms, &pods, "etcd.img").await?;
+    let name = "etcd.img-etcd-cleanup";
+    let cleanup = eventually(30, "the cleanup Pod", || async {
+        Ok(pods.get_opt(name).await?)
+    })
+    .await?;
+    let host = cleanup
+        .spec
+        .as_ref()
+        .context("spec")?
+        .volumes
+        .as_ref()
+        .context("volumes")?[0]
+        .host_path
+        .clone()
+        .context("hostPath")?;
+    assert_eq!(host.path, format!("{HOST_PATH}/{victim_ns}/victim-cp-0"));
+    let code = run_cleanup(&cleanup, &victim_dir)?;
+    assert_eq!(
+        std::fs::read(victim_dir.join("etcd.img"))?,
+        b"tenant A's etcd data",
+        "the cleanup removed another tenant's etcd disk"
+    );
+    assert_eq!(code, capk_api::etcd_owner::CLEANUP_REFUSED_EXIT_CODE);
+
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let status = json!({"status": {"phase": "Failed",
+        "containerStatuses": [{"name": "remove", "ready": false, "restartCount": 0,
+            "image": "localhost/capk/capk-launcher:dev", "imageID": "",
+            "state": {"terminated": {"exitCode": code, "finishedAt": now,
+                "message": "EtcdCleanupRefused: /var/lib/capk/etcd-cleanup/etcd.img left as it is: it is not a directory\n"}}}]}});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    eventually(30, "KVMMachine and cleanup Pod gone", || async {
+        let gone = kms.get_opt("etcd.img").await?.is_none() && pods.get_opt(name).await?.is_none();
+        Ok(gone.then_some(()))
+    })
+    .await?;
+    let ev = event(&client, ns, "etcd.img", "EtcdCleanupRefused").await?;
+    assert_eq!(ev.type_.as_deref(), Some("Warning"));
+    let note = ev.note.unwrap_or_default();
+    assert!(
+        note.contains("it is not a directory") && note.contains("nothing was removed"),
+        "{note}"
+    );
     Ok(())
 }
