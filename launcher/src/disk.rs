@@ -174,9 +174,9 @@ pub enum DiskError {
         /// The directory.
         dir: PathBuf,
         /// Whom its marker names.
-        marker: EtcdOwner,
+        marker: Box<EtcdOwner>,
         /// This machine.
-        owner: EtcdOwner,
+        owner: Box<EtcdOwner>,
     },
     /// The etcd disk exists but its directory has no owner marker, or one no launcher wrote.
     #[error(
@@ -323,8 +323,8 @@ fn etcd_actions(
         (Marker::Owner(m), _) if !etcd.owner.owns(m) => {
             return Err(DiskError::EtcdDirForeign {
                 dir,
-                marker: m.clone(),
-                owner: etcd.owner.clone(),
+                marker: Box::new(m.clone()),
+                owner: Box::new(etcd.owner.clone()),
             });
         }
         (Marker::Unreadable(why), _) => {

@@ -109,9 +109,9 @@ pub enum Refusal {
     )]
     OtherOwner {
         /// Whom the marker names.
-        marker: EtcdOwner,
+        marker: Box<EtcdOwner>,
         /// Whom the cleanup was given.
-        given: EtcdOwner,
+        given: Box<EtcdOwner>,
     },
 }
 
@@ -189,8 +189,8 @@ pub fn remove(dir: &Path, owner: &EtcdOwner) -> Result<Removal, RemoveError> {
         Marker::Owner(m) if owner.owns(&m) => {}
         Marker::Owner(m) => {
             return Err(refused(Refusal::OtherOwner {
-                marker: m,
-                given: owner.clone(),
+                marker: Box::new(m),
+                given: Box::new(owner.clone()),
             }));
         }
         Marker::Unreadable(why) => return Err(refused(Refusal::UnreadableMarker(why))),
