@@ -31,8 +31,13 @@ pub const REASON_CLEANUP_REFUSED: &str = "EtcdCleanupRefused";
 
 /// The KVMMachine an etcd directory belongs to. Written as `<namespace>/<name>/<uid>` on command
 /// lines (no part holds a `/`: a namespace is a DNS label, a name a DNS subdomain, a UID a UUID)
-/// and as JSON in the marker. Only the UID decides: a KVMMachine deleted and made again under
-/// the same name is another machine.
+/// and as JSON in the marker. All three must match: a KVMMachine deleted and made again under
+/// the same name is another machine (another UID), and a UID alone is not a secret.
+///
+/// The UID is the one the machine's first Pod was made for, not necessarily the KVMMachine's
+/// own: `clusterctl move` makes the KVMMachine again (same namespace and name, a new UID) while
+/// its Pod and data stay, and the controller keeps naming the UID that Pod was given (it records
+/// it in `status.etcdHostDir.ownerUID`, read from the Pod).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EtcdOwner {
     /// The KVMMachine's namespace (in the management cluster).
@@ -49,9 +54,9 @@ pub struct EtcdOwner {
 pub struct InvalidEtcdOwner(pub String);
 
 impl EtcdOwner {
-    /// Whether `marker` names this KVMMachine (by UID).
+    /// Whether `marker` names this KVMMachine: namespace, name and UID.
     pub fn owns(&self, marker: &EtcdOwner) -> bool {
-        self.uid == marker.uid
+        self == marker
     }
 
     /// The marker's content: one line of JSON.
@@ -155,18 +160,24 @@ mod tests {
     }
 
     #[test]
-    fn only_the_uid_decides() {
+    fn namespace_name_and_uid_all_decide() {
         let o = owner();
         let recreated = EtcdOwner {
             uid: "0a0a0a0a-0000-4000-8000-000000000000".into(),
             ..o.clone()
         };
         assert!(!o.owns(&recreated), "same name, another machine");
-        let renamed = EtcdOwner {
+        let elsewhere = EtcdOwner {
             namespace: "team-b".into(),
             ..o.clone()
         };
-        assert!(o.owns(&renamed));
+        assert!(!o.owns(&elsewhere), "same UID named by another namespace");
+        let renamed = EtcdOwner {
+            name: "demo-cp-other".into(),
+            ..o.clone()
+        };
+        assert!(!o.owns(&renamed), "same UID named by another machine");
+        assert!(o.owns(&o.clone()));
     }
 
     #[test]

@@ -265,8 +265,9 @@ pub fn strip_object<K: Resource>(o: &mut K) {
 }
 
 /// Of a machine Pod only its owner labels and references, its status, node, hostPath etcd
-/// volume (where its etcd data stays behind) and whether its containers have a startup probe
-/// are read, and of an etcd cleanup Pod its attempt annotations; the spec is most of its size.
+/// volume (where its etcd data stays behind) and the `--etcd-owner` argument that marked it,
+/// and whether its containers have a startup probe are read, and of an etcd cleanup Pod its
+/// attempt annotations; the spec is most of its size.
 pub fn strip_pod(p: &mut Pod) {
     keep(&mut p.metadata, &POD);
     if let Some(spec) = p.spec.as_mut() {
@@ -275,15 +276,25 @@ pub fn strip_pod(p: &mut Pod) {
             .flatten()
             .filter(|v| v.name == ETCD_VOLUME && v.host_path.is_some())
             .collect::<Vec<_>>();
+        let host_etcd = !etcd.is_empty();
         *spec = PodSpec {
             node_name: spec.node_name.take(),
             volumes: (!etcd.is_empty()).then_some(etcd),
             containers: std::mem::take(&mut spec.containers)
                 .into_iter()
-                .map(|c| Container {
-                    name: c.name,
-                    startup_probe: c.startup_probe,
-                    ..Default::default()
+                .map(|c| {
+                    let owner: Vec<String> = host_etcd
+                        .then(|| c.args.into_iter().flatten())
+                        .into_iter()
+                        .flatten()
+                        .filter(|a| a.starts_with("--etcd-owner="))
+                        .collect();
+                    Container {
+                        name: c.name,
+                        startup_probe: c.startup_probe,
+                        args: (!owner.is_empty()).then_some(owner),
+                        ..Default::default()
+                    }
                 })
                 .collect(),
             ..Default::default()
@@ -785,7 +796,8 @@ mod tests {
                     {"name": ETCD_VOLUME, "hostPath": {"path": "/srv/etcd/team-a/m"}},
                     {"name": "state", "emptyDir": {}}],
                 "containers": [{"name": "launcher", "image": "launcher:1",
-                                "args": ["--x"], "startupProbe": {"exec": {"command": ["a"]}}}],
+                                "args": ["--x", "--etcd-owner=team-a/m/1111"],
+                                "startupProbe": {"exec": {"command": ["a"]}}}],
             },
             "status": {"phase": "Running"},
         }))
@@ -796,7 +808,8 @@ mod tests {
             serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "m"},
                 "spec": {"nodeName": "n1",
                     "volumes": [{"name": ETCD_VOLUME, "hostPath": {"path": "/srv/etcd/team-a/m"}}],
-                    "containers": [{"name": "launcher", "startupProbe": {"exec": {"command": ["a"]}}}]},
+                    "containers": [{"name": "launcher", "args": ["--etcd-owner=team-a/m/1111"],
+                        "startupProbe": {"exec": {"command": ["a"]}}}]},
                 "status": {"phase": "Running"}})
         );
     }

@@ -576,3 +576,98 @@ async fn a_cleanup_pointed_at_another_tenants_etcd_disk_removes_nothing() -> Res
     );
     Ok(())
 }
+
+/// `clusterctl move` makes the KVMMachine again (same namespace and name, a new UID, no status)
+/// while its machine Pod, adopted, and its etcd data stay. The data is still that machine's:
+/// the controller reads the UID the Pod marked it with back from the Pod, and the cleanup
+/// removes the directory when the moved KVMMachine is deleted.
+#[tokio::test]
+async fn a_moved_machine_removes_the_etcd_data_its_pod_marked() -> Result<()> {
+    use capk_api::capi::Machine;
+    let ns = "etcd-cleanup-moved";
+    let (client, stop) = setup(ns).await?;
+    create_node(&client, "etcd-node-8").await?;
+    control_plane_machine(&client, ns, "demo-cp-0", CLOUD_CONFIG).await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    schedule(&pods, "demo-cp-0", "etcd-node-8").await?;
+    recorded(&kms, "demo-cp-0").await?;
+    let old = kms.get("demo-cp-0").await?;
+    let owner = format!("{ns}/demo-cp-0/{}", old.uid().context("uid")?);
+    let pod = pods.get("demo-cp-0").await?;
+    let args = pod.spec.as_ref().context("spec")?.containers[0]
+        .args
+        .clone()
+        .unwrap_or_default();
+    assert!(
+        args.contains(&format!("--etcd-owner={owner}")),
+        "the machine Pod's launcher is not told whose data it keeps: {args:?}"
+    );
+    // The directory as that launcher marked it.
+    let node = tempfile::tempdir()?;
+    let dir = node.path().join("demo-cp-0");
+    capk_launcher::etcd_dir::write_marker(&dir, &owner.parse()?)?;
+    std::fs::write(dir.join("etcd.img"), b"etcd data")?;
+
+    // What the move leaves: the KVMMachine made again by another controller, the old one
+    // deleted without its finalizer running.
+    drop(stop);
+    let machine = Api::<Machine>::namespaced(client.clone(), ns)
+        .get("demo-cp-0")
+        .await?;
+    kms.patch(
+        "demo-cp-0",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"metadata": {"finalizers": null}})),
+    )
+    .await?;
+    kms.delete("demo-cp-0", &DeleteParams::default()).await?;
+    eventually(30, "the old KVMMachine gone", || async {
+        Ok(kms.get_opt("demo-cp-0").await?.is_none().then_some(()))
+    })
+    .await?;
+    let km: KVMMachine = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
+        "metadata": {"name": "demo-cp-0", "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
+            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+                "name": "demo-cp-0", "uid": machine.uid().context("uid")?, "controller": true}]},
+        "spec": old.spec,
+    }))?;
+    let moved = kms.create(&PostParams::default(), &km).await?;
+    assert_ne!(moved.uid(), old.uid());
+    let _stop = start_controller(client.clone(), ns);
+    eventually(60, "the owner read back from the adopted Pod", || async {
+        let record = kms
+            .get_status("demo-cp-0")
+            .await?
+            .status
+            .and_then(|s| s.etcd_host_dir);
+        Ok(record.filter(|r| r.owner_uid == old.uid()).map(|_| ()))
+    })
+    .await?;
+    assert_eq!(
+        pods.get("demo-cp-0").await?.uid(),
+        pod.uid(),
+        "the VM was not recreated"
+    );
+
+    delete_machine(&kms, &pods, "demo-cp-0").await?;
+    let name = "demo-cp-0-etcd-cleanup";
+    let cleanup = eventually(30, "the cleanup Pod", || async {
+        Ok(pods.get_opt(name).await?)
+    })
+    .await?;
+    let code = run_cleanup(&cleanup, node.path())?;
+    assert_eq!(code, 0, "the cleanup refused the moved machine's own data");
+    assert!(
+        !dir.exists(),
+        "the moved machine's etcd data is still there"
+    );
+    finish(&pods, name, 0).await?;
+    eventually(30, "KVMMachine and cleanup Pod gone", || async {
+        let gone = kms.get_opt("demo-cp-0").await?.is_none() && pods.get_opt(name).await?.is_none();
+        Ok(gone.then_some(()))
+    })
+    .await?;
+    Ok(())
+}

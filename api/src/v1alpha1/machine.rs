@@ -447,6 +447,12 @@ pub struct EtcdHostDirStatus {
     /// The directory's absolute path on that node.
     #[schemars(length(max = 4096))]
     pub path: String,
+    /// The KVMMachine UID the machine Pod marked the directory with (its `--etcd-owner`): this
+    /// KVMMachine's, or, after `clusterctl move` made the KVMMachine again, the one its Pod was
+    /// first made for. Pods made again and the cleanup name the same.
+    #[serde(default, rename = "ownerUID", skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 128))]
+    pub owner_uid: Option<String>,
 }
 
 /// A template for KVMMachines (used by KubeadmControlPlane and MachineDeployments). Immutable:

@@ -175,7 +175,7 @@ async fn remove_etcd_data(
         }
         return done;
     };
-    if let Some(a) = annotated.filter(|a| *a != recorded) {
+    if let Some(a) = annotated.filter(|a| !a.same_place(&recorded)) {
         writes::forget_etcd_dir(api, km).await?;
         let why = format!(
             "the annotation {} was changed to {:?} after the controller recorded the directory, \

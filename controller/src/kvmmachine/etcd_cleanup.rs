@@ -20,7 +20,7 @@
 
 use std::{collections::BTreeMap, time::Duration};
 
-use capk_api::{constants::MAX_SUBDOMAIN_LEN, v1alpha1::KVMMachine};
+use capk_api::{constants::MAX_SUBDOMAIN_LEN, etcd_owner::EtcdOwner, v1alpha1::KVMMachine};
 use k8s_openapi::{
     api::core::v1::{
         Container, HostPathVolumeSource, Pod, PodSpec, ResourceRequirements, SecurityContext,
@@ -55,13 +55,16 @@ pub const POD_DEADLINE_SECONDS: i64 = 300;
 /// Where the directory's parent is mounted in the cleanup Pod.
 const MOUNT_DIR: &str = "/var/lib/capk/etcd-cleanup";
 
-/// Where a machine Pod kept its etcd disk: a directory on an MC node.
+/// Where a machine Pod kept its etcd disk: a directory on an MC node, and the KVMMachine UID
+/// its launcher marked it with.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EtcdHostDir {
     /// The node the machine Pod ran on.
     pub node: String,
     /// The hostPath directory it mounted.
     pub dir: String,
+    /// The UID of the Pod's `--etcd-owner` (none in the annotation, which names a place only).
+    pub owner_uid: Option<String>,
 }
 
 impl EtcdHostDir {
@@ -79,7 +82,18 @@ impl EtcdHostDir {
             .as_ref()?
             .path
             .clone();
-        Some(Self { node, dir })
+        let owner_uid = spec
+            .containers
+            .iter()
+            .flat_map(|c| c.args.iter().flatten())
+            .find_map(|a| a.strip_prefix("--etcd-owner="))
+            .and_then(|o| o.parse::<EtcdOwner>().ok())
+            .map(|o| o.uid);
+        Some(Self {
+            node,
+            dir,
+            owner_uid,
+        })
     }
 
     /// What the KVMMachine's `status.etcdHostDir` records: the controller wrote it from the
@@ -90,6 +104,7 @@ impl EtcdHostDir {
         Some(Self {
             node: r.node.clone(),
             dir: r.path.clone(),
+            owner_uid: r.owner_uid.clone(),
         })
     }
 
@@ -102,7 +117,13 @@ impl EtcdHostDir {
         Some(Self {
             node: node.to_owned(),
             dir: dir.to_owned(),
+            owner_uid: None,
         })
+    }
+
+    /// Whether `other` names the same directory on the same node (what the annotation can say).
+    pub fn same_place(&self, other: &Self) -> bool {
+        self.node == other.node && self.dir == other.dir
     }
 
     /// As `status.etcdHostDir`.
@@ -110,6 +131,7 @@ impl EtcdHostDir {
         capk_api::v1alpha1::EtcdHostDirStatus {
             node: self.node.clone(),
             path: self.dir.clone(),
+            owner_uid: self.owner_uid.clone(),
         }
     }
 
@@ -285,6 +307,7 @@ pub fn cleanup_pod(
                     EtcdHostDir {
                         node: dir.node.clone(),
                         dir: dir.path(),
+                        owner_uid: None,
                     }
                     .annotation(),
                 ),
@@ -345,12 +368,16 @@ pub fn cleanup_pod(
     }
 }
 
-/// The KVMMachine as the launcher marks its etcd directory and the cleanup checks the mark.
-pub fn owner_of(km: &KVMMachine) -> capk_api::etcd_owner::EtcdOwner {
-    capk_api::etcd_owner::EtcdOwner {
+/// The KVMMachine as the launcher marks its etcd directory and the cleanup checks the mark:
+/// its namespace and name, and the UID its machine Pod was made for as recorded in
+/// `status.etcdHostDir.ownerUID` (after `clusterctl move` made the KVMMachine again, the old
+/// one's: the data is the same machine's), or its own UID when nothing is recorded.
+pub fn owner_of(km: &KVMMachine) -> EtcdOwner {
+    let recorded = EtcdHostDir::recorded(km).and_then(|r| r.owner_uid);
+    EtcdOwner {
         namespace: km.namespace().unwrap_or_else(|| "default".into()),
         name: km.name_any(),
-        uid: km.uid().unwrap_or_default(),
+        uid: recorded.or_else(|| km.uid()).unwrap_or_default(),
     }
 }
 
@@ -489,6 +516,7 @@ mod tests {
         EtcdHostDir {
             node: node.into(),
             dir: dir.into(),
+            owner_uid: None,
         }
     }
 
@@ -539,6 +567,50 @@ mod tests {
             let p = pod(json!({"nodeName": "n1", "containers": [], "volumes": [other]}));
             assert_eq!(EtcdHostDir::of_pod(&p), None, "{other}");
         }
+    }
+
+    #[test]
+    fn the_owner_is_the_one_the_pod_was_made_for_even_after_a_move() {
+        let mut km = km();
+        km.metadata.uid = Some("2222".into());
+        // Nothing recorded yet: the KVMMachine's own UID.
+        assert_eq!(owner_of(&km).to_string(), "team-a/demo-cp-x7k2p/2222");
+        // Its Pod names an older UID (it was made for the KVMMachine before `clusterctl move`
+        // made this one): recorded from the Pod, and named again by Pods made again and by the
+        // cleanup, since the marker in the directory says that UID.
+        let pod: Pod = serde_json::from_value(json!({"metadata": {"name": "demo-cp-x7k2p"},
+            "spec": {"nodeName": "n1",
+                "containers": [{"name": "launcher",
+                    "args": ["--etcd-disk=/var/lib/capk/etcd/etcd.img",
+                             "--etcd-owner=team-a/demo-cp-x7k2p/1111"]}],
+                "volumes": [{"name": "etcd",
+                    "hostPath": {"path": "/var/lib/capk/etcd/team-a/demo-cp-x7k2p"}}]}}))
+        .unwrap();
+        let seen = EtcdHostDir::of_pod(&pod).unwrap();
+        assert_eq!(seen.owner_uid.as_deref(), Some("1111"));
+        km.status = Some(capk_api::v1alpha1::KVMMachineStatus {
+            etcd_host_dir: Some(seen.to_status()),
+            ..Default::default()
+        });
+        assert_eq!(
+            owner_of(&km).to_string(),
+            "team-a/demo-cp-x7k2p/1111",
+            "a Pod made again after a move would refuse its own data"
+        );
+        // The annotation names a place, not an owner: it still agrees with the record.
+        assert!(
+            seen.same_place(
+                &EtcdHostDir::annotated(&{
+                    let mut k = km.clone();
+                    k.metadata.annotations = Some(BTreeMap::from([(
+                        ETCD_HOST_DIR_ANNOTATION.to_owned(),
+                        seen.annotation(),
+                    )]));
+                    k
+                })
+                .unwrap()
+            )
+        );
     }
 
     #[test]

@@ -63,7 +63,9 @@ pub async fn patch_machine(
     if km.annotations().contains_key(BLOCK_MOVE_ANNOTATION) != block {
         annotations.insert(BLOCK_MOVE_ANNOTATION.into(), json!(block.then_some("true")));
     }
-    if let Some(etcd) = etcd.filter(|e| EtcdHostDir::annotated(km).as_ref() != Some(*e)) {
+    if let Some(etcd) =
+        etcd.filter(|e| !EtcdHostDir::annotated(km).is_some_and(|a| a.same_place(e)))
+    {
         annotations.insert(
             etcd_cleanup::ETCD_HOST_DIR_ANNOTATION.into(),
             json!(etcd.annotation()),
@@ -101,7 +103,7 @@ pub async fn record_etcd_dir(
         )
         .await?;
     }
-    if EtcdHostDir::annotated(km).as_ref() != Some(etcd) {
+    if !EtcdHostDir::annotated(km).is_some_and(|a| a.same_place(etcd)) {
         let patch = json!({"metadata": {"annotations": {
             etcd_cleanup::ETCD_HOST_DIR_ANNOTATION: etcd.annotation()}}});
         objects::merge_patch(api, km, "KVMMachine", &patch).await?;
