@@ -65,7 +65,7 @@ test-node-image: node-image ## Boot the node image under QEMU: Ignition, preload
 bench-idle-node: node-image ## An idle control plane of the node-image flavor under TCG, watched from the host: time to every Pod ready, QEMU's host CPU over 60 s, the guest's split, apiserver requests/s (flavor variables from the environment; CAPK_BENCH_PERF=1 samples QEMU, CAPK_BENCH_PPROF=1 profiles the apiserver and kubelet into _output/bench/)
 	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture --exact bench_idle_control_plane
 
-dev-up: ## The local management cluster with Cluster API and CAPK (clusterctl init) and a sample cluster
+dev-up: ## The local management cluster with Cluster API and CAPK (clusterctl init) and a sample workload cluster of the node image, two Nodes Ready (CAPK_DEV_SAMPLE=stub: the stand-in test guest; =0: none)
 	bash hack/dev-up.sh
 
 e2e: ## End to end on the local management cluster (make dev-up without the sample, with the VPA and Prometheus): the stub-guest journey (create, scale, upgrade, faults, pause, delete), the ClusterClass scenario (NodePort from the host, a variable rotates a template), the controller's metrics in Prometheus and the controller under the VPA, then a real workload cluster of the node image (Nodes Ready, CNI, DNS, host volume, delete)

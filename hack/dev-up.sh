@@ -12,7 +12,8 @@
 # is kept across dev-down/dev-up. Then (unless CAPK_DEV_PROVIDERS=0) the images of this provider,
 # Cluster API and cert-manager built here (hack/dev/images.sh, hack/dev/cert-manager.sh), the real
 # `clusterctl init` of Cluster API and CAPK from a local repository (hack/dev/capi.sh), and a sample
-# cluster whose control-plane VM boots (hack/dev/sample.sh; CAPK_DEV_SAMPLE=0 skips it).
+# workload cluster of the node image with two Ready Nodes (hack/dev/sample.sh; CAPK_DEV_SAMPLE=stub:
+# the stand-in test guest instead, CAPK_DEV_SAMPLE=0: none).
 # CAPK_DEV_VPA=1: metrics-server and the VerticalPodAutoscaler (hack/dev/vpa.sh);
 # CAPK_DEV_MONITORING=1: Prometheus scraping the controller (hack/dev/monitoring.sh).
 #
@@ -367,8 +368,9 @@ log "smoke pod Running with IP $pod_ip"
 
 # --- Cluster API, this provider, a sample cluster ----------------------------------------------------
 # Images built here (never pulled), cert-manager, then the real `clusterctl init` from a local
-# repository, then a sample workload cluster whose control-plane VM boots. Each step skips what is
-# done. CAPK_DEV_PROVIDERS=0: the bare cluster only; CAPK_DEV_SAMPLE=0: no sample cluster;
+# repository, then a sample workload cluster (a real one: both Nodes Ready). Each step skips what is
+# done. CAPK_DEV_PROVIDERS=0: the bare cluster only; CAPK_DEV_SAMPLE=0: no sample cluster, =stub:
+# the stand-in guest;
 # CAPK_DEV_NODE_IMAGE=0: without the Kubernetes node image (make node-image) in containerd, which
 # workload clusters of `--flavor node-image` boot (its name: _output/dev/node-image.env).
 if [[ ${CAPK_DEV_PROVIDERS:-1} != 0 ]] && ((MC == 2)); then

@@ -1,46 +1,208 @@
 #!/usr/bin/env bash
-# The sample workload cluster of `make dev-up`: `clusterctl generate cluster sample --flavor
-# ignition` applied to namespace capk-sample, one control-plane machine, no workers, small VMs.
-# The VM boots the node image the local MC was initialised with (CAPK_DEFAULT_NODE_IMAGE: the test
-# guest, whose kubeadm only records its arguments, so no workload Node registers; workers would
-# wait for a control plane that never initialises, hence none). Waits until the control-plane
-# machine's guest has run its bootstrap. Idempotent (kubectl apply).
+# The sample workload cluster of `make dev-up`, in namespace capk-sample. Idempotent (kubectl apply;
+# what exists stays as it is).
 #
-#   CAPK_DEV_SAMPLE=0 make dev-up     skips it (make e2e does)
+#   CAPK_DEV_SAMPLE=real (default)  a real workload cluster: `clusterctl generate cluster sample
+#       --flavor node-image` with the node image of `make node-image`, one control plane and one
+#       worker of 1 vCPU each (2560Mi and 1536Mi of guest memory: what kubeadm and the static Pods
+#       need, checked against the host's free memory first). Waits until both Nodes are Ready with
+#       the CNI and CoreDNS running, writes the workload kubeconfig to _output/dev/sample.kubeconfig
+#       and prints its `kubectl get nodes`. Every wait prints one line per boot step it sees (from
+#       the machine's console and conditions) with the time since it began, and a line a minute.
+#   CAPK_DEV_SAMPLE=stub            the stand-in: `--flavor ignition` with the test guest, one
+#       control-plane VM whose kubeadm only records its arguments (no Node registers), ready in a
+#       minute or two.
+#   CAPK_DEV_SAMPLE=0               no sample (make e2e does that).
+#
 #   kubectl delete cluster -n capk-sample sample     removes it
 set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # shellcheck source=../versions.env
 source "$ROOT/hack/versions.env"
+LOG_NAME=sample
 NS=capk-sample
 NAME=sample
+MODE=${CAPK_DEV_SAMPLE:-real}
+[[ $MODE == 1 ]] && MODE=real
 CONFIG=$DEV/clusterctl/clusterctl.yaml
+SAMPLE_KUBECONFIG=$DEV/sample.kubeconfig
+# Guest memory of the real sample's machines (MiB), and what each machine Pod adds (QEMU, the
+# launcher; docs/benchmarks.md): the host needs this much free memory besides the MC.
+CP_MIB=2560
+WORKER_MIB=1536
+POD_OVERHEAD_MIB=400
+# The longest any step may take on an emulated (TCG) node: kubeadm init took 896 s after apply on
+# the slowest 2-core machine measured (docs/benchmarks.md).
+STEP_TIMEOUT=$((45 * 60))
 [[ -f $CONFIG ]] || die "${CONFIG#"$ROOT"/} missing: run hack/dev/capi.sh first"
 
+case $MODE in
+  real | stub) ;;
+  *) die "CAPK_DEV_SAMPLE must be real (default), stub or 0, not '$MODE'" ;;
+esac
 kc get namespace "$NS" >/dev/null 2>&1 || kc create namespace "$NS" >/dev/null
-CLUSTERCTL_DISABLE_VERSIONCHECK=true \
-  CONTROL_PLANE_MACHINE_CPUS=1 CONTROL_PLANE_MACHINE_MEMORY=256Mi \
-  CONTROL_PLANE_VOLUME_SIZE_GB=1 CONTROL_PLANE_DOCKER_VOLUME_SIZE_GB=1 \
-  WORKER_MACHINE_CPUS=1 WORKER_MACHINE_MEMORY=256Mi VOLUME_SIZE_GB=1 DOCKER_VOLUME_SIZE_GB=1 \
-  "$BIN/clusterctl" generate cluster "$NAME" --config "$CONFIG" --kubeconfig "$KUBECONFIG_ADMIN" \
-  --infrastructure kvm --flavor ignition --target-namespace "$NS" \
-  --kubernetes-version "$KUBERNETES_VERSION" --control-plane-machine-count 1 --worker-machine-count 0 \
-  >"$DEV/sample-cluster.yaml"
-# kubectl apply every time (what exists stays as it is). Right after clusterctl init, cainjector
-# may not have put the webhooks' CA in place yet: retried.
-wait_for "sample cluster applied (${DEV#"$ROOT"/}/sample-cluster.yaml)" 120 kc apply -f "$DEV/sample-cluster.yaml"
-cp_ready() {
+
+generate() { # FLAVOR WORKERS [VAR=VALUE...]: clusterctl's manifest of the sample on stdout
+  local flavor=$1 workers=$2
+  shift 2
+  env CLUSTERCTL_DISABLE_VERSIONCHECK=true "$@" \
+    "$BIN/clusterctl" generate cluster "$NAME" --config "$CONFIG" --kubeconfig "$KUBECONFIG_ADMIN" \
+    --infrastructure kvm --flavor "$flavor" --target-namespace "$NS" \
+    --kubernetes-version "$KUBERNETES_VERSION" --control-plane-machine-count 1 --worker-machine-count "$workers"
+}
+# Right after clusterctl init, cainjector may not have put the webhooks' CA in place yet: retried.
+apply() { wait_for "sample cluster applied (${1#"$ROOT"/})" 120 kc apply -f "$1"; }
+
+# progress WHAT PROBE STEP: waits until PROBE succeeds (at most STEP_TIMEOUT), logging STEP's
+# output (the furthest step reached) whenever it changes and once a minute otherwise.
+progress() {
+  local what=$1 probe=$2 step_of=$3 start=$SECONDS last="" step said=$SECONDS
+  until "$probe" >/dev/null 2>&1; do
+    ((SECONDS - start < STEP_TIMEOUT)) ||
+      die "timed out after ${STEP_TIMEOUT}s waiting for $what (last: $last); see kubectl -n $NS get cluster,machines,kvmmachines,pods and kubectl -n $NS logs <pod>"
+    step=$("$step_of" 2>/dev/null || true)
+    if [[ $step != "$last" ]]; then
+      log "$what: $step ($((SECONDS - start))s)"
+      last=$step
+      said=$SECONDS
+    elif ((SECONDS - said >= 60)); then
+      log "$what: still $step ($((SECONDS - start))s)"
+      said=$SECONDS
+    fi
+    sleep 5
+  done
+  log "$what: ok after $((SECONDS - start))s"
+}
+
+# The furthest boot step machine Pod $1's console (kubectl logs) shows.
+console_step() {
+  local pod=$1 console
+  [[ -n $pod ]] || { echo "waiting for the machine Pod"; return; }
+  if ! console=$(kc -n "$NS" logs "$pod" 2>/dev/null); then
+    echo "machine Pod $pod starting ($(kc -n "$NS" get pod "$pod" -o 'jsonpath={.status.phase}' 2>/dev/null || echo absent))"
+    return
+  fi
+  local step="launcher started, QEMU starting"
+  grep -q 'SYSLINUX' <<<"$console" && step="firmware and bootloader"
+  grep -q 'Linux version' <<<"$console" && step="kernel booting, Ignition"
+  grep -q -- '- Ignition Complete.' <<<"$console" && step="Ignition done, root filesystem and images"
+  grep -q 'Finished capk-preload-imag' <<<"$console" && step="images loaded, kubeadm running"
+  grep -Eq 'Finished (capk-runcmd|kubeadm.service)' <<<"$console" && step="kubeadm done, Node starting"
+  echo "$pod: $step"
+}
+
+cp_pod() { kc -n "$NS" get kvmmachines -l cluster.x-k8s.io/control-plane -o 'jsonpath={.items[0].metadata.name}'; }
+cp_bootstrapped() {
   [[ $(kc -n "$NS" get kvmmachines -l cluster.x-k8s.io/control-plane \
     -o 'jsonpath={.items[*].status.conditions[?(@.type=="BootstrapCompleted")].status}') == True ]]
 }
-wait_for "sample control-plane VM bootstrapped" 600 cp_ready
-pod=$(kc -n "$NS" get kvmmachines -l cluster.x-k8s.io/control-plane -o 'jsonpath={.items[0].metadata.name}')
-cat <<EOF
 
-Sample cluster '$NAME' in namespace $NS: control-plane VM in Pod $pod.
+if [[ $MODE == stub ]]; then
+  generate ignition 0 \
+    CONTROL_PLANE_MACHINE_CPUS=1 CONTROL_PLANE_MACHINE_MEMORY=256Mi \
+    CONTROL_PLANE_VOLUME_SIZE_GB=1 CONTROL_PLANE_DOCKER_VOLUME_SIZE_GB=1 \
+    WORKER_MACHINE_CPUS=1 WORKER_MACHINE_MEMORY=256Mi VOLUME_SIZE_GB=1 DOCKER_VOLUME_SIZE_GB=1 \
+    >"$DEV/sample-cluster.yaml"
+  apply "$DEV/sample-cluster.yaml"
+  wait_for "stand-in control-plane VM bootstrapped" 600 cp_bootstrapped
+  pod=$(cp_pod)
+  cat <<EOF
+
+Stand-in sample cluster '$NAME' in namespace $NS (CAPK_DEV_SAMPLE=stub): its control-plane VM, in Pod
+$pod, boots the test guest, whose kubeadm only records its arguments: no Node registers.
   kubectl -n $NS get cluster,machines,kvmmachines,pods
-  $BIN/clusterctl describe cluster $NAME -n $NS --kubeconfig $KUBECONFIG_ADMIN
   kubectl -n $NS logs $pod                 # the guest's console
   kubectl -n $NS exec $pod -- capk-launcher status
+  kubectl -n $NS delete cluster $NAME      # removes it
+EOF
+  exit 0
+fi
+
+# --- the real sample ---------------------------------------------------------------------------------
+NODE_ENV=$DEV/node-image.env
+[[ -f $NODE_ENV ]] || die "${NODE_ENV#"$ROOT"/} missing: the real sample needs the node image in the MC (hack/dev/node-image.sh; not with CAPK_DEV_NODE_IMAGE=0), or use CAPK_DEV_SAMPLE=stub"
+# shellcheck disable=SC1090
+source "$NODE_ENV"
+[[ -n ${CAPK_NODE_IMAGE:-} ]] || die "${NODE_ENV#"$ROOT"/} names no CAPK_NODE_IMAGE: rerun hack/dev/node-image.sh"
+
+vars=(
+  KVM_NODE_IMAGE="$CAPK_NODE_IMAGE"
+  CONTROL_PLANE_MACHINE_CPUS=1 CONTROL_PLANE_MACHINE_MEMORY="${CP_MIB}Mi"
+  CONTROL_PLANE_VOLUME_SIZE_GB=8 CONTROL_PLANE_DOCKER_VOLUME_SIZE_GB=4
+  WORKER_MACHINE_CPUS=1 WORKER_MACHINE_MEMORY="${WORKER_MIB}Mi" VOLUME_SIZE_GB=8 DOCKER_VOLUME_SIZE_GB=4
+  # Emulated control planes renew leases and answer health checks slowly; these are the values
+  # make e2e's workload journey runs with (tests/tests/e2e/workload.rs says why each).
+  KUBE_LEADER_ELECT_LEASE_DURATION=120s KUBE_LEADER_ELECT_RENEW_DEADLINE=90s KUBE_LEADER_ELECT_RETRY_PERIOD=10s
+  KUBE_LIVENESS_FAILURE_THRESHOLD=30 KUBE_ETCD_CPU_REQUEST=250m
+)
+generate node-image 1 "${vars[@]}" >"$DEV/sample-cluster.yaml"
+
+started=$SECONDS
+if ! kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
+  # A new sample: enough free memory for both VMs, then the control plane alone; the worker
+  # comes once kubeadm init is done (two emulated VMs booting at once starve the control plane
+  # on 2 cores, and kubeadm's API calls time out).
+  avail=$(awk '/^MemAvailable:/ {print int($2 / 1024)}' /proc/meminfo)
+  need=$((CP_MIB + WORKER_MIB + 2 * POD_OVERHEAD_MIB + 1024))
+  ((avail >= need)) ||
+    die "the sample's two VMs need about ${need} MiB free and this machine has ${avail} MiB available: free memory, or CAPK_DEV_SAMPLE=stub make dev-up (the stand-in guest, 256 MiB)"
+  log "a real workload cluster: 1 control plane (${CP_MIB}Mi) then 1 worker (${WORKER_MIB}Mi), node image $CAPK_NODE_IMAGE"
+  generate node-image 0 "${vars[@]}" >"$DEV/sample-control-plane.yaml"
+  apply "$DEV/sample-control-plane.yaml"
+fi
+
+cp_step() { console_step "$(cp_pod)"; }
+progress "control plane: kubeadm init" cp_bootstrapped cp_step
+apply "$DEV/sample-cluster.yaml"
+
+# The workload kubeconfig, for this machine: the control-plane Service's ClusterIP (kube-proxy runs
+# here), with the certificate's name kept for TLS.
+write_kubeconfig() {
+  local ip host tmp
+  ip=$(kc -n "$NS" get service "$NAME-apiserver" -o 'jsonpath={.spec.clusterIP}')
+  [[ -n $ip ]] || return 1
+  tmp=$(mktemp "$DEV/sample.kubeconfig.XXXXXX")
+  chmod 600 "$tmp"
+  kc -n "$NS" get secret "$NAME-kubeconfig" -o 'jsonpath={.data.value}' | base64 -d >"$tmp"
+  host=$(kubectl --kubeconfig "$tmp" config view -o 'jsonpath={.clusters[0].cluster.server}' | sed -E 's#^https://##; s#:[0-9]+$##')
+  kubectl --kubeconfig "$tmp" config set-cluster "$NAME" --server "https://$ip:6443" --tls-server-name "$host" >/dev/null
+  mv "$tmp" "$SAMPLE_KUBECONFIG"
+}
+wait_for "workload kubeconfig written to ${SAMPLE_KUBECONFIG#"$ROOT"/}" 300 write_kubeconfig
+wk() { kubectl --kubeconfig "$SAMPLE_KUBECONFIG" --request-timeout=30s "$@"; }
+
+worker_pod() { kc -n "$NS" get kvmmachines -l '!cluster.x-k8s.io/control-plane' -o 'jsonpath={.items[0].metadata.name}'; }
+ready_nodes() {
+  local states
+  states=$(wk get nodes -o 'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}') || return 1
+  grep -c '^True$' <<<"$states" || true
+}
+both_ready() { [[ $(ready_nodes) == 2 ]]; }
+nodes_step() {
+  local pod
+  pod=$(worker_pod 2>/dev/null || true)
+  echo "$(ready_nodes 2>/dev/null || echo 0) of 2 Nodes Ready; worker $(console_step "$pod")"
+}
+progress "worker joined, both Nodes Ready (CNI)" both_ready nodes_step
+coredns_ready() {
+  local n
+  n=$(wk -n kube-system get deployment coredns -o 'jsonpath={.status.readyReplicas}')
+  ((${n:-0} >= 1))
+}
+coredns_step() { echo "CoreDNS $(wk -n kube-system get deployment coredns -o 'jsonpath={.status.readyReplicas}/{.spec.replicas}' 2>/dev/null || echo '?') ready"; }
+progress "CoreDNS running" coredns_ready coredns_step
+log "sample cluster ready in $((SECONDS - started))s"
+
+cp=$(cp_pod)
+echo
+wk get nodes -o wide
+cat <<EOF
+
+Sample cluster '$NAME' in namespace $NS: a real workload cluster (node image $CAPK_NODE_IMAGE).
+  export KUBECONFIG=${SAMPLE_KUBECONFIG#"$ROOT"/}    # the workload cluster: kubectl get nodes, pods -A
+  kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/} -n $NS get cluster,machines,kvmmachines,pods
+  kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/} -n $NS logs -f $cp      # a machine's console
+  kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/} -n $NS exec $cp -- capk-launcher status
+  kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/} -n $NS delete cluster $NAME   # deletes it
 EOF
