@@ -1,9 +1,10 @@
 //! The etcd directory on persistent storage: whose it is, and removing it once its KVMMachine
 //! is gone (`capk-launcher remove-etcd-data`, the controller's etcd cleanup Pod).
 //!
-//! `run` writes an owner marker ([`MARKER_FILE`], naming the KVMMachine by UID) before it creates
-//! the etcd disk, and refuses a directory whose marker names another KVMMachine, or that holds
-//! an etcd disk without a marker ([`crate::disk::plan`]). [`remove`] removes the disk, the
+//! `run` writes an owner marker ([`MARKER_FILE`], naming the KVMMachine by namespace, name and
+//! UID) before it creates the etcd disk, and refuses a directory whose marker names another
+//! KVMMachine, or that holds an etcd disk without a marker (the disk plan decides, from
+//! [`read_marker`]). [`remove`] removes the disk, the
 //! marker and the directory only when the marker names the KVMMachine it was given; anything
 //! else is refused, with nothing removed. A path is never trusted: tenants choose the names it
 //! is made of.
@@ -139,7 +140,7 @@ pub enum RemoveError {
     },
 }
 
-/// Removes etcd directory `dir` when its marker names `owner` (by UID): the etcd disk, the
+/// Removes etcd directory `dir` when its marker names `owner` (namespace, name, UID): the etcd disk, the
 /// marker and the directory, and nothing else: other entries (which no launcher made) keep the
 /// directory and its marker. Anything not marked for `owner` is refused, with nothing removed.
 pub fn remove(dir: &Path, owner: &EtcdOwner) -> Result<Removal, RemoveError> {
