@@ -387,7 +387,8 @@ elif [[ ${CAPK_DEV_PROVIDERS:-1} != 0 ]]; then
   [[ ${CAPK_DEV_VPA:-0} == 0 ]] || bash "$ROOT/hack/dev/vpa.sh"
   [[ ${CAPK_DEV_MONITORING:-0} == 0 ]] || bash "$ROOT/hack/dev/monitoring.sh"
   [[ ${CAPK_DEV_NODE_IMAGE:-1} == 0 ]] || bash "$ROOT/hack/dev/node-image.sh"
-  [[ ${CAPK_DEV_SAMPLE:-1} == 0 ]] || bash "$ROOT/hack/dev/sample.sh"
+  # CAPK_DEV_SAMPLE=0 deletes a sample an earlier run made (the journeys need the cores).
+  bash "$ROOT/hack/dev/sample.sh"
 fi
 
 cat <<EOF

@@ -12,7 +12,8 @@
 #   CAPK_DEV_SAMPLE=stub            the stand-in: `--flavor ignition` with the test guest, one
 #       control-plane VM whose kubeadm only records its arguments (no Node registers), ready in a
 #       minute or two.
-#   CAPK_DEV_SAMPLE=0               no sample (make e2e does that).
+#   CAPK_DEV_SAMPLE=0               no sample (make e2e and make check do that): one an earlier
+#       `make dev-up` made is deleted, since its VMs would take the cores the journeys need.
 #
 #   kubectl delete cluster -n capk-sample sample     removes it
 set -euo pipefail
@@ -39,6 +40,15 @@ STEP_TIMEOUT=$((45 * 60))
 
 case $MODE in
   real | stub) ;;
+  0)
+    if kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
+      log "CAPK_DEV_SAMPLE=0: deleting the sample cluster an earlier make dev-up made (its VMs would take the cores)"
+      kc -n "$NS" delete cluster "$NAME" --timeout=600s >/dev/null ||
+        die "the sample did not go within 600s: kubectl -n $NS get cluster,machines,kvmmachines,pods"
+    fi
+    rm -f "$DEV/sample.env"
+    exit 0
+    ;;
   *) die "CAPK_DEV_SAMPLE must be real (default), stub or 0, not '$MODE'" ;;
 esac
 kc get namespace "$NS" >/dev/null 2>&1 || kc create namespace "$NS" >/dev/null
@@ -79,7 +89,8 @@ progress() {
 console_step() {
   local pod=$1 console
   [[ -n $pod ]] || { echo "waiting for the machine Pod"; return; }
-  if ! console=$(kc -n "$NS" logs "$pod" 2>/dev/null); then
+  # systemd colours its status lines: the escape sequences go before matching.
+  if ! console=$(kc -n "$NS" logs "$pod" 2>/dev/null | sed -E $'s/\x1b\\[[0-9;]*[A-Za-z]//g'); then
     echo "machine Pod $pod starting ($(kc -n "$NS" get pod "$pod" -o 'jsonpath={.status.phase}' 2>/dev/null || echo absent))"
     return
   fi
@@ -138,6 +149,23 @@ vars=(
 )
 generate node-image 1 "${vars[@]}" >"$DEV/sample-cluster.yaml"
 
+# A control plane outlives `make dev-down` only on its Pod IP: when the MC comes back, the kubelet
+# makes the machine Pods' sandboxes again, with new IPs, and the VM takes the new one while the
+# guest's etcd and certificates name the old (its apiserver never answers again). The IP the
+# control plane was made with is recorded; a sample whose control plane lost it is made again.
+SAMPLE_ENV=$DEV/sample.env
+if [[ -f $SAMPLE_ENV ]] && kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
+  # shellcheck disable=SC1090
+  source "$SAMPLE_ENV"
+  now_ip=$(kc -n "$NS" get pod "${SAMPLE_CP:-}" -o 'jsonpath={.status.podIP}' 2>/dev/null || true)
+  if [[ -n ${SAMPLE_CP:-} && -n $now_ip && $now_ip != "${SAMPLE_CP_IP:-}" ]]; then
+    log "the sample's control plane $SAMPLE_CP came back on Pod IP $now_ip, not $SAMPLE_CP_IP (the MC restarted its sandbox); its etcd and certificates name the old IP: deleting the sample to make it again"
+    kc -n "$NS" delete cluster "$NAME" --timeout=600s >/dev/null ||
+      die "the old sample did not go within 600s: kubectl -n $NS get cluster,machines,kvmmachines,pods"
+    rm -f "$SAMPLE_ENV"
+  fi
+fi
+
 started=$SECONDS
 if ! kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
   # A new sample: enough free memory for both VMs, then the control plane alone; the worker
@@ -154,6 +182,10 @@ fi
 
 cp_step() { console_step "$(cp_pod)"; }
 progress "control plane: kubeadm init" cp_bootstrapped cp_step
+if [[ ! -f $SAMPLE_ENV ]]; then
+  cp=$(cp_pod)
+  printf 'SAMPLE_CP=%s\nSAMPLE_CP_IP=%s\n' "$cp" "$(kc -n "$NS" get pod "$cp" -o 'jsonpath={.status.podIP}')" >"$SAMPLE_ENV"
+fi
 apply "$DEV/sample-cluster.yaml"
 
 # The workload kubeconfig, for this machine: the control-plane Service's ClusterIP (kube-proxy runs
