@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build check check-no-local-mc packages test test-deps lint fmt generate release-manifests bench bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node bench-idle-nodes testenv testenv-down dev-up dev-down e2e e2e-stub e2e-topology e2e-operating e2e-workload fuzz clean help node-image test-node-image
+.PHONY: all build check check-no-local-mc packages test test-deps lint fmt generate release-manifests bench calibrate test-guest bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node bench-idle-nodes testenv testenv-down dev-up dev-down e2e e2e-stub e2e-topology e2e-operating e2e-workload fuzz clean help node-image test-node-image
 
 all: build
 
@@ -41,7 +41,14 @@ generate: ## Regenerate manifests/crd from the Rust types
 
 bench: bench-controller bench-launcher bench-e2e ## Every benchmark
 
+calibrate: test-guest ## The host's TCG speed: the test guest's boot and fixed workload timed against the reference machine (docs/benchmarks.md), one line and _output/calibration.env; every emulation benchmark runs it first
+	bash hack/calibrate-host.sh
+
+test-guest: ## Only the launcher's test guest of make test-deps (images/test-guest), into _output/test-guest; skipped when up to date
+	bash hack/prepare.d/40-test-guest.sh
+
 bench-launcher: test-deps ## Launcher start-up, guest boot and RSS under QEMU (root, netns)
+	bash hack/calibrate-host.sh
 	$(CARGO) test -p capk-launcher --release --test vm_netns -- --ignored --nocapture bench
 
 bench-controller: test-deps ## N KVMMachines (CAPK_BENCH_MACHINES, default 1000) against a real apiserver
@@ -62,7 +69,8 @@ node-image: ## Kubernetes node image (images/node): _output/node-image/node.qcow
 test-node-image: node-image ## Boot the node image under QEMU: Ignition, preloaded images, kubeadm init with no registry
 	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture --skip bench_
 
-bench-idle-node: node-image ## An idle control plane of the node-image flavor under TCG, watched from the host: time to every Pod ready, QEMU's host CPU over 60 s, the guest's split, apiserver requests/s (flavor variables from the environment; CAPK_BENCH_PERF=1 samples QEMU, CAPK_BENCH_PPROF=1 profiles the apiserver and kubelet into _output/bench/)
+bench-idle-node: node-image test-guest ## An idle control plane of the node-image flavor under TCG, watched from the host: time to every Pod ready, QEMU's host CPU over 60 s, the guest's split, apiserver requests/s (flavor variables from the environment; CAPK_BENCH_PERF=1 samples QEMU, CAPK_BENCH_PPROF=1 profiles the apiserver and kubelet into _output/bench/)
+	bash hack/calibrate-host.sh
 	$(CARGO) test -p capk-launcher --test node_image -- --ignored --nocapture --exact bench_idle_control_plane
 
 dev-up: ## The local management cluster with Cluster API and CAPK (clusterctl init) and a sample workload cluster of the node image, two Nodes Ready (CAPK_DEV_SAMPLE=stub: the stand-in test guest; =0: none)
@@ -93,15 +101,18 @@ e2e-move: ## clusterctl move of a running cluster to a second local management c
 	CAPK_DEV_MC=2 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_move_between_management_clusters
 
-bench-e2e: ## On the local MC: machine created -> guest up (test guest, P50/P95 over 10 machines), then real nodes (make bench-e2e-workload)
+bench-e2e: test-guest ## On the local MC: machine created -> guest up (test guest, P50/P95 over 10 machines), then real nodes (make bench-e2e-workload)
+	bash hack/calibrate-host.sh
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --test-threads=1 --exact bench_e2e_machine_boot_and_pod_overhead bench_e2e_workload_nodes
 
-bench-idle-nodes: ## Real nodes under TCG, idle: one control plane and one worker of the node-image flavor on the local MC, each machine Pod's host CPU over 60 s once every Pod is ready, and the time to both Nodes Ready (about 30 minutes)
+bench-idle-nodes: test-guest ## Real nodes under TCG, idle: one control plane and one worker of the node-image flavor on the local MC, each machine Pod's host CPU over 60 s once every Pod is ready, and the time to both Nodes Ready (about 30 minutes)
+	bash hack/calibrate-host.sh
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact bench_idle_nodes
 
-bench-e2e-workload: ## Real nodes under TCG: a control plane and one worker, both Nodes Ready and idle host CPU (as bench-idle-nodes), guest and Pod memory, then Machine created -> Node Ready per step (P50 over 5 workers, one at a time), kubeadm init (about 30 minutes)
+bench-e2e-workload: test-guest ## Real nodes under TCG: a control plane and one worker, both Nodes Ready and idle host CPU (as bench-idle-nodes), guest and Pod memory, then Machine created -> Node Ready per step (P50 over 5 workers, one at a time), kubeadm init (about 30 minutes)
+	bash hack/calibrate-host.sh
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact bench_e2e_workload_nodes
 
