@@ -76,7 +76,8 @@ bench-idle-node: node-image test-guest ## An idle control plane of the node-imag
 dev-up: ## The local management cluster with Cluster API and CAPK (clusterctl init) and a sample workload cluster of the node image, two Nodes Ready (CAPK_DEV_SAMPLE=stub: the stand-in test guest; =0: none)
 	bash hack/dev-up.sh
 
-e2e: ## End to end on the local management cluster (make dev-up without the sample, with the VPA and Prometheus): the stub-guest journey (create, scale, upgrade, faults, pause, delete), the ClusterClass scenario (NodePort from the host, a variable rotates a template), the controller's metrics in Prometheus and the controller under the VPA, then a real workload cluster of the node image (Nodes Ready, CNI, DNS, host volume, delete)
+e2e: test-guest ## End to end on the local management cluster (make dev-up without the sample, with the VPA and Prometheus): the stub-guest journey (create, scale, upgrade, faults, pause, delete), the ClusterClass scenario (NodePort from the host, a variable rotates a template), the controller's metrics in Prometheus and the controller under the VPA, then a real workload cluster of the node image (Nodes Ready, CNI, DNS, host volume, delete)
+	bash hack/calibrate-host.sh
 	CAPK_DEV_SAMPLE=0 CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_journey_on_the_local_management_cluster cluster_class_journey_on_the_local_management_cluster operating_the_controller_on_the_local_management_cluster workload_cluster_journey_on_the_local_management_cluster
 
@@ -92,11 +93,13 @@ e2e-operating: ## Only the metrics/VPA scenario of make e2e: a PromQL query per 
 	CAPK_DEV_SAMPLE=0 CAPK_DEV_NODE_IMAGE=0 CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact operating_the_controller_on_the_local_management_cluster
 
-e2e-workload: ## Only the real workload-cluster journey of make e2e (the node image under TCG: tens of minutes)
+e2e-workload: test-guest ## Only the real workload-cluster journey of make e2e (the node image under TCG: tens of minutes)
+	bash hack/calibrate-host.sh
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact workload_cluster_journey_on_the_local_management_cluster
 
-e2e-move: ## clusterctl move of a running cluster to a second local management cluster (CAPK_DEV_MC=2 dev-up); its VMs keep running in the first
+e2e-move: test-guest ## clusterctl move of a running cluster to a second local management cluster (CAPK_DEV_MC=2 dev-up); its VMs keep running in the first
+	bash hack/calibrate-host.sh
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	CAPK_DEV_MC=2 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_move_between_management_clusters

@@ -33,8 +33,9 @@ SAMPLE_KUBECONFIG=$DEV/sample.kubeconfig
 CP_MIB=2560
 WORKER_MIB=1536
 POD_OVERHEAD_MIB=400
-# The longest any step may take on an emulated (TCG) node: kubeadm init took 896 s after apply on
-# the slowest 2-core machine measured (docs/benchmarks.md).
+# The longest any step may take on an emulated (TCG) node on the reference machine of
+# hack/calibrate-host.sh (kubeadm init took 268 s there, and 896 s on a slower machine of the same
+# kind), scaled below by this host's calibration ratio when it is slower.
 STEP_TIMEOUT=$((45 * 60))
 [[ -f $CONFIG ]] || die "${CONFIG#"$ROOT"/} missing: run hack/dev/capi.sh first"
 
@@ -136,6 +137,12 @@ NODE_ENV=$DEV/node-image.env
 # shellcheck disable=SC1090
 source "$NODE_ENV"
 [[ -n ${CAPK_NODE_IMAGE:-} ]] || die "${NODE_ENV#"$ROOT"/} names no CAPK_NODE_IMAGE: rerun hack/dev/node-image.sh"
+
+# This host's emulation speed against the reference machine, printed, and the waits scaled by it.
+bash "$ROOT/hack/calibrate-host.sh" >&2 || die "the host calibration failed (above): bash hack/calibrate-host.sh"
+# shellcheck disable=SC1091
+source "$OUT/calibration.env"
+STEP_TIMEOUT=$(awk -v t="$STEP_TIMEOUT" -v r="${CAPK_TCG_CALIBRATION_RATIO:-1}" 'BEGIN {print int(t * (r > 1 ? r : 1))}')
 
 vars=(
   KVM_NODE_IMAGE="$CAPK_NODE_IMAGE"
