@@ -54,6 +54,23 @@ case $MODE in
 esac
 kc get namespace "$NS" >/dev/null 2>&1 || kc create namespace "$NS" >/dev/null
 
+# $DEV/sample.env records how the sample was made: SAMPLE_MODE when it was applied, then
+# SAMPLE_CP and SAMPLE_CP_IP once its control plane is up (real only). A sample of the other mode
+# (or of no record) is deleted first: the two flavors' objects cannot be applied over each other.
+SAMPLE_ENV=$DEV/sample.env
+SAMPLE_MODE="" SAMPLE_CP="" SAMPLE_CP_IP=""
+if kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
+  # shellcheck disable=SC1090
+  [[ ! -f $SAMPLE_ENV ]] || source "$SAMPLE_ENV"
+  if [[ $SAMPLE_MODE != "$MODE" ]]; then
+    log "the sample was made as '${SAMPLE_MODE:-unrecorded}', not '$MODE': deleting it to make it again"
+    kc -n "$NS" delete cluster "$NAME" --timeout=600s >/dev/null ||
+      die "the old sample did not go within 600s: kubectl -n $NS get cluster,machines,kvmmachines,pods"
+    rm -f "$SAMPLE_ENV"
+    SAMPLE_MODE="" SAMPLE_CP="" SAMPLE_CP_IP=""
+  fi
+fi
+
 generate() { # FLAVOR WORKERS [VAR=VALUE...]: clusterctl's manifest of the sample on stdout
   local flavor=$1 workers=$2
   shift 2
@@ -116,6 +133,7 @@ if [[ $MODE == stub ]]; then
     CONTROL_PLANE_VOLUME_SIZE_GB=1 CONTROL_PLANE_DOCKER_VOLUME_SIZE_GB=1 \
     WORKER_MACHINE_CPUS=1 WORKER_MACHINE_MEMORY=256Mi VOLUME_SIZE_GB=1 DOCKER_VOLUME_SIZE_GB=1 \
     >"$DEV/sample-cluster.yaml"
+  echo "SAMPLE_MODE=stub" >"$SAMPLE_ENV"
   apply "$DEV/sample-cluster.yaml"
   wait_for "stand-in control-plane VM bootstrapped" 600 cp_bootstrapped
   pod=$(cp_pod)
@@ -160,16 +178,14 @@ generate node-image 1 "${vars[@]}" >"$DEV/sample-cluster.yaml"
 # makes the machine Pods' sandboxes again, with new IPs, and the VM takes the new one while the
 # guest's etcd and certificates name the old (its apiserver never answers again). The IP the
 # control plane was made with is recorded; a sample whose control plane lost it is made again.
-SAMPLE_ENV=$DEV/sample.env
-if [[ -f $SAMPLE_ENV ]] && kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
-  # shellcheck disable=SC1090
-  source "$SAMPLE_ENV"
-  now_ip=$(kc -n "$NS" get pod "${SAMPLE_CP:-}" -o 'jsonpath={.status.podIP}' 2>/dev/null || true)
-  if [[ -n ${SAMPLE_CP:-} && -n $now_ip && $now_ip != "${SAMPLE_CP_IP:-}" ]]; then
+if [[ -n $SAMPLE_CP ]] && kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
+  now_ip=$(kc -n "$NS" get pod "$SAMPLE_CP" -o 'jsonpath={.status.podIP}' 2>/dev/null || true)
+  if [[ -n $now_ip && $now_ip != "$SAMPLE_CP_IP" ]]; then
     log "the sample's control plane $SAMPLE_CP came back on Pod IP $now_ip, not $SAMPLE_CP_IP (the MC restarted its sandbox); its etcd and certificates name the old IP: deleting the sample to make it again"
     kc -n "$NS" delete cluster "$NAME" --timeout=600s >/dev/null ||
       die "the old sample did not go within 600s: kubectl -n $NS get cluster,machines,kvmmachines,pods"
     rm -f "$SAMPLE_ENV"
+    SAMPLE_CP=""
   fi
 fi
 
@@ -184,14 +200,15 @@ if ! kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
     die "the sample's two VMs need about ${need} MiB free and this machine has ${avail} MiB available: free memory, or CAPK_DEV_SAMPLE=stub make dev-up (the stand-in guest, 256 MiB)"
   log "a real workload cluster: 1 control plane (${CP_MIB}Mi) then 1 worker (${WORKER_MIB}Mi), node image $CAPK_NODE_IMAGE"
   generate node-image 0 "${vars[@]}" >"$DEV/sample-control-plane.yaml"
+  echo "SAMPLE_MODE=real" >"$SAMPLE_ENV"
   apply "$DEV/sample-control-plane.yaml"
 fi
 
 cp_step() { console_step "$(cp_pod)"; }
 progress "control plane: kubeadm init" cp_bootstrapped cp_step
-if [[ ! -f $SAMPLE_ENV ]]; then
+if [[ -z $SAMPLE_CP ]]; then
   cp=$(cp_pod)
-  printf 'SAMPLE_CP=%s\nSAMPLE_CP_IP=%s\n' "$cp" "$(kc -n "$NS" get pod "$cp" -o 'jsonpath={.status.podIP}')" >"$SAMPLE_ENV"
+  printf 'SAMPLE_MODE=real\nSAMPLE_CP=%s\nSAMPLE_CP_IP=%s\n' "$cp" "$(kc -n "$NS" get pod "$cp" -o 'jsonpath={.status.podIP}')" >"$SAMPLE_ENV"
 fi
 apply "$DEV/sample-cluster.yaml"
 
