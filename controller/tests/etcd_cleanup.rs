@@ -19,8 +19,8 @@ use kube::{
 };
 use serde_json::{Value, json};
 use support::{
-    control_plane_machine, control_plane_machine_with_spec, create_namespace, eventually,
-    start_controller,
+    control_plane_machine, control_plane_machine_with_spec, create_namespace,
+    delete_without_finalizers, eventually, start_controller,
 };
 
 const CLOUD_CONFIG: &str = "#cloud-config\nruncmd:\n- kubeadm init\n";
@@ -615,17 +615,7 @@ async fn a_moved_machine_removes_the_etcd_data_its_pod_marked() -> Result<()> {
     let machine = Api::<Machine>::namespaced(client.clone(), ns)
         .get("demo-cp-0")
         .await?;
-    kms.patch(
-        "demo-cp-0",
-        &PatchParams::default(),
-        &Patch::Merge(&json!({"metadata": {"finalizers": null}})),
-    )
-    .await?;
-    kms.delete("demo-cp-0", &DeleteParams::default()).await?;
-    eventually(30, "the old KVMMachine gone", || async {
-        Ok(kms.get_opt("demo-cp-0").await?.is_none().then_some(()))
-    })
-    .await?;
+    delete_without_finalizers(&kms, "demo-cp-0").await?;
     let km: KVMMachine = serde_json::from_value(json!({
         "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
         "metadata": {"name": "demo-cp-0", "labels": {"cluster.x-k8s.io/cluster-name": "demo"},

@@ -26,8 +26,8 @@ use kube::{
 };
 use serde_json::{Value, json};
 use support::{
-    POD_NET, Relay, StandInApiServer, control_plane_machine, create_namespace, eventually,
-    in_own_netns, start_controller,
+    POD_NET, Relay, StandInApiServer, control_plane_machine, create_namespace,
+    delete_without_finalizers, eventually, in_own_netns, start_controller,
 };
 
 const OWNER_NS_LABEL: &str = "infrastructure.cluster.x-k8s.io/owner-namespace";
@@ -570,21 +570,6 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
     })
     .await?;
     Ok(())
-}
-
-/// Removes `name`'s finalizers and deletes it, as `clusterctl move` does to the source's copies.
-async fn delete_without_finalizers<K>(api: &Api<K>, name: &str) -> Result<()>
-where
-    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    let patch = json!({"metadata": {"finalizers": null}});
-    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await?;
-    api.delete(name, &DeleteParams::default()).await?;
-    eventually(30, "object gone", || async {
-        Ok(api.get_opt(name).await?.is_none().then_some(()))
-    })
-    .await
 }
 
 #[tokio::test]

@@ -15,7 +15,7 @@ use capk_api::{
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::{
     Api, Client, ResourceExt,
-    api::{Patch, PatchParams, PostParams},
+    api::{DeleteParams, Patch, PatchParams, PostParams},
 };
 use serde_json::json;
 
@@ -420,4 +420,19 @@ impl Drop for StandInApiServer {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Removes `name`'s finalizers and deletes it, as `clusterctl move` does to the source's copies.
+pub async fn delete_without_finalizers<K>(api: &Api<K>, name: &str) -> Result<()>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let patch = json!({"metadata": {"finalizers": null}});
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    api.delete(name, &DeleteParams::default()).await?;
+    eventually(30, "object gone", || async {
+        Ok(api.get_opt(name).await?.is_none().then_some(()))
+    })
+    .await
 }
