@@ -107,6 +107,10 @@ pub const MOVE_LABEL: &str = "clusterctl.cluster.x-k8s.io/move";
 pub const HOSTING_KUBECONFIG_KEY: &str = "value";
 /// `app.kubernetes.io/managed-by` value on every object the controller creates.
 pub const MANAGED_BY: &str = "capk-controller";
+
+/// The namespace of the management cluster where clusters' machine Pods live unless the operator
+/// says otherwise (the controller's `--machine-namespace`, `CAPK_MACHINE_NAMESPACE`).
+pub const DEFAULT_MACHINE_NAMESPACE: &str = "capk-machines";
 /// Port of the workload cluster's API server (on the VMs and on the control-plane Service).
 pub const API_SERVER_PORT: i32 = 6443;
 

@@ -2,7 +2,8 @@
 //! control-plane Service live when its KVMCluster names one (`spec.hostingCluster`), reached
 //! through a kubeconfig Secret in the management cluster (which the reconcilers find, and label
 //! for clusterctl move and the controller's watch, before they ask for a [`Target`]). Without
-//! one they live in the management cluster, in the KVMCluster's namespace, as they always did.
+//! one they live in the management cluster, in the namespace the KVMCluster's status records
+//! ([`machine_namespace`]): the operator's machine namespace, or the KVMCluster's own.
 //!
 //! One link ([`crate::remote`]) per hosting cluster and namespace, however many KVMClusters and
 //! machines use it: one client and one watch per kind (machine Pods, our Secrets, PVCs and
@@ -74,6 +75,19 @@ pub const REASON_FORBIDDEN: &str = "HostingClusterForbidden";
 /// Reason: the hosting cluster sent an answer over the controller's limits.
 pub const REASON_ANSWER_TOO_LARGE: &str = "HostingClusterAnswerTooLarge";
 
+/// Reason: the KVMCluster has not recorded yet which namespace of the management cluster its
+/// machines live in (`status.machineNamespace`).
+pub const REASON_MACHINE_NAMESPACE_PENDING: &str = "WaitingForMachineNamespace";
+
+/// The namespace of the management cluster where `kc`'s objects live while it names no hosting
+/// cluster, as its status records; `None` until its first reconcile has chosen.
+pub fn machine_namespace(kc: &KVMCluster) -> Option<&str> {
+    kc.status
+        .as_ref()
+        .and_then(|s| s.machine_namespace.as_deref())
+        .filter(|ns| !ns.is_empty())
+}
+
 /// How often an unavailable hosting cluster is tried again.
 pub const PROBE_INTERVAL: Duration = Duration::from_secs(2);
 /// Time allowed for one probe.
@@ -125,13 +139,20 @@ pub struct Target {
 }
 
 impl Target {
-    /// The management cluster, namespace `ns`, through the controller's own caches.
-    pub fn management(client: &Client, caches: ObjectCaches, ns: &str) -> Self {
+    /// The management cluster, namespace `ns`, through the controller's own caches, for owners
+    /// in `owner_namespace`: next to them (owner references), or in a machine namespace of
+    /// the operator's (labels only, names qualified, as in a hosting namespace).
+    pub fn management(
+        client: &Client,
+        caches: ObjectCaches,
+        owner_namespace: &str,
+        ns: &str,
+    ) -> Self {
         Self {
             client: client.clone(),
             home: Home {
                 namespace: ns.to_owned(),
-                management: true,
+                management: ns == owner_namespace,
             },
             caches,
             key: None,
@@ -270,7 +291,7 @@ impl Links {
     }
 
     /// Where `kc`'s objects live: the management cluster (no `hostingCluster`; `mc` and its
-    /// caches), or the hosting cluster it names once its watches are in sync; otherwise why not.
+    /// caches, in the namespace its status records, [`machine_namespace`]), or the hosting cluster it names once its watches are in sync; otherwise why not.
     /// `kubeconfig` is the resourceVersion of the hosting kubeconfig Secret, `None` when it
     /// does not exist.
     pub async fn target(
@@ -281,8 +302,15 @@ impl Links {
         kubeconfig: Option<String>,
     ) -> Result<Target, Unavailable> {
         let Some(key) = HostingKey::of(kc) else {
-            let ns = kc.namespace().unwrap_or_default();
-            return Ok(Target::management(mc, caches.clone(), &ns));
+            let owner_ns = kc.namespace().unwrap_or_default();
+            let Some(ns) = machine_namespace(kc) else {
+                return Err(Unavailable {
+                    reason: REASON_MACHINE_NAMESPACE_PENDING,
+                    message: "waiting for the KVMCluster to record its machine namespace"
+                        .to_owned(),
+                });
+            };
+            return Ok(Target::management(mc, caches.clone(), &owner_ns, ns));
         };
         let link = self.link(mc, kubeconfig, &key).await?;
         if let Some(failure) = link.state().failure() {

@@ -15,7 +15,7 @@ use capk_controller::metrics::{
 use capk_controller::{
     leader::LEASE_NAME,
     remote_limits::RemoteLimits,
-    settings::{MachineDefaults, NodeImageSource, TenantPolicy},
+    settings::{MachineDefaults, MachineNamespace, NodeImageSource, TenantPolicy},
 };
 use clap::{
     Parser, Subcommand, ValueEnum,
@@ -38,6 +38,14 @@ struct Cli {
     /// Watch only this namespace (default: all namespaces).
     #[arg(long, env = "CAPK_NAMESPACE")]
     namespace: Option<String>,
+    /// Where new clusters' machine Pods, Ignition Secrets, etcd PVCs and control-plane Service
+    /// live in the management cluster: a namespace of the operator's for all tenants
+    /// (default), one per tenant namespace (a name with `{namespace}` in it, which the
+    /// operator makes), or empty for the KVMCluster's own namespace (whose users may then exec
+    /// into the privileged machine Pods). Chosen once per cluster: a change applies to clusters
+    /// made after it. Default: `capk-machines`; with `--namespace`, that namespace.
+    #[arg(long, env = "CAPK_MACHINE_NAMESPACE")]
+    machine_namespace: Option<String>,
     /// DNS domain of the management cluster, used in the default control-plane endpoint.
     #[arg(long, default_value = "cluster.local")]
     cluster_domain: String,
@@ -351,6 +359,22 @@ async fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    // `--namespace=` (clusterctl with an empty variable) means all namespaces.
+    let namespace = cli.namespace.filter(|n| !n.is_empty());
+    let machine_namespace = match (cli.machine_namespace, &namespace) {
+        (Some(m), _) => m.parse::<MachineNamespace>()?,
+        (None, Some(_)) => MachineNamespace::Tenant,
+        (None, None) => MachineNamespace::Shared(
+            capk_controller::settings::DEFAULT_MACHINE_NAMESPACE.to_owned(),
+        ),
+    };
+    if let Some(watched) = &namespace
+        && machine_namespace.of(watched) != *watched
+    {
+        anyhow::bail!(
+            "--namespace={watched} watches one namespace only, so machines must live there too: set --machine-namespace= (CAPK_MACHINE_NAMESPACE) empty or to {watched}"
+        );
+    }
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     match cli.log_format {
         LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
@@ -367,8 +391,8 @@ async fn main() -> anyhow::Result<()> {
         .with_layer(&requests)
         .build();
     let settings = capk_controller::Settings {
-        // `--namespace=` (clusterctl with an empty variable) means all namespaces.
-        namespace: cli.namespace.filter(|n| !n.is_empty()),
+        namespace,
+        machine_namespace,
         cluster_domain: cli.cluster_domain,
         machine_defaults: MachineDefaults {
             launcher_image: cli.launcher_image,

@@ -32,8 +32,9 @@ use serde_json::{Value, json};
 pub struct Home {
     /// The namespace, in the management cluster or in the hosting cluster.
     pub namespace: String,
-    /// The objects live in the management cluster, next to their owner, so they also carry an
-    /// owner reference to it.
+    /// The objects live in the management cluster, next to their owner (in its namespace), so
+    /// they also carry an owner reference to it. False in a hosting cluster, and in a machine
+    /// namespace of the management cluster's operator.
     pub management: bool,
 }
 

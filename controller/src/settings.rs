@@ -19,6 +19,8 @@ pub struct Settings {
     pub tenant_policy: TenantPolicy,
     /// What one workload or hosting cluster may cost the controller.
     pub remote_limits: crate::remote_limits::RemoteLimits,
+    /// Where new clusters' machine Pods live in the management cluster.
+    pub machine_namespace: MachineNamespace,
 }
 
 impl Default for Settings {
@@ -30,6 +32,82 @@ impl Default for Settings {
             concurrency: 16,
             tenant_policy: TenantPolicy::default(),
             remote_limits: Default::default(),
+            machine_namespace: MachineNamespace::Tenant,
+        }
+    }
+}
+
+pub use capk_api::constants::DEFAULT_MACHINE_NAMESPACE;
+
+/// The placeholder of a per-tenant machine namespace: the KVMCluster's namespace.
+pub const TENANT_PLACEHOLDER: &str = "{namespace}";
+
+/// Where a KVMCluster without a hosting cluster gets its machine Pods, Ignition Secrets, etcd
+/// PVCs and control-plane Service in the management cluster: the operator's choice, made for
+/// a cluster once (`status.machineNamespace`), so that changing it never moves running VMs.
+/// Outside the tenant's namespace, whoever may exec into or create Pods there gains nothing
+/// on the node. [`Settings::default`] keeps the tenant's namespace (what embedding tests
+/// expect); the binary's default is [`DEFAULT_MACHINE_NAMESPACE`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MachineNamespace {
+    /// In the KVMCluster's own namespace (`--machine-namespace=`): its users may exec into the
+    /// privileged machine Pods. An operator's opt-in.
+    Tenant,
+    /// One namespace for every tenant (`capk-machines`).
+    Shared(String),
+    /// One per tenant namespace: the template with [`TENANT_PLACEHOLDER`] replaced (cut and
+    /// hashed to a DNS label when long). The operator makes each namespace and grants its
+    /// tenant the console there.
+    PerTenant(String),
+}
+
+/// A `--machine-namespace` that cannot name a namespace.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "machine namespace {0:?} is not a namespace name (a DNS label: lowercase letters, digits, '-'), nor such a name with {TENANT_PLACEHOLDER} in it, nor empty"
+)]
+pub struct InvalidMachineNamespace(String);
+
+impl std::str::FromStr for MachineNamespace {
+    type Err = InvalidMachineNamespace;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Ok(Self::Tenant);
+        }
+        let per_tenant = s.contains(TENANT_PLACEHOLDER);
+        let sample = s.replace(TENANT_PLACEHOLDER, "a");
+        let label =
+            sample.len() <= 63 || per_tenant && sample.len() <= 63 + 63 + TENANT_PLACEHOLDER.len();
+        let valid = label
+            && sample
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !sample.starts_with('-')
+            && !sample.ends_with('-');
+        match (valid, per_tenant) {
+            (false, _) => Err(InvalidMachineNamespace(s.to_owned())),
+            (true, true) => Ok(Self::PerTenant(s.to_owned())),
+            (true, false) => Ok(Self::Shared(s.to_owned())),
+        }
+    }
+}
+
+impl MachineNamespace {
+    /// The machine namespace of a new cluster in `tenant`.
+    pub fn of(&self, tenant: &str) -> String {
+        match self {
+            Self::Tenant => tenant.to_owned(),
+            Self::Shared(ns) => ns.clone(),
+            Self::PerTenant(template) => {
+                let named = template.replace(TENANT_PLACEHOLDER, tenant);
+                if named.len() <= 63 {
+                    named
+                } else {
+                    capk_api::constants::bounded_name(&named, "", 63)
+                }
+            }
         }
     }
 }
@@ -271,6 +349,32 @@ impl std::str::FromStr for NodeImageSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_machine_namespace_is_the_tenants_one_for_all_or_one_per_tenant() {
+        let parse = |s: &str| s.parse::<MachineNamespace>();
+        assert_eq!(parse("").unwrap().of("team-a"), "team-a");
+        assert_eq!(
+            parse("capk-machines").unwrap().of("team-a"),
+            "capk-machines"
+        );
+        let per_tenant = parse("capk-{namespace}").unwrap();
+        assert_eq!(per_tenant.of("team-a"), "capk-team-a");
+        let long = per_tenant.of(&"t".repeat(63));
+        assert!(long.len() <= 63 && long.starts_with("capk-ttt"), "{long}");
+        assert_ne!(long, per_tenant.of(&format!("{}u", "t".repeat(62))));
+        for bad in [
+            "Capk",
+            "capk_machines",
+            "-capk",
+            "capk/x",
+            "{namespace}-",
+            &"a".repeat(64),
+        ] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains("not a namespace name"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn a_prefix_covers_itself_and_what_is_below_it_element_by_element() {

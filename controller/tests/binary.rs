@@ -317,3 +317,46 @@ async fn with_leader_election_one_replica_reconciles_and_the_other_takes_over() 
     println!("leader takeover after SIGTERM: {takeover:?}");
     Ok(())
 }
+
+/// Watching one namespace, the controller keeps machines in it: another machine namespace,
+/// whose objects it would never see, is refused before it starts, with what to set; a bad
+/// name too. (The release's Deployments always pass `--machine-namespace`.)
+#[test]
+fn a_machine_namespace_it_cannot_watch_is_refused_at_start() -> Result<()> {
+    let run = |args: &[&str]| -> Result<(bool, String)> {
+        let out = Command::new(env!("CARGO_BIN_EXE_capk-controller"))
+            .args(args)
+            .env_remove("CAPK_MACHINE_NAMESPACE")
+            .env("KUBECONFIG", "/nonexistent")
+            .output()?;
+        Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    };
+    let (ok, err) = run(&["--namespace=team-a", "--machine-namespace=capk-machines"])?;
+    assert!(!ok);
+    assert!(
+        err.contains("--namespace=team-a watches one namespace only")
+            && err.contains("--machine-namespace="),
+        "{err}"
+    );
+    let (ok, err) = run(&["--machine-namespace=Capk_Machines"])?;
+    assert!(!ok);
+    assert!(err.contains("not a namespace name"), "{err}");
+    // Accepted (it stops later, at the missing kubeconfig): the watched namespace itself, an
+    // empty value (the cluster's own namespace), or no value at all.
+    for args in [
+        &["--namespace=team-a", "--machine-namespace=team-a"][..],
+        &["--namespace=team-a", "--machine-namespace="][..],
+        &["--namespace=team-a"][..],
+    ] {
+        let (ok, err) = run(args)?;
+        assert!(!ok, "no kubeconfig");
+        assert!(
+            !err.contains("watches one namespace only"),
+            "{args:?}: {err}"
+        );
+    }
+    Ok(())
+}

@@ -300,9 +300,16 @@ fn clusterctl_processes_the_components_with_no_variables_set() -> Result<()> {
     // but ClusterIP (all above), etcd data under /var/lib/capk/etcd only, no key-less
     // tolerations.
     let args: Vec<String> = serde_json::from_value(manager["args"].clone())?;
+    // Machine Pods in the operator's namespace; the value passed as an argument, so that an
+    // empty one (the cluster's own namespace) is not taken for no value.
+    assert_eq!(
+        env("CAPK_MACHINE_NAMESPACE"),
+        Some(json!(capk_api::constants::DEFAULT_MACHINE_NAMESPACE))
+    );
     for shipped in [
         "--allowed-etcd-host-paths=/var/lib/capk/etcd",
         "--allow-tolerate-all-taints=false",
+        "--machine-namespace=$(CAPK_MACHINE_NAMESPACE)",
     ] {
         assert!(
             args.iter().any(|a| a == shipped),
@@ -821,6 +828,68 @@ async fn the_controller_works_with_only_the_shipped_rbac() -> Result<()> {
     the_controller_works_as(&admin, restricted, "rbac-check").await
 }
 
+/// As shipped, the controller may make a machine namespace and nothing more of namespaces, and
+/// `capkvm-machine-console` lets whoever it is bound to read machine Pods' consoles there, but
+/// not exec into them, make Pods or read Secrets.
+#[tokio::test]
+async fn the_machine_namespace_rules_are_as_shipped() -> Result<()> {
+    let admin = TestEnv::shared().client().await?;
+    let restricted = shipped_rbac_client(&admin).await?;
+    let namespaces = Api::<k8s_openapi::api::core::v1::Namespace>::all(restricted);
+    let ns: k8s_openapi::api::core::v1::Namespace =
+        serde_json::from_value(json!({"metadata": {"name": "rbac-machines"}}))?;
+    match namespaces.create(&PostParams::default(), &ns).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => {
+            return Err(anyhow!(
+                "the controller cannot make a machine namespace: {e}"
+            ));
+        }
+    }
+    let refused = namespaces
+        .delete("rbac-machines", &Default::default())
+        .await;
+    assert!(
+        matches!(refused, Err(kube::Error::Api(s)) if s.code == 403),
+        "the controller may not delete namespaces"
+    );
+
+    let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": "team-a-consoles", "namespace": "rbac-machines"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": "capkvm-machine-console"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "team-a"}]});
+    apply(&admin, &binding, false).await?;
+    let may = |verb: &str, resource: &str, subresource: &str| {
+        let admin = admin.clone();
+        let review = json!({"apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {"user": "alice", "groups": ["team-a"],
+                     "resourceAttributes": {"namespace": "rbac-machines", "verb": verb,
+                        "resource": resource, "subresource": subresource}}});
+        async move {
+            let gvk = GroupVersionKind::gvk("authorization.k8s.io", "v1", "SubjectAccessReview");
+            let (ar, _) = discovery::pinned_kind(&admin, &gvk).await?;
+            let obj: DynamicObject = serde_json::from_value(review)?;
+            let answer = Api::<DynamicObject>::all_with(admin, &ar)
+                .create(&PostParams::default(), &obj)
+                .await?;
+            anyhow::Ok(answer.data["status"]["allowed"] == json!(true))
+        }
+    };
+    // The authorizer sees a new binding a moment later.
+    eventually(20, "the console role bound", || async {
+        Ok(may("get", "pods", "log").await?.then_some(()))
+    })
+    .await?;
+    assert!(may("list", "pods", "").await?, "which Pods");
+    assert!(!may("create", "pods", "exec").await?, "no exec");
+    assert!(!may("create", "pods", "").await?, "no Pods of its own");
+    assert!(!may("get", "secrets", "").await?, "no Secrets");
+    Ok(())
+}
+
 /// The controller's warnings (a 403 names the missing rule) show in the test's output.
 fn show_controller_warnings() {
     let _ = tracing_subscriber::fmt()
@@ -867,6 +936,11 @@ async fn the_controller_works_with_only_the_namespaced_rbac() -> Result<()> {
         .and_then(|e| e.iter().find(|v| v["name"] == "CAPK_NAMESPACE"))
         .map(|v| v["value"].clone());
     assert_eq!(watched, Some(json!(ns)), "it watches that namespace only");
+    let machines = deploy["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()
+        .and_then(|e| e.iter().find(|v| v["name"] == "CAPK_MACHINE_NAMESPACE"))
+        .map(|v| v["value"].clone());
+    assert_eq!(machines, Some(json!(ns)), "its machines live there too");
     let cluster_wide: Vec<&Value> = components
         .iter()
         .filter(|o| o["kind"] == "ClusterRoleBinding")

@@ -15,6 +15,9 @@
 #   CAPK_DEV_SAMPLE=0               no sample (make e2e and make check do that): one an earlier
 #       `make dev-up` made is deleted, since its VMs would take the cores the journeys need.
 #
+# The sample's machine Pods and control-plane Service live in the MC's machine namespace (what its
+# KVMCluster's status.machineNamespace records; capk-machines as shipped), not in capk-sample.
+#
 #   kubectl delete cluster -n capk-sample sample     removes it
 set -euo pipefail
 # shellcheck source=lib.sh
@@ -24,6 +27,9 @@ source "$ROOT/hack/versions.env"
 LOG_NAME=sample
 NS=capk-sample
 NAME=sample
+# The controller's machine namespace as shipped (CAPK_MACHINE_NAMESPACE), for a sample whose
+# KVMCluster has not recorded its own yet.
+MACHINE_NS_DEFAULT=capk-machines
 MODE=${CAPK_DEV_SAMPLE:-real}
 [[ $MODE == 1 ]] && MODE=real
 CONFIG=$DEV/clusterctl/clusterctl.yaml
@@ -45,7 +51,7 @@ case $MODE in
     if kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
       log "CAPK_DEV_SAMPLE=0: deleting the sample cluster an earlier make dev-up made (its VMs would take the cores)"
       kc -n "$NS" delete cluster "$NAME" --timeout=600s >/dev/null ||
-        die "the sample did not go within 600s: kubectl -n $NS get cluster,machines,kvmmachines,pods"
+        die "the sample did not go within 600s: kubectl -n $NS get cluster,machines,kvmmachines -o wide"
     fi
     rm -f "$DEV/sample.env"
     exit 0
@@ -65,7 +71,7 @@ if kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
   if [[ $SAMPLE_MODE != "$MODE" ]]; then
     log "the sample was made as '${SAMPLE_MODE:-unrecorded}', not '$MODE': deleting it to make it again"
     kc -n "$NS" delete cluster "$NAME" --timeout=600s >/dev/null ||
-      die "the old sample did not go within 600s: kubectl -n $NS get cluster,machines,kvmmachines,pods"
+      die "the old sample did not go within 600s: kubectl -n $NS get cluster,machines,kvmmachines -o wide"
     rm -f "$SAMPLE_ENV"
     SAMPLE_MODE="" SAMPLE_CP="" SAMPLE_CP_IP=""
   fi
@@ -88,7 +94,7 @@ progress() {
   local what=$1 probe=$2 step_of=$3 start=$SECONDS last="" step said=$SECONDS
   until "$probe" >/dev/null 2>&1; do
     ((SECONDS - start < STEP_TIMEOUT)) ||
-      die "timed out after ${STEP_TIMEOUT}s waiting for $what (last: $last); see kubectl -n $NS get cluster,machines,kvmmachines,pods and kubectl -n $NS logs <pod>"
+      die "timed out after ${STEP_TIMEOUT}s waiting for $what (last: $last); see kubectl -n $NS get cluster,machines,kvmmachines -o wide (each machine's Pod namespace and Pod) and kubectl -n <pod namespace> logs <pod> -c launcher"
     step=$("$step_of" 2>/dev/null || true)
     if [[ $step != "$last" ]]; then
       log "$what: $step ($((SECONDS - start))s)"
@@ -103,13 +109,41 @@ progress() {
   log "$what: ok after $((SECONDS - start))s"
 }
 
-# The furthest boot step machine Pod $1's console (kubectl logs) shows.
+# The MC namespace of the sample's machine Pods and control-plane Service: what its KVMCluster
+# recorded (status.machineNamespace), else the shipped default.
+machine_ns() {
+  local ns
+  ns=$(kc -n "$NS" get kvmcluster "$NAME" -o 'jsonpath={.status.machineNamespace}' 2>/dev/null || true)
+  echo "${ns:-$MACHINE_NS_DEFAULT}"
+}
+
+# machine_pod KVMMACHINE: its machine Pod as NAMESPACE/NAME, where the KVMMachine's status says
+# (status.podNamespace, status.podName); nothing while it names none.
+machine_pod() {
+  local at
+  [[ -n $1 ]] || return 0
+  at=$(kc -n "$NS" get kvmmachine "$1" -o 'jsonpath={.status.podNamespace}/{.status.podName}' 2>/dev/null) || return 0
+  [[ $at != */ ]] || return 0
+  [[ $at != /* ]] || at=$(machine_ns)$at
+  echo "$at"
+}
+
+# pod_ip KVMMACHINE: its machine Pod's IP (the VM's); nothing while it has none.
+pod_ip() {
+  local pod
+  pod=$(machine_pod "$1")
+  [[ -n $pod ]] || return 0
+  kc -n "${pod%%/*}" get pod "${pod#*/}" -o 'jsonpath={.status.podIP}' 2>/dev/null || true
+}
+
+# The furthest boot step the console (kubectl logs) of machine Pod $1 (NAMESPACE/NAME) shows.
 console_step() {
   local pod=$1 console
   [[ -n $pod ]] || { echo "waiting for the machine Pod"; return; }
+  local pod_ns=${pod%%/*} pod_name=${pod#*/}
   # systemd colours its status lines: the escape sequences go before matching.
-  if ! console=$(kc -n "$NS" logs "$pod" 2>/dev/null | sed -E $'s/\x1b\\[[0-9;]*[A-Za-z]//g'); then
-    echo "machine Pod $pod starting ($(kc -n "$NS" get pod "$pod" -o 'jsonpath={.status.phase}' 2>/dev/null || echo absent))"
+  if ! console=$(kc -n "$pod_ns" logs "$pod_name" -c launcher 2>/dev/null | sed -E $'s/\x1b\\[[0-9;]*[A-Za-z]//g'); then
+    echo "machine Pod $pod starting ($(kc -n "$pod_ns" get pod "$pod_name" -o 'jsonpath={.status.phase}' 2>/dev/null || echo absent))"
     return
   fi
   local step="launcher started, QEMU starting"
@@ -121,10 +155,23 @@ console_step() {
   echo "$pod: $step"
 }
 
-cp_pod() { kc -n "$NS" get kvmmachines -l cluster.x-k8s.io/control-plane -o 'jsonpath={.items[0].metadata.name}'; }
+cp_machine() { kc -n "$NS" get kvmmachines -l cluster.x-k8s.io/control-plane -o 'jsonpath={.items[0].metadata.name}'; }
 cp_bootstrapped() {
   [[ $(kc -n "$NS" get kvmmachines -l cluster.x-k8s.io/control-plane \
     -o 'jsonpath={.items[*].status.conditions[?(@.type=="BootstrapCompleted")].status}') == True ]]
+}
+
+# machine_commands POD KUBECTL: what shows the machine Pod POD (NAMESPACE/NAME), and any other, for
+# the user to run as KUBECTL: the sample's machine Pods, a console and the launcher's status.
+machine_commands() {
+  local pod_ns=${1%%/*} pod_name=${1#*/} k=$2
+  cat <<EOF
+  $k -n $pod_ns get pods -l infrastructure.cluster.x-k8s.io/owner-namespace=$NS
+  $k -n $pod_ns logs -f $pod_name -c launcher      # a machine's console
+  $k -n $pod_ns exec $pod_name -c launcher -- capk-launcher status
+  # any machine's console, where its KVMMachine M says its Pod is:
+  $k -n \$($k -n $NS get kvmmachine M -o jsonpath='{.status.podNamespace}') logs \$($k -n $NS get kvmmachine M -o jsonpath='{.status.podName}') -c launcher
+EOF
 }
 
 if [[ $MODE == stub ]]; then
@@ -136,14 +183,13 @@ if [[ $MODE == stub ]]; then
   echo "SAMPLE_MODE=stub" >"$SAMPLE_ENV"
   apply "$DEV/sample-cluster.yaml"
   wait_for "stand-in control-plane VM bootstrapped" 600 cp_bootstrapped
-  pod=$(cp_pod)
+  pod=$(machine_pod "$(cp_machine)")
   cat <<EOF
 
 Stand-in sample cluster '$NAME' in namespace $NS (CAPK_DEV_SAMPLE=stub): its control-plane VM, in Pod
 $pod, boots the test guest, whose kubeadm only records its arguments: no Node registers.
-  kubectl -n $NS get cluster,machines,kvmmachines,pods
-  kubectl -n $NS logs $pod                 # the guest's console
-  kubectl -n $NS exec $pod -- capk-launcher status
+  kubectl -n $NS get cluster,machines,kvmmachines -o wide
+$(machine_commands "$pod" kubectl)
   kubectl -n $NS delete cluster $NAME      # removes it
 EOF
   exit 0
@@ -179,11 +225,11 @@ generate node-image 1 "${vars[@]}" >"$DEV/sample-cluster.yaml"
 # guest's etcd and certificates name the old (its apiserver never answers again). The IP the
 # control plane was made with is recorded; a sample whose control plane lost it is made again.
 if [[ -n $SAMPLE_CP ]] && kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
-  now_ip=$(kc -n "$NS" get pod "$SAMPLE_CP" -o 'jsonpath={.status.podIP}' 2>/dev/null || true)
+  now_ip=$(pod_ip "$SAMPLE_CP")
   if [[ -n $now_ip && $now_ip != "$SAMPLE_CP_IP" ]]; then
     log "the sample's control plane $SAMPLE_CP came back on Pod IP $now_ip, not $SAMPLE_CP_IP (the MC restarted its sandbox); its etcd and certificates name the old IP: deleting the sample to make it again"
     kc -n "$NS" delete cluster "$NAME" --timeout=600s >/dev/null ||
-      die "the old sample did not go within 600s: kubectl -n $NS get cluster,machines,kvmmachines,pods"
+      die "the old sample did not go within 600s: kubectl -n $NS get cluster,machines,kvmmachines -o wide"
     rm -f "$SAMPLE_ENV"
     SAMPLE_CP=""
   fi
@@ -204,19 +250,23 @@ if ! kc -n "$NS" get cluster "$NAME" >/dev/null 2>&1; then
   apply "$DEV/sample-control-plane.yaml"
 fi
 
-cp_step() { console_step "$(cp_pod)"; }
+cp_step() { console_step "$(machine_pod "$(cp_machine)")"; }
 progress "control plane: kubeadm init" cp_bootstrapped cp_step
 if [[ -z $SAMPLE_CP ]]; then
-  cp=$(cp_pod)
-  printf 'SAMPLE_MODE=real\nSAMPLE_CP=%s\nSAMPLE_CP_IP=%s\n' "$cp" "$(kc -n "$NS" get pod "$cp" -o 'jsonpath={.status.podIP}')" >"$SAMPLE_ENV"
+  cp=$(cp_machine)
+  printf 'SAMPLE_MODE=real\nSAMPLE_CP=%s\nSAMPLE_CP_IP=%s\n' "$cp" "$(pod_ip "$cp")" >"$SAMPLE_ENV"
 fi
 apply "$DEV/sample-cluster.yaml"
 
 # The workload kubeconfig, for this machine: the control-plane Service's ClusterIP (kube-proxy runs
-# here), with the certificate's name kept for TLS.
+# here; the Service is in the machine namespace, labelled with its cluster and owner namespace),
+# with the certificate's name kept for TLS.
 write_kubeconfig() {
   local ip host tmp
-  ip=$(kc -n "$NS" get service "$NAME-apiserver" -o 'jsonpath={.spec.clusterIP}')
+  ip=$(kc -n "$(machine_ns)" get services \
+    -l "cluster.x-k8s.io/cluster-name=$NAME,infrastructure.cluster.x-k8s.io/owner-namespace=$NS" \
+    -o 'jsonpath={.items[*].spec.clusterIP}')
+  [[ $ip != *" "* ]] || return 1
   [[ -n $ip ]] || return 1
   tmp=$(mktemp "$DEV/sample.kubeconfig.XXXXXX")
   chmod 600 "$tmp"
@@ -228,7 +278,7 @@ write_kubeconfig() {
 wait_for "workload kubeconfig written to ${SAMPLE_KUBECONFIG#"$ROOT"/}" 300 write_kubeconfig
 wk() { kubectl --kubeconfig "$SAMPLE_KUBECONFIG" --request-timeout=30s "$@"; }
 
-worker_pod() { kc -n "$NS" get kvmmachines -l '!cluster.x-k8s.io/control-plane' -o 'jsonpath={.items[0].metadata.name}'; }
+worker_machine() { kc -n "$NS" get kvmmachines -l '!cluster.x-k8s.io/control-plane' -o 'jsonpath={.items[0].metadata.name}'; }
 ready_nodes() {
   local states
   states=$(wk get nodes -o 'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}') || return 1
@@ -236,9 +286,9 @@ ready_nodes() {
 }
 both_ready() { [[ $(ready_nodes) == 2 ]]; }
 nodes_step() {
-  local pod
-  pod=$(worker_pod 2>/dev/null || true)
-  echo "$(ready_nodes 2>/dev/null || echo 0) of 2 Nodes Ready; worker $(console_step "$pod")"
+  local worker
+  worker=$(worker_machine 2>/dev/null || true)
+  echo "$(ready_nodes 2>/dev/null || echo 0) of 2 Nodes Ready; worker $(console_step "$(machine_pod "$worker")")"
 }
 progress "worker joined, both Nodes Ready (CNI)" both_ready nodes_step
 coredns_ready() {
@@ -250,15 +300,15 @@ coredns_step() { echo "CoreDNS $(wk -n kube-system get deployment coredns -o 'js
 progress "CoreDNS running" coredns_ready coredns_step
 log "sample cluster ready in $((SECONDS - started))s"
 
-cp=$(cp_pod)
+cp=$(machine_pod "$(cp_machine)")
+admin="kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/}"
 echo
 wk get nodes -o wide
 cat <<EOF
 
 Sample cluster '$NAME' in namespace $NS: a real workload cluster (node image $CAPK_NODE_IMAGE).
   export KUBECONFIG=${SAMPLE_KUBECONFIG#"$ROOT"/}    # the workload cluster: kubectl get nodes, pods -A
-  kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/} -n $NS get cluster,machines,kvmmachines,pods
-  kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/} -n $NS logs -f $cp      # a machine's console
-  kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/} -n $NS exec $cp -- capk-launcher status
-  kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/} -n $NS delete cluster $NAME   # deletes it
+  $admin -n $NS get cluster,machines,kvmmachines -o wide
+$(machine_commands "$cp" "$admin")
+  $admin -n $NS delete cluster $NAME   # deletes it
 EOF

@@ -10,6 +10,10 @@
 //! initialised), and their MachineDeployment skips the MachineSet preflight checks (which wait for
 //! a stable control plane) and rolls with maxUnavailable 1 (a new Machine never becomes Available).
 //!
+//! The machines live where the shipped controller puts them, in the management cluster's machine
+//! namespace ([`MACHINE_NS`]), not in the cluster's namespace: that one is created as a tenant's,
+//! Pod Security `baseline` enforced, and holds no Pod.
+//!
 //! Every step asserts with a timeout; on failure everything useful goes to `_output/e2e/`.
 //!
 //! [`operating`]: the controller's metrics as a real Prometheus scrapes them, and the shipped
@@ -23,6 +27,7 @@
 //! real `clusterctl move` (issue 12; [`pivot`]).
 
 use std::{
+    collections::BTreeMap,
     path::PathBuf,
     process::{Command, Stdio},
     thread::sleep,
@@ -30,6 +35,9 @@ use std::{
 };
 
 use anyhow::{Context, Result, anyhow, bail};
+use capk_api::constants::{
+    CLUSTER_NAME_LABEL, KVMCLUSTER_LABEL, KVMMACHINE_LABEL, OWNER_NAMESPACE_LABEL,
+};
 use serde_json::{Value, json};
 
 #[path = "e2e/operating.rs"]
@@ -59,6 +67,21 @@ const OWNED: &str =
     "cluster.x-k8s.io/cluster-name=e2e,app.kubernetes.io/managed-by=capk-controller";
 const CAPK_NS: &str = "capkvm-system";
 const CAPK_DEPLOYMENT: &str = "capkvm-controller-manager";
+/// Where the management cluster keeps the machines of clusters that name no hosting cluster
+/// (machine Pods, Ignition Secrets, etcd PVCs, the control-plane Service): the controller's
+/// `--machine-namespace` (`CAPK_MACHINE_NAMESPACE`) as shipped, which the local MC's `clusterctl
+/// init` keeps. Owners of every namespace share it: their objects are found by their
+/// owner-namespace label ([`E2e::machine_items`]), a machine's Pod by its KVMMachine's status
+/// ([`MachinePod`]).
+const MACHINE_NS: &str = capk_api::constants::DEFAULT_MACHINE_NAMESPACE;
+/// What the controller makes where the machines live.
+const HOSTED_KINDS: [&str; 5] = [
+    "pods",
+    "secrets",
+    "services",
+    "endpointslices",
+    "persistentvolumeclaims",
+];
 
 struct E2e {
     root: PathBuf,
@@ -161,7 +184,22 @@ impl E2e {
 
     /// `kubectl get` of a list in the test namespace.
     fn items(&self, kind: &str, selector: Option<&str>) -> Result<Vec<Value>> {
-        let mut args = vec!["-n", ns(), "get", kind];
+        self.items_in(ns(), kind, selector)
+    }
+
+    /// `kubectl get` of a list in the machine namespace ([`MACHINE_NS`]): what the controller
+    /// made there for owners in the test namespace (its owner-namespace label), also matching
+    /// `selector` when given.
+    fn machine_items(&self, kind: &str, selector: Option<&str>) -> Result<Vec<Value>> {
+        let mut owned = format!("{OWNER_NAMESPACE_LABEL}={}", ns());
+        if let Some(s) = selector {
+            owned = format!("{owned},{s}");
+        }
+        self.items_in(MACHINE_NS, kind, Some(&owned))
+    }
+
+    fn items_in(&self, namespace: &str, kind: &str, selector: Option<&str>) -> Result<Vec<Value>> {
+        let mut args = vec!["-n", namespace, "get", kind];
         if let Some(s) = selector {
             args.extend(["-l", s]);
         }
@@ -240,19 +278,21 @@ impl E2e {
                 ],
             );
         }
-        if let Ok(pods) = self.items("pods", None) {
-            for p in pods {
-                let name = p["metadata"]["name"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned();
+        // The test namespace's Pods, and the machine Pods of its owners.
+        let pods = [
+            (ns(), self.items("pods", None)),
+            (MACHINE_NS, self.machine_items("pods", None)),
+        ];
+        for (namespace, pods) in pods {
+            for p in pods.into_iter().flatten() {
+                let name = name(&p);
                 dump(
-                    &format!("pod-{name}.log"),
-                    &["-n", ns(), "logs", &name, "--all-containers"],
+                    &format!("pod-{namespace}-{name}.log"),
+                    &["-n", namespace, "logs", name, "--all-containers"],
                 );
                 dump(
-                    &format!("pod-{name}.previous.log"),
-                    &["-n", ns(), "logs", &name, "--previous"],
+                    &format!("pod-{namespace}-{name}.previous.log"),
+                    &["-n", namespace, "logs", name, "--previous"],
                 );
             }
         }
@@ -342,6 +382,10 @@ fn name(o: &Value) -> &str {
     o["metadata"]["name"].as_str().unwrap_or_default()
 }
 
+fn uid(o: &Value) -> &str {
+    o["metadata"]["uid"].as_str().unwrap_or_default()
+}
+
 fn condition<'a>(o: &'a Value, t: &str) -> Option<&'a Value> {
     o["status"]["conditions"]
         .as_array()?
@@ -353,15 +397,116 @@ fn condition_true(o: &Value, t: &str) -> bool {
     condition(o, t).is_some_and(|c| c["status"] == "True")
 }
 
-/// The machine Pods of the cluster (the controller's labels), by name.
-fn pod_names(e: &E2e) -> Result<Vec<String>> {
-    let mut names: Vec<String> = e
-        .items("pods", Some(OWNED))?
+/// A KVMMachine's machine Pod, where the KVMMachine's status says it is (`status.podNamespace`,
+/// `status.podName`), as a user finds a machine's console.
+struct MachinePod {
+    namespace: String,
+    name: String,
+}
+
+impl MachinePod {
+    /// The machine Pod of KVMMachine `kvmmachine` of the test namespace of `e`.
+    fn of(e: &E2e, kvmmachine: &str) -> Result<Self> {
+        Self::in_status(&e.json(&["-n", ns(), "get", "kvmmachine", kvmmachine])?)
+    }
+
+    /// The machine Pod the KVMMachine `km` names.
+    fn in_status(km: &Value) -> Result<Self> {
+        let status = &km["status"];
+        let field = |f: &str| {
+            status[f]
+                .as_str()
+                .filter(|v| !v.is_empty())
+                .map(str::to_owned)
+        };
+        match (field("podNamespace"), field("podName")) {
+            (Some(namespace), Some(name)) => Ok(Self { namespace, name }),
+            _ => bail!(
+                "KVMMachine {} names no machine Pod (status.podNamespace {}, status.podName {})",
+                name(km),
+                status["podNamespace"],
+                status["podName"]
+            ),
+        }
+    }
+
+    /// The Pod, from the cluster it runs in.
+    fn get(&self, hosting: &E2e) -> Result<Value> {
+        hosting.json(&["-n", &self.namespace, "get", "pod", &self.name])
+    }
+}
+
+/// The machine Pod of KVMMachine `kvmmachine` of the test namespace.
+fn machine_pod(e: &E2e, kvmmachine: &str) -> Result<Value> {
+    MachinePod::of(e, kvmmachine)?.get(e)
+}
+
+/// The KVMMachines of the cluster's Pods in the machine namespace of `hosting` (each Pod's
+/// KVMMachine label), one per Pod, sorted: a machine with two Pods is there twice.
+fn machine_pod_owners(hosting: &E2e) -> Result<Vec<String>> {
+    let mut owners: Vec<String> = hosting
+        .machine_items("pods", Some(OWNED))?
+        .iter()
+        .map(|p| {
+            p["metadata"]["labels"][KVMMACHINE_LABEL]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    owners.sort();
+    Ok(owners)
+}
+
+/// Everything the controller made in the machine namespace of `e` for owners of the test
+/// namespace: `kind/name` -> UID.
+fn hosted_objects(e: &E2e) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for kind in HOSTED_KINDS {
+        for o in e.machine_items(kind, None)? {
+            out.insert(format!("{kind}/{}", name(&o)), uid(&o).to_owned());
+        }
+    }
+    Ok(out)
+}
+
+/// Tenant containment, as a user sees it: no Pod in the cluster's namespace, and every
+/// KVMMachine's Pod in the machine namespace.
+fn assert_machines_outside_the_tenant_namespace(e: &E2e) -> Result<()> {
+    let pods: Vec<String> = e
+        .items("pods", None)?
         .iter()
         .map(|p| name(p).to_owned())
         .collect();
-    names.sort();
-    Ok(names)
+    assert!(
+        pods.is_empty(),
+        "Pods in the cluster's namespace {}: {pods:?}",
+        ns()
+    );
+    for km in e.items("kvmmachines", None)? {
+        assert_eq!(
+            km["status"]["podNamespace"],
+            MACHINE_NS,
+            "KVMMachine {}'s machine Pod is not in the machine namespace: status {}",
+            name(&km),
+            km["status"]
+        );
+    }
+    Ok(())
+}
+
+/// The cluster's control-plane Service, in the machine namespace (the one labelled with the
+/// Cluster's name for owners of the test namespace).
+fn control_plane_service(e: &E2e) -> Result<Value> {
+    let mut services =
+        e.machine_items("services", Some(&format!("{CLUSTER_NAME_LABEL}={CLUSTER}")))?;
+    match services.len() {
+        1 => Ok(services.remove(0)),
+        n => bail!(
+            "{n} control-plane Services of cluster {}/{CLUSTER} in {MACHINE_NS}",
+            ns()
+        ),
+    }
 }
 
 fn worker_machines(e: &E2e) -> Result<Vec<Value>> {
@@ -377,7 +522,8 @@ fn machine_up(e: &E2e, machine: &Value) -> Result<Option<String>> {
     machine_up_in(e, e, machine)
 }
 
-/// [`machine_up`] for a Machine of `e` whose Pod runs in `hosting` (the same namespace there).
+/// [`machine_up`] for a Machine of `e` whose Pod runs in `hosting` (where its KVMMachine's
+/// status says).
 fn machine_up_in(e: &E2e, hosting: &E2e, machine: &Value) -> Result<Option<String>> {
     let Some(km_name) = machine["spec"]["infrastructureRef"]["name"].as_str() else {
         return Ok(None);
@@ -391,7 +537,7 @@ fn machine_up_in(e: &E2e, hosting: &E2e, machine: &Value) -> Result<Option<Strin
     if !provisioned || provider_id != format!("kvm://{}/{km_name}", ns()) {
         return Ok(None);
     }
-    let pod = hosting.json(&["-n", ns(), "get", "pod", km_name])?;
+    let pod = MachinePod::in_status(&km)?.get(hosting)?;
     if pod["status"]["phase"] != "Running" {
         return Ok(None);
     }
@@ -451,7 +597,7 @@ fn workers_up_in(e: &E2e, hosting: &E2e, n: usize) -> Result<Option<Vec<String>>
     let cp = control_plane_kvmmachines(e)?;
     let mut expected: Vec<String> = up.iter().cloned().chain(cp).collect();
     expected.sort();
-    if pod_names(hosting)? != expected {
+    if machine_pod_owners(hosting)? != expected {
         return Ok(None);
     }
     up.sort();
@@ -472,7 +618,8 @@ fn control_plane_kvmmachines(e: &E2e) -> Result<Vec<String>> {
     .collect())
 }
 
-/// Nothing the provider created for machines that are gone: Pods, Ignition Secrets, PVCs.
+/// Nothing the provider created for machines that are gone: Pods, Ignition Secrets, PVCs, in
+/// the test namespace or the machine namespace.
 fn assert_nothing_left_for(e: &E2e, gone: &[String]) -> Result<()> {
     wait(
         "deleted machines' Pods, Secrets and PVCs gone",
@@ -480,13 +627,17 @@ fn assert_nothing_left_for(e: &E2e, gone: &[String]) -> Result<()> {
         || {
             let mut left = Vec::new();
             for kind in ["pods", "secrets", "persistentvolumeclaims"] {
-                for o in e.items(kind, Some(OWNED))? {
-                    let n = name(&o);
-                    if gone
-                        .iter()
-                        .any(|g| n == g || n.starts_with(&format!("{g}-")))
-                    {
-                        left.push(format!("{kind}/{n}"));
+                let here = e.items(kind, Some(OWNED))?;
+                let there = e.machine_items(kind, Some(OWNED))?;
+                for (namespace, o) in
+                    (here.iter().map(|o| (ns(), o))).chain(there.iter().map(|o| (MACHINE_NS, o)))
+                {
+                    let n = name(o);
+                    let owner = o["metadata"]["labels"][KVMMACHINE_LABEL].as_str();
+                    if gone.iter().any(|g| {
+                        owner == Some(g.as_str()) || n == g || n.starts_with(&format!("{g}-"))
+                    }) {
+                        left.push(format!("{namespace}/{kind}/{n}"));
                     }
                 }
             }
@@ -499,23 +650,34 @@ fn assert_nothing_left_for(e: &E2e, gone: &[String]) -> Result<()> {
     )
 }
 
-fn logs(e: &E2e, pod: &str, previous: bool) -> Result<String> {
-    let mut args = vec!["-n", ns(), "logs", pod, "-c", "launcher"];
+/// `kubectl logs` of the launcher of KVMMachine `machine`'s Pod: the guest's console.
+fn logs(e: &E2e, machine: &str, previous: bool) -> Result<String> {
+    let pod = MachinePod::of(e, machine)?;
+    let mut args = vec!["-n", &pod.namespace, "logs", &pod.name, "-c", "launcher"];
     if previous {
         args.push("--previous");
     }
     e.kubectl(&args)
 }
 
-/// `kubectl exec POD -c launcher -- ARGS...`: its stdout.
-fn exec_launcher(e: &E2e, pod: &str, command: &[&str]) -> Result<String> {
-    let mut args = vec!["-n", ns(), "exec", pod, "-c", "launcher", "--"];
+/// `kubectl exec POD -c launcher -- ARGS...` in KVMMachine `machine`'s Pod: its stdout.
+fn exec_launcher(e: &E2e, machine: &str, command: &[&str]) -> Result<String> {
+    let pod = MachinePod::of(e, machine)?;
+    let mut args = vec![
+        "-n",
+        &pod.namespace,
+        "exec",
+        &pod.name,
+        "-c",
+        "launcher",
+        "--",
+    ];
     args.extend_from_slice(command);
     e.kubectl(&args)
 }
 
-fn launcher_status(e: &E2e, pod: &str) -> Result<Value> {
-    let text = exec_launcher(e, pod, &["capk-launcher", "status"])?;
+fn launcher_status(e: &E2e, machine: &str) -> Result<Value> {
+    let text = exec_launcher(e, machine, &["capk-launcher", "status"])?;
     serde_json::from_str(&text).with_context(|| format!("capk-launcher status: {text}"))
 }
 
@@ -528,19 +690,21 @@ const QEMU_ID: &str = "107";
 /// runs as the unprivileged user with no root group, no capability in any set, `no_new_privs`
 /// and its `-sandbox` seccomp filter, so a guest that escapes into QEMU holds none of the
 /// privileged Pod's powers.
-fn qemu_runs_unprivileged(e: &E2e, pod: &str, status: &Value) -> Result<()> {
+fn qemu_runs_unprivileged(e: &E2e, machine: &str, status: &Value) -> Result<()> {
     let qemu = status["qemu_pid"]
         .as_u64()
         .with_context(|| format!("qemu_pid in capk-launcher status: {status}"))?;
-    let proc_status = exec_launcher(e, pod, &["cat", &format!("/proc/{qemu}/status")])?;
+    let proc_status = exec_launcher(e, machine, &["cat", &format!("/proc/{qemu}/status")])?;
     let field = |name: &str| -> Result<String> {
         proc_status
             .lines()
             .find_map(|l| l.strip_prefix(&format!("{name}:")))
             .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
-            .with_context(|| format!("no {name} in /proc/{qemu}/status of {pod}:\n{proc_status}"))
+            .with_context(|| {
+                format!("no {name} in /proc/{qemu}/status in the Pod of {machine}:\n{proc_status}")
+            })
     };
-    let what = format!("QEMU (pid {qemu}) in {pod}:\n{proc_status}");
+    let what = format!("QEMU (pid {qemu}) in the Pod of {machine}:\n{proc_status}");
     assert!(field("Name")?.starts_with("qemu-system"), "{what}");
     let id = [QEMU_ID; 4].join(" ");
     assert_eq!(field("Uid")?, id, "{what}");
@@ -574,14 +738,8 @@ fn set_paused(e: &E2e, paused: bool) -> Result<()> {
     Ok(())
 }
 
-fn restart_count(e: &E2e, pod: &str) -> Result<i64> {
-    Ok(launcher_restarts(&e.json(&[
-        "-n",
-        ns(),
-        "get",
-        "pod",
-        pod,
-    ])?))
+fn restart_count(e: &E2e, machine: &str) -> Result<i64> {
+    Ok(launcher_restarts(&machine_pod(e, machine)?))
 }
 
 /// How often a machine Pod's launcher container restarted (its VM with it).
@@ -593,18 +751,18 @@ fn launcher_restarts(pod: &Value) -> i64 {
         .unwrap_or(0)
 }
 
-/// `kill -9` of the machine Pod's QEMU, from inside the Pod, as a user with `kubectl exec` would;
-/// returns once the launcher container has restarted.
-fn kill_qemu(e: &E2e, pod: &str, timeout: Duration) -> Result<()> {
-    let restarts = restart_count(e, pod)?;
-    let qemu = launcher_status(e, pod)?["qemu_pid"]
+/// `kill -9` of the QEMU in KVMMachine `machine`'s Pod, from inside the Pod, as a user with
+/// `kubectl exec` would; returns once the launcher container has restarted.
+fn kill_qemu(e: &E2e, machine: &str, timeout: Duration) -> Result<()> {
+    let restarts = restart_count(e, machine)?;
+    let qemu = launcher_status(e, machine)?["qemu_pid"]
         .as_u64()
         .context("qemu_pid in capk-launcher status")?;
-    exec_launcher(e, pod, &["sh", "-c", &format!("kill -9 {qemu}")])?;
+    exec_launcher(e, machine, &["sh", "-c", &format!("kill -9 {qemu}")])?;
     wait(
-        &format!("{pod}: launcher container restarted after kill -9 of QEMU"),
+        &format!("{machine}: launcher container restarted after kill -9 of QEMU"),
         timeout,
-        || Ok((restart_count(e, pod)? > restarts).then_some(())),
+        || Ok((restart_count(e, machine)? > restarts).then_some(())),
     )
 }
 
@@ -702,11 +860,23 @@ fn create_cluster(e: &E2e) -> Result<ControlPlane> {
         let kc = e.json(&["-n", ns(), "get", "kvmcluster", CLUSTER])?;
         Ok((kc["status"]["initialization"]["provisioned"] == true).then_some(kc))
     })?;
+    assert_eq!(
+        kc["status"]["machineNamespace"], MACHINE_NS,
+        "the KVMCluster's machine namespace: status {}",
+        kc["status"]
+    );
+    // The endpoint is the control-plane Service's DNS name, in the machine namespace.
     let endpoint = kc["spec"]["controlPlaneEndpoint"].clone();
     assert_eq!(endpoint["port"], 6443, "control-plane endpoint: {endpoint}");
-    let svc_name = format!("{CLUSTER}-apiserver");
-    e.kubectl(&["-n", ns(), "get", "service", &svc_name])
-        .context("the control-plane Service")?;
+    let svc = control_plane_service(e).context("the control-plane Service")?;
+    let svc_dns = format!("{}.{MACHINE_NS}.svc.", name(&svc));
+    assert!(
+        endpoint["host"]
+            .as_str()
+            .is_some_and(|h| h.starts_with(&svc_dns)),
+        "control-plane endpoint {endpoint}: not the DNS name of Service {MACHINE_NS}/{}",
+        name(&svc)
+    );
 
     let cp = wait("control-plane machine up", Duration::from_secs(420), || {
         let cps = control_plane_kvmmachines(e)?;
@@ -719,7 +889,9 @@ fn create_cluster(e: &E2e) -> Result<ControlPlane> {
         )?;
         machine_up(e, &machines[0]).map(|up| up.filter(|k| k == km))
     })?;
-    let cp_pod = e.json(&["-n", ns(), "get", "pod", &cp])?;
+    // The tenant's namespace holds no Pod of the machine (it is baseline, [`fresh_namespace`]).
+    assert_machines_outside_the_tenant_namespace(e)?;
+    let cp_pod = machine_pod(e, &cp)?;
     let cp_ip = cp_pod["status"]["podIP"]
         .as_str()
         .unwrap_or_default()
@@ -772,27 +944,41 @@ fn create_cluster(e: &E2e) -> Result<ControlPlane> {
     })
 }
 
-/// The scenario's namespace, created anew: whatever an earlier run left there (its cluster first)
-/// is deleted.
+/// The scenario's namespace, created anew ([`create_tenant_namespace`]): whatever an earlier
+/// run left there (its cluster first) is deleted.
 fn fresh_namespace(e: &E2e) -> Result<()> {
     if e.kubectl(&["get", "namespace", ns()]).is_ok() {
         eprintln!("e2e: deleting {} left by an earlier run", ns());
         let _ = e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=300s"]);
         e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
     }
+    create_tenant_namespace(e)
+}
+
+/// Creates the scenario's namespace as a tenant's: Pod Security `baseline` enforced, so that no
+/// privileged Pod can run there. The machines still come up: their privileged Pods live in the
+/// machine namespace.
+fn create_tenant_namespace(e: &E2e) -> Result<()> {
     e.kubectl(&["create", "namespace", ns()])?;
+    e.kubectl(&[
+        "label",
+        "namespace",
+        ns(),
+        "pod-security.kubernetes.io/enforce=baseline",
+    ])?;
     Ok(())
 }
 
 /// The addresses of the control-plane Service's EndpointSlices, each with whether it is ready.
 fn control_plane_endpoints(e: &E2e) -> Result<Vec<(String, bool)>> {
+    let svc = control_plane_service(e)?;
     let slices = e.json(&[
         "-n",
-        ns(),
+        MACHINE_NS,
         "get",
         "endpointslices",
         "-l",
-        &format!("kubernetes.io/service-name={CLUSTER}-apiserver"),
+        &format!("kubernetes.io/service-name={}", name(&svc)),
     ])?;
     Ok(slices["items"]
         .as_array()
@@ -829,17 +1015,11 @@ fn curl_readyz_at(e: &E2e, server: &str) -> Result<String> {
 /// it is back. The stand-in apiserver of the test guest answers `/readyz` since its `kubeadm
 /// init`.
 fn control_plane_endpoint_follows_its_apiserver(e: &E2e, cp: &str) -> Result<()> {
-    let cp_ip = e.json(&["-n", ns(), "get", "pod", cp])?["status"]["podIP"]
+    let cp_ip = machine_pod(e, cp)?["status"]["podIP"]
         .as_str()
         .context("control-plane Pod IP")?
         .to_owned();
-    let svc = e.json(&[
-        "-n",
-        ns(),
-        "get",
-        "service",
-        &format!("{CLUSTER}-apiserver"),
-    ])?;
+    let svc = control_plane_service(e)?;
     assert!(
         svc["spec"]["selector"].is_null(),
         "the Service has no selector: {}",
@@ -856,20 +1036,7 @@ fn control_plane_endpoint_follows_its_apiserver(e: &E2e, cp: &str) -> Result<()>
     )?;
     assert_eq!(answer.trim(), "ok", "/readyz through {cluster_ip}");
 
-    let qmp = |cmd: &str| {
-        e.kubectl(&[
-            "-n",
-            ns(),
-            "exec",
-            cp,
-            "-c",
-            "launcher",
-            "--",
-            "capk-launcher",
-            "qmp",
-            cmd,
-        ])
-    };
+    let qmp = |cmd: &str| exec_launcher(e, cp, &["capk-launcher", "qmp", cmd]);
     qmp("stop")?;
     let frozen = Instant::now();
     let left = wait(
@@ -1056,7 +1223,15 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
     );
 
     // Deleting a machine Pod: the KVMMachine reports it (a MachineHealthCheck would replace it).
-    e.kubectl(&["-n", ns(), "delete", "pod", &upgraded, "--wait=false"])?;
+    let pod = MachinePod::of(e, &upgraded)?;
+    e.kubectl(&[
+        "-n",
+        &pod.namespace,
+        "delete",
+        "pod",
+        &pod.name,
+        "--wait=false",
+    ])?;
     wait(
         "KVMMachine reports its Pod missing",
         Duration::from_secs(120),
@@ -1104,13 +1279,14 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
         || Ok((e.items("kvmmachines", None)?.len() == 4).then_some(())),
     )?;
     assert_eq!(
-        pod_names(e)?.len(),
+        machine_pod_owners(e)?.len(),
         2,
         "no Pods while the controller is down"
     );
     set_controller_replicas(e, 1)?;
     let three = wait_workers(e, 3)?;
-    assert_eq!(pod_names(e)?.len(), 4, "one Pod per machine");
+    assert_eq!(machine_pod_owners(e)?.len(), 4, "one Pod per machine");
+    assert_machines_outside_the_tenant_namespace(e)?;
     eprintln!("e2e: 4c. controller stopped during scale-up: {three:?}, one Pod each");
 
     // kube-apiserver restarted: the controller recovers on its own (its watches resume).
@@ -1153,27 +1329,37 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
     eprintln!("e2e: 4d. kube-apiserver restarted; the controller scaled down afterwards");
 
     // --- 5. pause -------------------------------------------------------------------------------------
-    let secret = format!("{}-ignition", kept[0]);
+    // The machine's Secrets in the machine namespace: its Ignition Secret.
+    let ignition = || -> Result<Vec<String>> {
+        let selector = format!("{KVMMACHINE_LABEL}={}", kept[0]);
+        Ok(e.machine_items("secrets", Some(&selector))?
+            .iter()
+            .map(|s| name(s).to_owned())
+            .collect())
+    };
+    let [secret] = ignition()?.try_into().map_err(|s: Vec<String>| {
+        anyhow!(
+            "{}: not one Ignition Secret in {MACHINE_NS}: {s:?}",
+            kept[0]
+        )
+    })?;
     set_paused(e, true)?;
     wait("KVMMachine reports Paused", Duration::from_secs(60), || {
         let km = e.json(&["-n", ns(), "get", "kvmmachine", &kept[0]])?;
         Ok(condition_true(&km, "Paused").then_some(()))
     })?;
-    e.kubectl(&["-n", ns(), "delete", "secret", &secret])?;
+    e.kubectl(&["-n", MACHINE_NS, "delete", "secret", &secret])?;
     sleep(Duration::from_secs(15));
+    let while_paused = ignition()?;
     assert!(
-        e.kubectl(&["-n", ns(), "get", "secret", &secret]).is_err(),
-        "a paused cluster's machines are left alone: the Ignition Secret was recreated"
+        while_paused.is_empty(),
+        "a paused cluster's machines are left alone: the Ignition Secret was recreated: {while_paused:?}"
     );
     set_paused(e, false)?;
     wait(
         "Ignition Secret rendered again after unpause",
         Duration::from_secs(60),
-        || {
-            Ok(e.kubectl(&["-n", ns(), "get", "secret", &secret])
-                .is_ok()
-                .then_some(()))
-        },
+        || Ok((ignition()? == [secret.clone()]).then_some(())),
     )?;
     eprintln!("e2e: 5. paused: nothing touched; unpaused: reconciled");
 
@@ -1184,7 +1370,7 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
 }
 
 /// Deletes the Cluster as a user does, asserts that nothing the provider created in the namespace
-/// is left, then deletes the namespace.
+/// or for it in the machine namespace is left, then deletes the namespace.
 fn delete_cluster_and_namespace(e: &E2e) -> Result<()> {
     e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=300s"])?;
     wait(
@@ -1208,6 +1394,11 @@ fn delete_cluster_and_namespace(e: &E2e) -> Result<()> {
                     left.push(format!("{kind}/{n}"));
                 }
             }
+            left.extend(
+                hosted_objects(e)?
+                    .into_keys()
+                    .map(|k| format!("{MACHINE_NS}/{k}")),
+            );
             if left.is_empty() {
                 Ok(Some(()))
             } else {
@@ -1275,10 +1466,10 @@ struct PodMemory {
     guest_ram_rss_kib: u64,
 }
 
-/// A Pod's cgroup directory under a cgroup v1 `controller` (`memory`, `cpuacct`; cgroupfs
-/// driver): kubepods/[<qos>/]pod<uid>.
-fn pod_cgroup(e: &E2e, pod: &str, controller: &str) -> Result<PathBuf> {
-    let p = e.json(&["-n", ns(), "get", "pod", pod])?;
+/// The cgroup directory of KVMMachine `machine`'s Pod under a cgroup v1 `controller` (`memory`,
+/// `cpuacct`; cgroupfs driver): kubepods/[<qos>/]pod<uid>.
+fn pod_cgroup(e: &E2e, machine: &str, controller: &str) -> Result<PathBuf> {
+    let p = machine_pod(e, machine)?;
     let uid = p["metadata"]["uid"].as_str().context("pod uid")?;
     // Guaranteed Pods sit directly under kubepods, the others under their QoS class.
     let qos = match p["status"]["qosClass"].as_str() {
@@ -1291,10 +1482,10 @@ fn pod_cgroup(e: &E2e, pod: &str, controller: &str) -> Result<PathBuf> {
     )))
 }
 
-/// CPU time a Pod's processes (for a machine Pod: QEMU and the launcher) have used, from its
-/// cgroup's `cpuacct.usage`.
-fn pod_cpu_time(e: &E2e, pod: &str) -> Result<Duration> {
-    let file = pod_cgroup(e, pod, "cpuacct")?.join("cpuacct.usage");
+/// CPU time the processes of KVMMachine `machine`'s Pod (QEMU and the launcher) have used, from
+/// its cgroup's `cpuacct.usage`.
+fn pod_cpu_time(e: &E2e, machine: &str) -> Result<Duration> {
+    let file = pod_cgroup(e, machine, "cpuacct")?.join("cpuacct.usage");
     let ns: u64 = std::fs::read_to_string(&file)
         .with_context(|| file.display().to_string())?
         .trim()
@@ -1303,8 +1494,9 @@ fn pod_cpu_time(e: &E2e, pod: &str) -> Result<Duration> {
     Ok(Duration::from_nanos(ns))
 }
 
-fn pod_memory(e: &E2e, pod: &str, guest_kib: u64) -> Result<PodMemory> {
-    let dir = pod_cgroup(e, pod, "memory")?;
+/// [`PodMemory`] of KVMMachine `machine`'s Pod.
+fn pod_memory(e: &E2e, machine: &str, guest_kib: u64) -> Result<PodMemory> {
+    let dir = pod_cgroup(e, machine, "memory")?;
     let read = |f: &str| {
         std::fs::read_to_string(dir.join(f)).with_context(|| format!("{}/{f}", dir.display()))
     };

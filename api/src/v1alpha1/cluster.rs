@@ -190,6 +190,14 @@ pub struct KVMClusterStatus {
     /// The generation the status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+
+    /// The management cluster's namespace of this cluster's machine Pods, Ignition Secrets,
+    /// etcd PVCs and control-plane Service while it names no hosting cluster: the operator's
+    /// machine namespace when the controller first saw the cluster, or this namespace for a
+    /// cluster whose machines were already here. Kept for the cluster's life, so that changing
+    /// the operator's setting never moves running VMs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine_namespace: Option<String>,
 }
 
 /// A template for KVMClusters, used by ClusterClass. Immutable, by the admission policy in

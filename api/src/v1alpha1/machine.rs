@@ -95,6 +95,13 @@ pub const SPEC_IMMUTABLE_MESSAGE: &str = "KVMMachine spec cannot be changed once
         description = "Provider ID the Node carries"
     ),
     printcolumn(
+        name = "Pod Namespace",
+        type_ = "string",
+        json_path = ".status.podNamespace",
+        description = "Namespace of the machine Pod",
+        priority = 1
+    ),
+    printcolumn(
         name = "Pod",
         type_ = "string",
         json_path = ".status.podName",
@@ -416,6 +423,11 @@ pub struct KVMMachineStatus {
     /// The failure domain the machine Pod was placed in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_domain: Option<String>,
+
+    /// Namespace of the machine Pod (in the hosting cluster when the KVMCluster names one):
+    /// `kubectl -n <podNamespace> logs <podName>` shows the guest's console.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
 
     /// Name of the machine Pod running the VM.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -19,14 +19,14 @@ use capk_api::{
 };
 use k8s_openapi::{
     api::{
-        core::v1::{Endpoints, Pod, Service},
+        core::v1::{Endpoints, Namespace, Pod, Service},
         discovery::v1::EndpointSlice,
     },
     jiff::Timestamp,
 };
 use kube::{
     Api, ResourceExt,
-    api::ListParams,
+    api::{ListParams, Patch, PatchParams, PostParams},
     runtime::{
         controller::Action,
         events::EventType,
@@ -178,6 +178,8 @@ async fn apply(
     // The caches this reconcile reads (the hosting kubeconfig Secret among them) have listed.
     ctx.caches.ready().await;
     retain_hosting_links(ctx, None);
+    let recorded = record_machine_namespace(api, kc, &cluster_name, ctx).await?;
+    let kc = recorded.as_ref().unwrap_or(kc);
 
     // Where the Service and the machines live. A hosting cluster that cannot be used now is a
     // condition; nothing there is touched until it can (its recovery wakes this reconcile).
@@ -220,6 +222,103 @@ async fn apply(
     // control-plane machine Pod changes.
     Ok(Action::requeue(recheck))
 }
+
+/// Event reason: the cluster's machine namespace was chosen.
+pub const REASON_MACHINE_NAMESPACE_CHOSEN: &str = "MachineNamespaceChosen";
+
+/// Chooses, once, the namespace of the management cluster where the cluster's machines live
+/// while it names no hosting cluster, and records it in `status.machineNamespace`: the
+/// operator's machine namespace for a new cluster; for one provisioned before it was recorded
+/// (made by a release without the choice), or whose Service is already in its own namespace,
+/// its own namespace, so that running VMs never move. Returns the KVMCluster as recorded, or
+/// `None` when it was already.
+async fn record_machine_namespace(
+    api: &Api<KVMCluster>,
+    kc: &KVMCluster,
+    cluster: &str,
+    ctx: &Context,
+) -> Result<Option<KVMCluster>> {
+    if crate::hosting::machine_namespace(kc).is_some() {
+        return Ok(None);
+    }
+    let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
+    let provisioned = kc
+        .status
+        .as_ref()
+        .and_then(|s| s.initialization.as_ref())
+        .and_then(|i| i.provisioned)
+        .unwrap_or(false);
+    let beside = Target::management(&ctx.client, ctx.caches.objects(), &ns, &ns);
+    let chosen = if provisioned
+        || beside
+            .service(&control_plane_service_name(cluster))
+            .is_some()
+    {
+        ns.clone()
+    } else {
+        ctx.settings.machine_namespace.of(&ns)
+    };
+    if chosen != ns {
+        ensure_machine_namespace(ctx, &chosen).await?;
+    }
+    let patch = json!({"status": {"machineNamespace": chosen}});
+    let recorded = api
+        .patch_status(
+            &kc.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+        .map_err(Error::UpdateStatus)?;
+    info!(namespace = %chosen, "recorded the machine namespace");
+    let note = format!(
+        "machines live in namespace {chosen} of the management cluster when no hosting cluster is named"
+    );
+    report::publish(
+        ctx,
+        kc,
+        EventType::Normal,
+        REASON_MACHINE_NAMESPACE_CHOSEN,
+        note,
+    )
+    .await;
+    Ok(Some(recorded))
+}
+
+/// Makes machine namespace `name` when it does not exist, labelled to admit privileged Pods
+/// (machine Pods are); one that exists is the operator's, left as it is.
+async fn ensure_machine_namespace(ctx: &Context, name: &str) -> Result<()> {
+    let namespace = Namespace {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some(name.to_owned()),
+            labels: Some(
+                [(
+                    POD_SECURITY_ENFORCE_LABEL.to_owned(),
+                    "privileged".to_owned(),
+                )]
+                .into(),
+            ),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let api = Api::<Namespace>::all(ctx.client.clone());
+    match api.create(&PostParams::default(), &namespace).await {
+        Ok(_) => {
+            info!(namespace = name, "made the machine namespace");
+            Ok(())
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(source) => Err(Error::Apply {
+            kind: "Namespace",
+            name: name.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Pod Security's label for the level a namespace enforces.
+const POD_SECURITY_ENFORCE_LABEL: &str = "pod-security.kubernetes.io/enforce";
 
 /// How often [`prune_hosting_links`] looks for hosting clusters no KVMCluster names any more.
 pub const HOSTING_LINK_PRUNE_PERIOD: Duration = Duration::from_secs(10);
@@ -520,9 +619,11 @@ async fn cleanup(
     let cluster_name = cluster
         .map(ResourceExt::name_any)
         .or_else(|| kc.labels().get(CLUSTER_NAME_LABEL).cloned());
-    if HostingKey::of(kc).is_some()
-        && let Some(name) = &cluster_name
-    {
+    // Machines elsewhere than beside the KVMCluster (a hosting cluster, a machine namespace)
+    // have no owner references to it: they go first, while it still says where they are.
+    let beside = HostingKey::of(kc).is_none()
+        && crate::hosting::machine_namespace(kc).is_none_or(|m| m == ns);
+    if !beside && let Some(name) = &cluster_name {
         let machines = ctx
             .caches
             .kvm_machines
@@ -537,7 +638,20 @@ async fn cleanup(
             return Err(Error::MachinesRemain(machines));
         }
     }
-    let target = match target(ctx, kc).await {
+    // One that never chose a machine namespace made nothing since this release; before it,
+    // everything was beside it.
+    let unchosen = HostingKey::of(kc).is_none() && crate::hosting::machine_namespace(kc).is_none();
+    let chosen = if unchosen {
+        Ok(Target::management(
+            &ctx.client,
+            ctx.caches.objects(),
+            &ns,
+            &ns,
+        ))
+    } else {
+        target(ctx, kc).await
+    };
+    let target = match chosen {
         Ok(t) => t,
         Err(u) => {
             write_status(

@@ -1,5 +1,6 @@
 //! What wakes a KVMCluster reconcile, and the controller that runs it ([`run`]): its own changes,
-//! its Cluster ([`kvmcluster_of_cluster`]), its control-plane Service, and what other watches
+//! its Cluster ([`kvmcluster_of_cluster`]), its control-plane Service
+//! ([`kvmcluster_of_service`]), and what other watches
 //! see that concerns it, through a [`Wake`]: a control-plane machine Pod that changes (an
 //! endpoint of the Service, [`kvmcluster_of_pod`]), a KVMMachine being deleted
 //! ([`kvmclusters_of_deleted_machine`]), a hosting kubeconfig Secret that changes
@@ -55,13 +56,17 @@ pub fn kvmcluster_of_cluster(cluster: Cluster) -> Option<ObjectRef<KVMCluster>> 
 }
 
 /// The KVMCluster whose control-plane Service a control-plane machine Pod is an endpoint of
-/// (found through its Cluster, by the Pod's cluster-name label); `None` for other Pods.
+/// (found through its Cluster, by the Pod's cluster-name and owner-namespace labels: the Pod
+/// may be in a machine namespace); `None` for other Pods.
 pub fn kvmcluster_of_pod(pod: &Pod, clusters: &Store<Cluster>) -> Option<ObjectRef<KVMCluster>> {
     let labels = pod.labels();
     if labels.get(MACHINE_ROLE_LABEL).map(String::as_str) != Some(ROLE_CONTROL_PLANE) {
         return None;
     }
-    let ns = pod.namespace()?;
+    let ns = labels
+        .get(OWNER_NAMESPACE_LABEL)
+        .cloned()
+        .or_else(|| pod.namespace())?;
     let cluster = clusters.get(&ObjectRef::new(labels.get(CLUSTER_NAME_LABEL)?).within(&ns))?;
     let infra = cluster.spec.infrastructure_ref.as_ref()?;
     (infra.kind == "KVMCluster").then(|| ObjectRef::new(&infra.name).within(&ns))
@@ -83,6 +88,28 @@ pub fn kvmclusters_of_deleted_machine(
         .filter(|kc| kc.namespace() == km.namespace() && cluster_of(kc).as_ref() == cluster)
         .map(|kc| ObjectRef::from(&*kc))
         .collect()
+}
+
+/// The KVMCluster of a control-plane Service of the management cluster: the one its owner
+/// reference names beside it, or its labels name from a machine namespace.
+pub fn kvmcluster_of_service(
+    meta: &ObjectMeta,
+    kvm_clusters: &Store<KVMCluster>,
+) -> Option<ObjectRef<KVMCluster>> {
+    let owned = meta
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.kind == "KVMCluster");
+    if let (Some(owner), Some(ns)) = (owned, &meta.namespace) {
+        return Some(ObjectRef::new(&owner.name).within(ns));
+    }
+    let labels = meta.labels.as_ref()?;
+    named_by_label(
+        kvm_clusters,
+        labels.get(OWNER_NAMESPACE_LABEL)?,
+        labels.get(KVMCLUSTER_LABEL)?,
+    )
 }
 
 /// The KVMClusters whose hosting cluster's kubeconfig is Secret `s`.
@@ -227,9 +254,12 @@ pub async fn run(
         watcher::Config::default(),
         strip_kvm_cluster,
     );
+    let store = kvm_clusters.clone();
     Controller::for_stream(changes, kvm_clusters)
         .with_config(config)
-        .owns_stream(services)
+        .watches_stream(services, move |s| {
+            kvmcluster_of_service(&s.metadata, &store)
+        })
         .watches(
             api::<Cluster>(&client, ns.as_deref()),
             watcher::Config::default(),

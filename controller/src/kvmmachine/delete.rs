@@ -59,6 +59,7 @@ pub async fn delete(
                 &[u.condition(CONDITION_HOSTING_CLUSTER_AVAILABLE)],
                 None,
                 None,
+                None,
             )
             .await?;
             return Err(Error::HostingUnavailable(u.message));
@@ -272,7 +273,7 @@ async fn remove_etcd_data(
                     reason,
                     message: msg.clone(),
                 };
-                writes::status(api, km, &state, &[], None, None).await?;
+                writes::status(api, km, &state, &[], None, None, None).await?;
             }
             let due = etcd_cleanup::finished_at(p).unwrap_or(now)
                 + k8s_openapi::jiff::SignedDuration::try_from(attempt.backoff())
@@ -385,7 +386,7 @@ async fn create_cleanup_pod(
         reason: REASON_REMOVING_ETCD_DATA,
         message: message.clone(),
     };
-    writes::status(api, km, &state, &[], None, None).await?;
+    writes::status(api, km, &state, &[], None, None, None).await?;
     Err(Error::EtcdCleanupPending {
         message,
         retry: Duration::from_secs(10),

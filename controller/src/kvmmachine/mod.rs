@@ -54,7 +54,7 @@ use crate::{
     conditions::DesiredCondition,
     context::Context,
     error::{Error, Result},
-    hosting::{Target, Unavailable},
+    hosting::{HostingKey, Target, Unavailable, machine_namespace},
     objects::{self, read_error},
     ownership::{Claim, Owner},
     report,
@@ -93,7 +93,7 @@ async fn reconcile_inner(km: Arc<KVMMachine>, ctx: &Context) -> Result<Action> {
     let paused = cluster.as_deref().is_some_and(Cluster::is_paused)
         || km.annotations().contains_key(PAUSED_ANNOTATION);
     if paused {
-        writes::status(&api, &km, &MachineState::Paused, &[], None, None).await?;
+        writes::status(&api, &km, &MachineState::Paused, &[], None, None, None).await?;
         return Ok(Action::await_change());
     }
     let kvm_cluster = kvm_cluster_of(ctx, &ns, &km, machine.as_deref(), cluster.as_deref()).await?;
@@ -108,7 +108,7 @@ async fn reconcile_inner(km: Arc<KVMMachine>, ctx: &Context) -> Result<Action> {
                 apply(&api, &km, found, ctx).await
             }
             Finalizer::Cleanup(km) => {
-                let there = target_of(ctx, &ns, kvm_cluster.as_deref()).await;
+                let there = target_of(ctx, &km, kvm_cluster.as_deref(), true).await;
                 delete::delete(&api, &km, there, ctx).await
             }
         }
@@ -164,21 +164,39 @@ async fn kvm_cluster_of(
     }))
 }
 
-/// Where the machine's objects live: as its KVMCluster says, or (none) the management cluster,
-/// in the machine's namespace.
+/// Where the machine's objects live: as its KVMCluster says once it has chosen. Without a
+/// KVMCluster, or (`deleting`) one that never chose, the management cluster: where the
+/// machine's Pod was recorded, else the operator's machine namespace.
 async fn target_of(
     ctx: &Context,
-    ns: &str,
+    km: &KVMMachine,
     kvm_cluster: Option<&KVMCluster>,
+    deleting: bool,
 ) -> std::result::Result<Target, Unavailable> {
+    let ns = km.namespace().unwrap_or_default();
     match kvm_cluster {
-        Some(kc) => {
+        Some(kc)
+            if !deleting || HostingKey::of(kc).is_some() || machine_namespace(kc).is_some() =>
+        {
             let kubeconfig = crate::kvmcluster::hosting_kubeconfig(ctx, kc).await?;
             ctx.hosting
                 .target(&ctx.client, &ctx.caches.objects(), kc, kubeconfig)
                 .await
         }
-        None => Ok(Target::management(&ctx.client, ctx.caches.objects(), ns)),
+        _ => {
+            let chosen = ctx.settings.machine_namespace.of(&ns);
+            let there = km
+                .status
+                .as_ref()
+                .and_then(|s| s.pod_namespace.clone())
+                .unwrap_or(chosen);
+            Ok(Target::management(
+                &ctx.client,
+                ctx.caches.objects(),
+                &ns,
+                &there,
+            ))
+        }
     }
 }
 
@@ -324,7 +342,7 @@ async fn apply(
         // be used now is a condition, and nothing there is touched meanwhile: a Pod not seen is
         // not a Pod lost.
         let ns = km.namespace().ok_or(Error::MissingNamespace)?;
-        let there = match target_of(ctx, &ns, kvm_cluster).await {
+        let there = match target_of(ctx, km, kvm_cluster, false).await {
             Ok(t) => target.insert(t),
             Err(u) => {
                 break 'pipeline Observed::waiting(MachineState::HostingUnavailable(
@@ -576,6 +594,10 @@ async fn apply(
         &conditions,
         failure_domain,
         etcd.as_ref(),
+        observed
+            .pod
+            .as_ref()
+            .and_then(|p| p.metadata.namespace.as_deref()),
     )
     .await?;
     if let (Some(pod), Some(gate), Some(there)) = (&observed.pod, &observed.gate, &target) {

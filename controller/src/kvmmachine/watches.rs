@@ -1,6 +1,6 @@
 //! What wakes a KVMMachine reconcile, and the controller that runs it ([`run`]): its own
 //! changes, and each object it reads or makes, mapped to the KVMMachines it concerns by a named
-//! function: machine and etcd cleanup Pods ([`kvmmachines_of_pod`]), its PVCs, its Machine
+//! function: machine and etcd cleanup Pods ([`kvmmachines_of_object`]), its PVCs, its Machine
 //! ([`kvmmachine_of_machine`]), its KVMCluster naming another hosting cluster
 //! ([`HostingMoves`]), its Cluster ([`kvmmachines_of_cluster`]), Secrets
 //! ([`kvmmachines_of_secret`]); and through a [`Wake`], the Nodes of its workload cluster
@@ -61,22 +61,22 @@ pub fn kvmmachines_of_cluster_named(
         .collect()
 }
 
-/// The KVMMachine that owns a machine Pod, or that the labels of an etcd cleanup Pod name
-/// (those have no owner reference: they may live in a hosting cluster).
-pub fn kvmmachines_of_pod(
-    pod: &Pod,
+/// The KVMMachine that owns a machine Pod or etcd PVC beside it, or that the labels of one in a
+/// machine namespace, or of an etcd cleanup Pod, name (those have no owner reference).
+pub fn kvmmachines_of_object<K: ResourceExt>(
+    obj: &K,
     kvm_machines: &Store<KVMMachine>,
 ) -> Vec<ObjectRef<KVMMachine>> {
-    let owners: Vec<ObjectRef<KVMMachine>> = pod
+    let owners: Vec<ObjectRef<KVMMachine>> = obj
         .owner_references()
         .iter()
         .filter(|o| o.kind == "KVMMachine" && o.api_version.starts_with(GROUP))
-        .filter_map(|o| Some(ObjectRef::new(&o.name).within(&pod.namespace()?)))
+        .filter_map(|o| Some(ObjectRef::new(&o.name).within(&obj.namespace()?)))
         .collect();
     if !owners.is_empty() {
         return owners;
     }
-    let labels = pod.labels();
+    let labels = obj.labels();
     labels
         .get(OWNER_NAMESPACE_LABEL)
         .zip(labels.get(KVMMACHINE_LABEL))
@@ -205,22 +205,30 @@ pub fn kvmmachines_of_hosting(
         .collect()
 }
 
-/// The hosting cluster each KVMCluster named when last seen: one that names another (or none
-/// any more) concerns its machines, whose objects are then elsewhere.
+/// Where each KVMCluster said its machines live when last seen (the hosting cluster it names,
+/// its recorded machine namespace): a change concerns its machines, whose objects are then
+/// elsewhere (or, first recorded, may now be made).
 #[derive(Default)]
 pub struct HostingMoves {
-    hosted_in: Mutex<HashMap<String, Option<HostingKey>>>,
+    hosted_in: Mutex<HashMap<String, MachinesAt>>,
 }
 
+/// Where a KVMCluster says its machines live: the hosting cluster it names, its recorded
+/// machine namespace.
+type MachinesAt = (Option<HostingKey>, Option<String>);
+
 impl HostingMoves {
-    /// The KVMMachines of `kc` when it is new to this watch or names another hosting cluster
-    /// than when last seen.
+    /// The KVMMachines of `kc` when it is new to this watch or says its machines live
+    /// elsewhere than when last seen.
     pub fn kvmmachines_of_kvm_cluster(
         &self,
         kc: &KVMCluster,
         kvm_machines: &Store<KVMMachine>,
     ) -> Vec<ObjectRef<KVMMachine>> {
-        let key = HostingKey::of(kc);
+        let key = (
+            HostingKey::of(kc),
+            crate::hosting::machine_namespace(kc).map(str::to_owned),
+        );
         let uid = kc.uid().unwrap_or_default();
         let moved = self
             .hosted_in
@@ -298,7 +306,8 @@ pub async fn run(
         claims,
     } = events;
     let caches = ctx.caches.clone();
-    let (by_pod, by_cluster, by_kvm_cluster) = (
+    let (by_pod, by_claim, by_cluster, by_kvm_cluster) = (
+        caches.kvm_machines.clone(),
         caches.kvm_machines.clone(),
         caches.kvm_machines.clone(),
         caches.kvm_machines.clone(),
@@ -307,8 +316,10 @@ pub async fn run(
     let (backoff, metrics) = (ctx.backoff.clone(), ctx.metrics.clone());
     Controller::for_stream(kvm_machines, caches.kvm_machines.clone())
         .with_config(config)
-        .watches_stream(pods, move |pod: Pod| kvmmachines_of_pod(&pod, &by_pod))
-        .owns_stream(claims)
+        .watches_stream(pods, move |pod: Pod| kvmmachines_of_object(&pod, &by_pod))
+        .watches_stream(claims, move |claim| {
+            kvmmachines_of_object(&claim, &by_claim)
+        })
         .watches_stream(machines, |m: Machine| kvmmachine_of_machine(&m))
         .watches_stream(kvm_clusters, move |kc: KVMCluster| {
             moves.kvmmachines_of_kvm_cluster(&kc, &by_kvm_cluster)
@@ -404,18 +415,21 @@ mod tests {
                 "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMMachine",
                 "name": "demo-cp-0", "uid": "uid-demo-cp-0"}]}}))
         .unwrap();
-        assert_eq!(kvmmachines_of_pod(&owned, &kvm_machines), [at("demo-cp-0")]);
+        assert_eq!(
+            kvmmachines_of_object(&owned, &kvm_machines),
+            [at("demo-cp-0")]
+        );
         // A cleanup Pod in a hosting cluster: the labels name the machine, cut and hashed.
         let cleanup: Pod = serde_json::from_value(json!({"metadata": {
             "name": "x-etcd-cleanup", "namespace": "hosted", "labels": {
                 OWNER_NAMESPACE_LABEL: "team-a",
                 KVMMACHINE_LABEL: bounded_name(&long, "", MAX_LABEL_LEN)}}}))
         .unwrap();
-        assert_eq!(kvmmachines_of_pod(&cleanup, &kvm_machines), [at(&long)]);
+        assert_eq!(kvmmachines_of_object(&cleanup, &kvm_machines), [at(&long)]);
         let foreign: Pod =
             serde_json::from_value(json!({"metadata": {"name": "x", "namespace": "team-a"}}))
                 .unwrap();
-        assert!(kvmmachines_of_pod(&foreign, &kvm_machines).is_empty());
+        assert!(kvmmachines_of_object(&foreign, &kvm_machines).is_empty());
     }
 
     #[test]
@@ -508,7 +522,7 @@ mod tests {
     }
 
     #[test]
-    fn a_kvmcluster_wakes_its_machines_when_first_seen_and_when_it_names_another_hosting_cluster() {
+    fn a_kvmcluster_wakes_its_machines_when_first_seen_and_when_it_says_they_live_elsewhere() {
         let kvm_machines = store(vec![km("demo-cp-0", "demo")]);
         let moves = HostingMoves::default();
         let local = kvm_cluster("demo", None);
@@ -534,6 +548,21 @@ mod tests {
         assert_eq!(
             moves.kvmmachines_of_kvm_cluster(&local, &kvm_machines),
             [at("demo-cp-0")]
+        );
+        // Its machine namespace recorded: the machines, which waited for it, may now be made.
+        let mut recorded = local.clone();
+        recorded.status = Some(capk_api::v1alpha1::KVMClusterStatus {
+            machine_namespace: Some("capk-machines".into()),
+            ..Default::default()
+        });
+        assert_eq!(
+            moves.kvmmachines_of_kvm_cluster(&recorded, &kvm_machines),
+            [at("demo-cp-0")]
+        );
+        assert!(
+            moves
+                .kvmmachines_of_kvm_cluster(&recorded, &kvm_machines)
+                .is_empty()
         );
     }
 

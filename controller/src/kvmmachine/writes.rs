@@ -23,7 +23,8 @@ use crate::{
 };
 
 /// The one status write: `state` with the Pod's conditions, and where the machine Pod keeps
-/// its etcd data when `etcd` says (otherwise what status recorded stays).
+/// its etcd data when `etcd` says, and the machine Pod's namespace when `pod_namespace` says
+/// (otherwise what status recorded stays).
 pub async fn status(
     api: &Api<KVMMachine>,
     km: &KVMMachine,
@@ -31,6 +32,7 @@ pub async fn status(
     pod: &[DesiredCondition],
     failure_domain: Option<&str>,
     etcd: Option<&EtcdHostDir>,
+    pod_namespace: Option<&str>,
 ) -> Result<()> {
     objects::write_status(
         api,
@@ -40,6 +42,9 @@ pub async fn status(
             let mut s = status::status(k, state, pod, failure_domain, Timestamp::now());
             if let Some(etcd) = etcd {
                 s.etcd_host_dir = Some(etcd.to_status());
+            }
+            if let Some(ns) = pod_namespace {
+                s.pod_namespace = Some(ns.to_owned());
             }
             s
         },

@@ -49,8 +49,8 @@ pub(crate) fn operating_journey(e: &E2e) -> Result<()> {
 
     // --- 2. a cluster, its machine Pod made while the admission controller is called --------------------
     let ControlPlane { kvmmachine: cp, .. } = create_cluster(e)?;
-    let machine_pod = e.json(&["-n", ns(), "get", "pod", &cp])?;
-    let machine_uid = machine_pod["metadata"]["uid"].clone();
+    let cp_pod = machine_pod(e, &cp)?;
+    let machine_uid = cp_pod["metadata"]["uid"].clone();
     let machine_restarts = restart_count(e, &cp)?;
 
     // --- 3. metrics, scraped by Prometheus -------------------------------------------------------------
@@ -130,9 +130,9 @@ pub(crate) fn operating_journey(e: &E2e) -> Result<()> {
     );
 
     // --- 6. the machine Pod was left alone ---------------------------------------------------------------
-    let machine_pod = e.json(&["-n", ns(), "get", "pod", &cp])?;
+    let cp_pod = machine_pod(e, &cp)?;
     assert_eq!(
-        machine_pod["metadata"]["uid"], machine_uid,
+        cp_pod["metadata"]["uid"], machine_uid,
         "machine Pod {cp} was replaced"
     );
     assert_eq!(
@@ -140,7 +140,7 @@ pub(crate) fn operating_journey(e: &E2e) -> Result<()> {
         machine_restarts,
         "machine Pod {cp} restarted"
     );
-    let vpa_keys: Vec<&String> = machine_pod["metadata"]["annotations"]
+    let vpa_keys: Vec<&String> = cp_pod["metadata"]["annotations"]
         .as_object()
         .map(|a| a.keys().filter(|k| k.starts_with("vpa")).collect())
         .unwrap_or_default();

@@ -1,10 +1,11 @@
 //! The pivot journey (issue 12, `make e2e-move`): a workload cluster is made on the local
-//! management cluster (MC1), switched to an explicit hosting cluster that is MC1 itself (its
-//! objects adopted, not made again), then moved by the real `clusterctl move` to a second
-//! management cluster (MC2) that reaches MC1 through the hosting kubeconfig Secret. The VMs stay in
-//! MC1 all along and must see nothing: the same Pods (UIDs), no launcher restart, the same guest
-//! boot id. Then MC2 rebuilds every status from the world, scales the workers and deletes the
-//! cluster, and MC1's controller has touched nothing.
+//! management cluster (MC1), its machines in MC1's machine namespace ([`MACHINE_NS`]), then
+//! switched to an explicit hosting cluster that is MC1 itself, in that same namespace (its objects
+//! kept, not made again), then moved by the real `clusterctl move` to a second management cluster
+//! (MC2) that reaches MC1 through the hosting kubeconfig Secret. The VMs stay in MC1 all along and
+//! must see nothing: the same Pods (UIDs), no launcher restart, the same guest boot id. Then MC2
+//! rebuilds every status from the world, scales the workers and deletes the cluster, and MC1's
+//! controller has touched nothing.
 //!
 //! The control plane is a real node (the node-image flavor, as in the workload journey):
 //! `clusterctl move` refuses a cluster whose control plane is not initialized or whose Machines
@@ -16,7 +17,7 @@ use std::collections::BTreeMap;
 
 use capk_api::constants::{
     CONDITION_HOSTING_CLUSTER_AVAILABLE, HOSTING_KUBECONFIG_KEY, MANAGED_BY, MOVE_LABEL,
-    NODE_READY_GATE, OWNER_NAMESPACE_LABEL, OWNER_UID_LABEL, provider_id,
+    NODE_READY_GATE, OWNER_UID_LABEL, provider_id,
 };
 use k8s_openapi::jiff::Timestamp;
 
@@ -51,14 +52,6 @@ const MOVED_KINDS: [&str; 9] = [
     "kvmmachines",
     "kvmmachinetemplates",
 ];
-/// What the controller makes where the machines live (selected by its labels, [`OWNED`]).
-const HOSTED_KINDS: [&str; 5] = [
-    "pods",
-    "secrets",
-    "services",
-    "endpointslices",
-    "persistentvolumeclaims",
-];
 
 /// What the VMs are, as MC1 and the workload cluster show them. Nothing that happens to the
 /// Cluster API objects may change it.
@@ -90,7 +83,7 @@ fn journey(mc1: &E2e, mc2: &E2e) -> Result<()> {
     let started = Instant::now();
     fresh_namespaces(mc1, mc2)?;
     let (cp, w) = create_movable_cluster(mc1)?;
-    switch_to_explicit_hosting(mc1, &w, &cp)?;
+    let hosting_ns = switch_to_explicit_hosting(mc1, &w, &cp)?;
 
     // --- 3. what the VMs are before the move ----------------------------------------------------
     let vms = wait(
@@ -114,7 +107,7 @@ fn journey(mc1: &E2e, mc2: &E2e) -> Result<()> {
     target_rebuilt(mc1, mc2, &cp, &endpoint, from)?;
     vms_unchanged_for(mc1, &w, &vms, Duration::from_secs(60))?;
     scale_from_target(mc1, mc2, &vms)?;
-    delete_from_target(mc1, mc2)?;
+    delete_from_target(mc1, mc2, &hosting_ns)?;
     eprintln!(
         "e2e: move: journey done in {:.0}s",
         started.elapsed().as_secs_f64()
@@ -123,8 +116,8 @@ fn journey(mc1: &E2e, mc2: &E2e) -> Result<()> {
 }
 
 /// Step 0: nothing of an earlier run on either cluster. Clusters first, MC2's before MC1's: the
-/// machines of one on MC2 are in MC1, reached with the credential in MC1's namespace, which must
-/// outlive it.
+/// machines of one on MC2 are in MC1, reached with the credential of the hosting ServiceAccount
+/// in MC1's machine namespace ([`hosting_rbac`]), which must outlive it.
 fn fresh_namespaces(mc1: &E2e, mc2: &E2e) -> Result<()> {
     let both = [("MC2", mc2), ("MC1", mc1)];
     for (which, mc) in both {
@@ -144,7 +137,7 @@ fn fresh_namespaces(mc1: &E2e, mc2: &E2e) -> Result<()> {
             eprintln!("e2e: move: 0. deleting {} left in {which}", ns());
             mc.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
         }
-        mc.kubectl(&["create", "namespace", ns()])?;
+        create_tenant_namespace(mc)?;
     }
     Ok(())
 }
@@ -195,7 +188,7 @@ fn create_movable_cluster(mc1: &E2e) -> Result<(String, Workload)> {
         "the control plane's readiness gate True",
         Duration::from_secs(120),
         || {
-            let p = mc1.json(&["-n", ns(), "get", "pod", &cp])?;
+            let p = machine_pod(mc1, &cp)?;
             Ok(condition_true(&p, NODE_READY_GATE).then_some(()))
         },
     )?;
@@ -218,32 +211,42 @@ fn control_plane_machine(e: &E2e) -> Result<Value> {
     }
 }
 
-/// Step 2: the KVMCluster names MC1 itself as its hosting cluster, through a kubeconfig for the
-/// released hosting RBAC: the controller adopts what it made (labels, no owner references) and
-/// the VM runs on.
-fn switch_to_explicit_hosting(mc1: &E2e, w: &Workload, cp: &str) -> Result<()> {
+/// Step 2: the KVMCluster names MC1 itself as its hosting cluster, in the namespace its machines
+/// already live in (its `status.machineNamespace`), through a kubeconfig for the released hosting
+/// RBAC there: the controller keeps what it made (labels naming its owner, no owner references),
+/// makes nothing again, and the VM runs on. Returns the hosting namespace.
+fn switch_to_explicit_hosting(mc1: &E2e, w: &Workload, cp: &str) -> Result<String> {
     let started = Instant::now();
-    let pod_before = mc1.json(&["-n", ns(), "get", "pod", cp])?;
+    let kc = mc1.json(&["-n", ns(), "get", "kvmcluster", CLUSTER])?;
+    let hosting_ns = kc["status"]["machineNamespace"]
+        .as_str()
+        .filter(|n| !n.is_empty())
+        .with_context(|| {
+            format!(
+                "the KVMCluster records no machine namespace: status {}",
+                kc["status"]
+            )
+        })?
+        .to_owned();
+    assert_eq!(
+        hosting_ns, MACHINE_NS,
+        "the KVMCluster's machine namespace is not the local MC's"
+    );
+    let pods_before = machine_pods(mc1)?;
+    let pod_before = machine_pod(mc1, cp)?;
     let boot_before = wait(
         "the control plane's boot id",
         Duration::from_secs(120),
         || boot_ids(w, mc1).map(Some),
     )?;
 
-    // The released RBAC for this namespace ("replace capk-hosting throughout", says the file);
-    // the namespace exists.
-    let rbac = std::fs::read_to_string(mc1.root.join("manifests/hosting/hosting-rbac.yaml"))?
-        .replace("capk-hosting", ns());
-    let rbac = map_yaml_docs(&rbac, |d| {
-        Ok((!d.is_null() && d["kind"] != "Namespace").then_some(d))
-    })?;
-    mc1.kubectl_in(&["apply", "-f", "-"], &rbac)?;
-    let token_secret = format!("{}-token", ns());
+    mc1.kubectl_in(&["apply", "-f", "-"], &hosting_rbac(mc1, &hosting_ns)?)?;
+    let token_secret = format!("{hosting_ns}-token");
     let (token, ca) = wait(
         "the hosting ServiceAccount's token",
         Duration::from_secs(120),
         || {
-            let s = mc1.json(&["-n", ns(), "get", "secret", &token_secret])?;
+            let s = mc1.json(&["-n", &hosting_ns, "get", "secret", &token_secret])?;
             let data = &s["data"];
             Ok(data["token"]
                 .as_str()
@@ -260,7 +263,7 @@ fn switch_to_explicit_hosting(mc1: &E2e, w: &Workload, cp: &str) -> Result<()> {
         "apiVersion": "v1", "kind": "Config",
         "clusters": [{"name": "mc1", "cluster": {"server": MC1_APISERVER, "certificate-authority-data": ca}}],
         "users": [{"name": "capk-hosting", "user": {"token": token}}],
-        "contexts": [{"name": "mc1", "context": {"cluster": "mc1", "user": "capk-hosting", "namespace": ns()}}],
+        "contexts": [{"name": "mc1", "context": {"cluster": "mc1", "user": "capk-hosting", "namespace": hosting_ns}}],
         "current-context": "mc1",
     });
     let secret = json!({
@@ -272,7 +275,7 @@ fn switch_to_explicit_hosting(mc1: &E2e, w: &Workload, cp: &str) -> Result<()> {
     mc1.kubectl_in(&["create", "-f", "-"], &secret.to_string())?;
     let switched = Timestamp::now();
     let patch = json!({"spec": {"hostingCluster": {
-        "kubeconfigSecretRef": {"name": HOSTING_SECRET}, "namespace": ns()}}});
+        "kubeconfigSecretRef": {"name": HOSTING_SECRET}, "namespace": hosting_ns}}});
     mc1.kubectl(&[
         "-n",
         ns(),
@@ -301,43 +304,60 @@ fn switch_to_explicit_hosting(mc1: &E2e, w: &Workload, cp: &str) -> Result<()> {
         Duration::from_secs(120),
         || nothing_left(not_adopted(mc1)?),
     )?;
-    wait(
-        &format!("{POD_ADOPTED} Event on KVMMachine {cp}"),
-        Duration::from_secs(60),
-        || Ok(has_event(mc1, POD_ADOPTED, cp, switched)?.then_some(())),
-    )?;
-    let pod = mc1.json(&["-n", ns(), "get", "pod", cp])?;
+    // The machines were in the hosting namespace already: nothing is made again there.
+    assert!(
+        !has_event(mc1, POD_CREATED, cp, switched)?,
+        "the controller created a machine Pod for {cp} when the cluster named its hosting cluster"
+    );
+    let at = MachinePod::of(mc1, cp)?;
+    assert_eq!(
+        at.namespace, hosting_ns,
+        "KVMMachine {cp}'s status.podNamespace"
+    );
+    let pod = at.get(mc1)?;
     assert_eq!(
         uid(&pod),
         uid(&pod_before),
-        "the control plane's machine Pod was replaced, not adopted"
+        "the control plane's machine Pod was replaced, not kept"
     );
     assert!(
         pod["metadata"]["ownerReferences"]
             .as_array()
             .is_none_or(Vec::is_empty),
-        "the adopted Pod keeps owner references: {}",
+        "the hosted Pod has owner references: {}",
         pod["metadata"]["ownerReferences"]
     );
     assert_eq!(
         launcher_restarts(&pod),
         launcher_restarts(&pod_before),
-        "the launcher restarted while its Pod was adopted"
+        "the launcher restarted when the cluster named its hosting cluster"
+    );
+    assert_eq!(
+        machine_pods(mc1)?,
+        pods_before,
+        "machine Pods in {hosting_ns} (UID, launcher restarts) changed when the cluster named its hosting cluster"
     );
     assert_eq!(
         boot_ids(w, mc1)?,
         boot_before,
-        "the guest rebooted when its Pod was adopted"
+        "the guest rebooted when the cluster named its hosting cluster"
     );
     eprintln!(
-        "e2e: move: 2. switched to MC1 as an explicit hosting cluster: {cp} adopted, VM untouched ({:.0}s)",
+        "e2e: move: 2. switched to MC1 as an explicit hosting cluster, namespace {hosting_ns}: {cp} kept, VM untouched ({:.0}s)",
         started.elapsed().as_secs_f64()
     );
-    Ok(())
+    Ok(hosting_ns)
 }
 
-fn uid(o: &Value) -> &str {
-    o["metadata"]["uid"].as_str().unwrap_or_default()
+/// The released hosting RBAC (manifests/hosting/hosting-rbac.yaml) for `namespace` of MC1
+/// ("replace capk-hosting throughout", says the file), without its Namespace: MC1's machine
+/// namespace exists.
+fn hosting_rbac(mc1: &E2e, namespace: &str) -> Result<String> {
+    let rbac = std::fs::read_to_string(mc1.root.join("manifests/hosting/hosting-rbac.yaml"))?
+        .replace("capk-hosting", namespace);
+    map_yaml_docs(&rbac, |d| {
+        Ok((!d.is_null() && d["kind"] != "Namespace").then_some(d))
+    })
 }
 
 fn hosting_connected(o: &Value) -> bool {
@@ -345,10 +365,10 @@ fn hosting_connected(o: &Value) -> bool {
         .is_some_and(|c| c["status"] == "True" && c["reason"] == CONNECTED)
 }
 
-/// The machine Pods in MC1's namespace: name -> (UID, launcher restarts).
+/// The machine Pods in MC1's machine namespace: name -> (UID, launcher restarts).
 fn machine_pods(mc1: &E2e) -> Result<BTreeMap<String, (String, i64)>> {
     Ok(mc1
-        .items("pods", Some(OWNED))?
+        .machine_items("pods", Some(OWNED))?
         .iter()
         .map(|p| {
             (
@@ -373,32 +393,27 @@ fn boot_ids(w: &Workload, mc1: &E2e) -> Result<BTreeMap<String, String>> {
         .collect()
 }
 
-/// Everything the controller made in MC1's namespace: `kind/name` -> UID.
-fn hosted_objects(mc1: &E2e) -> Result<BTreeMap<String, String>> {
-    let mut out = BTreeMap::new();
-    for kind in HOSTED_KINDS {
-        for o in mc1.items(kind, Some(OWNED))? {
-            out.insert(format!("{kind}/{}", name(&o)), uid(&o).to_owned());
-        }
-    }
-    Ok(out)
-}
-
 /// The controller's objects in MC1 that an owner reference still ties to a KVMMachine or
-/// KVMCluster, or whose labels do not name their owner's namespace.
+/// KVMCluster, or whose labels do not name their owner (the namespace, by which they are found,
+/// and the KVMMachine's or KVMCluster's name); and any left in the test namespace.
 fn not_adopted(mc1: &E2e) -> Result<Vec<String>> {
     let mut out = Vec::new();
     for kind in HOSTED_KINDS {
-        for o in mc1.items(kind, Some(OWNED))? {
+        for o in mc1.machine_items(kind, Some(OWNED))? {
             let referenced = o["metadata"]["ownerReferences"]
                 .as_array()
                 .into_iter()
                 .flatten()
                 .any(|r| r["kind"] == "KVMMachine" || r["kind"] == "KVMCluster");
-            let labelled = o["metadata"]["labels"][OWNER_NAMESPACE_LABEL] == ns();
-            if referenced || !labelled {
-                out.push(format!("{kind}/{}", name(&o)));
+            let labels = &o["metadata"]["labels"];
+            let named =
+                labels[KVMMACHINE_LABEL].is_string() || labels[KVMCLUSTER_LABEL].is_string();
+            if referenced || !named {
+                out.push(format!("{MACHINE_NS}/{kind}/{}", name(&o)));
             }
+        }
+        for o in mc1.items(kind, Some(OWNED))? {
+            out.push(format!("{}/{kind}/{}", ns(), name(&o)));
         }
     }
     Ok(out)
@@ -665,7 +680,8 @@ fn target_rebuilt(
         provider_id(ns(), cp).as_str(),
         "KVMMachine {cp} providerID"
     );
-    let pod = mc1.json(&["-n", ns(), "get", "pod", cp])?;
+    // Where MC2's KVMMachine says its Pod is: MC1's hosting namespace.
+    let pod = MachinePod::of(mc2, cp)?.get(mc1)?;
     let internal_ip = km["status"]["addresses"]
         .as_array()
         .into_iter()
@@ -695,7 +711,7 @@ fn target_rebuilt(
         "the control plane's readiness gate still True",
         Duration::from_secs(120),
         || {
-            let p = mc1.json(&["-n", ns(), "get", "pod", cp])?;
+            let p = MachinePod::of(mc2, cp)?.get(mc1)?;
             Ok(condition(&p, NODE_READY_GATE)
                 .filter(|c| c["status"] == "True")
                 .cloned())
@@ -771,7 +787,7 @@ fn scale_from_target(mc1: &E2e, mc2: &E2e, vms: &Vms) -> Result<()> {
         .context("the workers' bootstrap Secret did not come with the move (its clusterctl.cluster.x-k8s.io/move label)")?;
     scale_machine_deployment(mc2, 1)?;
     let workers = wait_workers_in(mc2, mc1, 1)?;
-    let pod = mc1.json(&["-n", ns(), "get", "pod", &workers[0]])?;
+    let pod = MachinePod::of(mc2, &workers[0])?.get(mc1)?;
     assert!(
         pod["metadata"]["ownerReferences"]
             .as_array()
@@ -807,8 +823,9 @@ fn scale_from_target(mc1: &E2e, mc2: &E2e, vms: &Vms) -> Result<()> {
 }
 
 /// Step 8: deleting the Cluster on MC2 removes everything the controller made in MC1 (the etcd
-/// data on the node included) and every KVM object in MC2.
-fn delete_from_target(mc1: &E2e, mc2: &E2e) -> Result<()> {
+/// data on the node included) and every KVM object in MC2. Then the hosting RBAC goes from MC1's
+/// `hosting_ns`, which other clusters' machines share.
+fn delete_from_target(mc1: &E2e, mc2: &E2e, hosting_ns: &str) -> Result<()> {
     let started = Instant::now();
     mc2.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=600s"])?;
     wait(
@@ -817,7 +834,7 @@ fn delete_from_target(mc1: &E2e, mc2: &E2e) -> Result<()> {
         || {
             let mut left: Vec<String> = hosted_objects(mc1)?
                 .into_keys()
-                .map(|k| format!("MC1 {k}"))
+                .map(|k| format!("MC1 {MACHINE_NS}/{k}"))
                 .collect();
             for kind in ["kvmclusters", "kvmmachines", "kvmmachinetemplates"] {
                 for o in mc2.items(kind, None)? {
@@ -828,6 +845,10 @@ fn delete_from_target(mc1: &E2e, mc2: &E2e) -> Result<()> {
         },
     )?;
     assert_no_etcd_data_left();
+    mc1.kubectl_in(
+        &["delete", "--ignore-not-found", "-f", "-"],
+        &hosting_rbac(mc1, hosting_ns)?,
+    )?;
     for mc in [mc2, mc1] {
         mc.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
     }

@@ -299,13 +299,7 @@ fn workers_with_bootstrap_data_up(e: &E2e, n: usize) -> Result<Option<Vec<String
 /// Step 2: the NodePort Service, the endpoint and the kubeconfig's server, and the guest's
 /// apiserver answering there from the host.
 fn reachable_through_node_port(e: &E2e, node_ip: &str, cp: &str) -> Result<()> {
-    let svc = e.json(&[
-        "-n",
-        ns(),
-        "get",
-        "service",
-        &format!("{CLUSTER}-apiserver"),
-    ])?;
+    let svc = control_plane_service(e)?;
     assert_eq!(svc["spec"]["type"], "NodePort", "{}", svc["spec"]);
     let node_port = svc["spec"]["ports"][0]["nodePort"]
         .as_u64()
@@ -338,7 +332,7 @@ fn reachable_through_node_port(e: &E2e, node_ip: &str, cp: &str) -> Result<()> {
     );
 
     // Behind the node port: the control-plane VM only, ready (its apiserver answers).
-    let cp_ip = e.json(&["-n", ns(), "get", "pod", cp])?["status"]["podIP"]
+    let cp_ip = machine_pod(e, cp)?["status"]["podIP"]
         .as_str()
         .context("control-plane Pod IP")?
         .to_owned();
@@ -560,11 +554,12 @@ fn kvm_machine_template_spec(e: &E2e, template: &str) -> Result<Value> {
     Ok(e.json(&["-n", ns(), "get", "kvmmachinetemplate", template])?["spec"].clone())
 }
 
-fn pod_uid(e: &E2e, pod: &str) -> Result<String> {
-    e.json(&["-n", ns(), "get", "pod", pod])?["metadata"]["uid"]
+/// The UID of KVMMachine `machine`'s Pod.
+fn pod_uid(e: &E2e, machine: &str) -> Result<String> {
+    machine_pod(e, machine)?["metadata"]["uid"]
         .as_str()
         .map(str::to_owned)
-        .with_context(|| format!("no uid on Pod {pod}"))
+        .with_context(|| format!("no uid on the Pod of {machine}"))
 }
 
 /// The Cluster's `TopologyReconciled` condition, for a wait's last error.

@@ -82,8 +82,9 @@ pub(super) fn dev_setting(file: &str, key: &str, missing: &str) -> Result<String
 }
 
 /// The workload cluster seen from the MC node: its kubeconfig (the `<cluster>-kubeconfig` Secret
-/// Cluster API wrote) with the server reached through the control-plane Service's ClusterIP: the
-/// endpoint's DNS name resolves inside the MC only, and the name stays the TLS server name.
+/// Cluster API wrote) with the server reached through the control-plane Service's ClusterIP (in
+/// the machine namespace): the endpoint's DNS name resolves inside the MC only, and the name
+/// stays the TLS server name.
 pub(super) struct Workload {
     kubeconfig: PathBuf,
 }
@@ -105,13 +106,7 @@ impl Workload {
                 .context("kubeconfig Secret is not base64")?,
         )?;
         let mut config: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text)?;
-        let svc = e.json(&[
-            "-n",
-            ns(),
-            "get",
-            "service",
-            &format!("{CLUSTER}-apiserver"),
-        ])?;
+        let svc = control_plane_service(e)?;
         let cluster_ip = svc["spec"]["clusterIP"]
             .as_str()
             .context("control-plane Service has no clusterIP")?;
@@ -278,7 +273,7 @@ fn create_workload_cluster(e: &E2e) -> Result<(String, Instant)> {
         let _ = e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=600s"]);
         e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
     }
-    e.kubectl(&["create", "namespace", ns()])?;
+    create_tenant_namespace(e)?;
     std::fs::create_dir_all(host_volume_dir())?;
 
     // --- 1. create: one control plane, one worker, from clusterctl's output --------------------------
@@ -496,7 +491,7 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
 
     // The machine Pods' readiness gate is True because the Node is Ready.
     for node in &nodes {
-        let pod = e.json(&["-n", ns(), "get", "pod", node])?;
+        let pod = machine_pod(e, node)?;
         let gate = pod["spec"]["readinessGates"][0]["conditionType"]
             .as_str()
             .context("machine Pod without a readiness gate")?
@@ -508,6 +503,7 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
         );
         assert!(condition_true(&pod, "Ready"), "Pod {node} not Ready");
     }
+    assert_machines_outside_the_tenant_namespace(e)?;
 
     // kube-system: CoreDNS, kube-proxy and the CNI run.
     wait(
@@ -665,7 +661,7 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
     control_plane_rollout(e, &w, &cp)?;
 
     // --- 6. delete: nothing left --------------------------------------------------------------------
-    let all_machines: Vec<String> = pod_names(e)?;
+    let all_machines: Vec<String> = machine_pod_owners(e)?;
     e.kubectl(&["-n", ns(), "delete", "cluster", CLUSTER, "--timeout=900s"])?;
     assert_nothing_left_for(e, &all_machines)?;
     for kind in ["services", "secrets", "persistentvolumeclaims", "pods"] {
@@ -676,6 +672,12 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
             left.iter().map(name).collect::<Vec<_>>()
         );
     }
+    let hosted = hosted_objects(e)?;
+    assert!(
+        hosted.is_empty(),
+        "left in {MACHINE_NS} after deleting the cluster: {:?}",
+        hosted.keys()
+    );
     e.kubectl(&["delete", "namespace", ns(), "--timeout=300s"])?;
     assert_no_etcd_data_left();
     eprintln!("e2e: workload: 6. cluster deleted, nothing left");
@@ -829,7 +831,7 @@ fn node_health_remediation(e: &E2e, w: &Workload, cp: &str, toolbox: &str) -> Re
         "the stopped worker's machine Pod not ready (readiness gate False)",
         Duration::from_secs(600),
         || {
-            let Ok(pod) = e.json(&["-n", ns(), "get", "pod", victim]) else {
+            let Ok(pod) = machine_pod(e, victim) else {
                 return Ok(None);
             };
             let gate = pod["spec"]["readinessGates"][0]["conditionType"]
@@ -1073,7 +1075,7 @@ fn boot_steps(e: &E2e, w: &Workload, machine: &str) -> Result<Vec<(&'static str,
         &m["metadata"]["creationTimestamp"],
         "Machine creationTimestamp",
     )?;
-    let pod = e.json(&["-n", ns(), "get", "pod", machine])?;
+    let pod = machine_pod(e, machine)?;
     let scheduled = ts(
         &condition(&pod, "PodScheduled").context("PodScheduled")?["lastTransitionTime"],
         "PodScheduled time",
@@ -1325,11 +1327,12 @@ struct TimedConsole {
 
 impl TimedConsole {
     fn fetch(e: &E2e, machine: &str) -> Result<Self> {
+        let pod = MachinePod::of(e, machine)?;
         let args = [
             "-n",
-            ns(),
+            &pod.namespace,
             "logs",
-            machine,
+            &pod.name,
             "-c",
             "launcher",
             "--timestamps",
