@@ -27,7 +27,7 @@ use kube::{
 use serde_json::{Value, json};
 use support::{
     POD_NET, Relay, StandInApiServer, control_plane_machine, create_namespace,
-    delete_without_finalizers, eventually, in_own_netns, start_controller,
+    delete_without_finalizers, eventually, in_own_netns, kvm_cluster, start_controller,
 };
 
 const OWNER_NS_LABEL: &str = "infrastructure.cluster.x-k8s.io/owner-namespace";
@@ -216,24 +216,6 @@ async fn controller_and_hosted_cluster(
     )
     .await?;
     Ok((mc, stop, kc))
-}
-
-/// Cluster `demo` (provisioned, as Cluster API records it) and its KVMCluster of `spec`.
-async fn kvm_cluster(mc: &Client, ns: &str, spec: Value) -> Result<KVMCluster> {
-    support::provisioned_cluster(mc, ns).await?;
-    let cluster = Api::<capk_api::capi::Cluster>::namespaced(mc.clone(), ns)
-        .get("demo")
-        .await?;
-    let kc: KVMCluster = serde_json::from_value(json!({
-        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
-        "metadata": {"name": "demo", "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
-            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-                                 "name": "demo", "uid": cluster.uid().context("uid")?}]},
-        "spec": spec,
-    }))?;
-    Ok(Api::<KVMCluster>::namespaced(mc.clone(), ns)
-        .create(&PostParams::default(), &kc)
-        .await?)
 }
 
 fn conditions_of(

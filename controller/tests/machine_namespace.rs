@@ -6,7 +6,7 @@
 
 mod support;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use capk_api::{
     constants::name_hash,
     v1alpha1::{KVMCluster, KVMMachine},
@@ -15,7 +15,7 @@ use capk_controller::settings::MachineNamespace;
 use k8s_openapi::api::core::v1::{Namespace, Pod, Secret, Service};
 use kube::{
     Api, Client, ResourceExt,
-    api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
+    api::{DeleteParams, ListParams, Patch, PatchParams},
 };
 use serde_json::json;
 use support::{control_plane_machine, create_namespace, eventually, start_controller_with};
@@ -48,23 +48,10 @@ fn start_with(client: &Client, machines: &str) -> Result<tokio::sync::oneshot::S
     Ok(start_controller_with(client.clone(), settings))
 }
 
-/// Cluster `demo` in `ns` (provisioned, as Cluster API records it) and its KVMCluster.
-async fn kvm_cluster(client: &Client, ns: &str) -> Result<()> {
+/// Cluster `demo` in a new namespace `ns` and its KVMCluster, as a tenant makes them.
+async fn tenant_cluster(client: &Client, ns: &str) -> Result<()> {
     create_namespace(client, ns).await?;
-    support::provisioned_cluster(client, ns).await?;
-    let cluster = Api::<capk_api::capi::Cluster>::namespaced(client.clone(), ns)
-        .get("demo")
-        .await?;
-    let kc: KVMCluster = serde_json::from_value(json!({
-        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
-        "metadata": {"name": "demo", "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
-            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
-                                 "name": "demo", "uid": cluster.uid().context("uid")?}]},
-        "spec": {},
-    }))?;
-    Api::<KVMCluster>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &kc)
-        .await?;
+    support::kvm_cluster(client, ns, json!({})).await?;
     Ok(())
 }
 
@@ -110,7 +97,7 @@ async fn pods_in(client: &Client, ns: &str) -> Result<Vec<String>> {
 async fn a_tenants_machines_live_in_the_operators_namespace_and_go_with_them() -> Result<()> {
     let (_env, client, _stop) = controller("capk-machine-ns-", "capk-machines").await?;
     let tenant = "team-a";
-    kvm_cluster(&client, tenant).await?;
+    tenant_cluster(&client, tenant).await?;
     control_plane_machine(&client, tenant, "cp-0", BOOTSTRAP).await?;
 
     // The cluster's choice, and the namespace made for privileged Pods.
@@ -207,7 +194,7 @@ async fn a_cluster_made_before_keeps_its_machines_where_they_run() -> Result<()>
     // A release that kept machines beside their cluster made this one.
     let (_env, client, stop) = controller("capk-machine-ns-before-", "").await?;
     let tenant = "team-b";
-    kvm_cluster(&client, tenant).await?;
+    tenant_cluster(&client, tenant).await?;
     control_plane_machine(&client, tenant, "cp-0", BOOTSTRAP).await?;
     let (pod_ns, before) = machine_pod(&client, tenant, "cp-0").await?;
     assert_eq!(pod_ns, tenant);
@@ -256,7 +243,7 @@ async fn a_cluster_made_before_keeps_its_machines_where_they_run() -> Result<()>
 async fn one_machine_namespace_per_tenant_when_the_operator_says_so() -> Result<()> {
     let (_env, client, _stop) = controller("capk-machine-ns-tenant-", "vms-{namespace}").await?;
     for tenant in ["team-c", "team-d"] {
-        kvm_cluster(&client, tenant).await?;
+        tenant_cluster(&client, tenant).await?;
         control_plane_machine(&client, tenant, "cp-0", BOOTSTRAP).await?;
     }
     for tenant in ["team-c", "team-d"] {
@@ -267,5 +254,44 @@ async fn one_machine_namespace_per_tenant_when_the_operator_says_so() -> Result<
         assert_eq!(pods_in(&client, &want).await?, [pod.name_any()]);
         assert!(pods_in(&client, tenant).await?.is_empty());
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_machine_namespace_that_is_a_tenants_is_refused() -> Result<()> {
+    let (_env, client, _stop) = controller("capk-machine-ns-clash-", "vms-{namespace}").await?;
+    // A tenant whose namespace is what the operator's template makes of another's.
+    tenant_cluster(&client, "vms-team-e").await?;
+    assert_eq!(
+        recorded_namespace(&client, "vms-team-e").await?,
+        "vms-vms-team-e"
+    );
+    tenant_cluster(&client, "team-e").await?;
+    control_plane_machine(&client, "team-e", "cp-0", BOOTSTRAP).await?;
+    let kcs: Api<KVMCluster> = Api::namespaced(client.clone(), "team-e");
+    let message = eventually(30, "MachineNamespaceRefused", || async {
+        let status = kcs.get("demo").await?.status.unwrap_or_default();
+        Ok(status
+            .conditions
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| {
+                c.type_ == "HostingClusterAvailable"
+                    && c.status == "False"
+                    && c.reason == "MachineNamespaceRefused"
+            })
+            .map(|c| c.message))
+    })
+    .await?;
+    assert!(
+        message.contains("vms-team-e") && message.contains("CAPK_MACHINE_NAMESPACE"),
+        "{message}"
+    );
+    // Nothing was recorded or made: no Pod of team-e's where vms-team-e's users may exec.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let status = kcs.get("demo").await?.status.unwrap_or_default();
+    assert_eq!(status.machine_namespace, None);
+    assert!(pods_in(&client, "vms-team-e").await?.is_empty());
+    assert!(pods_in(&client, "team-e").await?.is_empty());
     Ok(())
 }

@@ -122,22 +122,28 @@ async fn target(ctx: &Context, kc: &KVMCluster) -> std::result::Result<Target, U
         Err(u) => Err(u),
     };
     if let Err(u) = &result {
-        let shown = kc
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_deref())
-            .and_then(|cs| crate::conditions::find(cs, CONDITION_HOSTING_CLUSTER_AVAILABLE))
-            .is_some_and(|c| c.status == "False" && c.reason == u.reason);
-        if !shown {
-            let kind = if u.reason == REASON_CONNECTING {
-                EventType::Normal
-            } else {
-                EventType::Warning
-            };
-            report::publish(ctx, kc, kind, u.reason, u.message.clone()).await;
-        }
+        report_unavailable(ctx, kc, u).await;
     }
     result
+}
+
+/// An Event for why `kc`'s machines' place cannot be used, unless its condition says so
+/// already (a Normal one while a hosting cluster's first list is on the way).
+async fn report_unavailable(ctx: &Context, kc: &KVMCluster, u: &Unavailable) {
+    let shown = kc
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
+        .and_then(|cs| crate::conditions::find(cs, CONDITION_HOSTING_CLUSTER_AVAILABLE))
+        .is_some_and(|c| c.status == "False" && c.reason == u.reason);
+    if !shown {
+        let kind = if u.reason == REASON_CONNECTING {
+            EventType::Normal
+        } else {
+            EventType::Warning
+        };
+        report::publish(ctx, kc, kind, u.reason, u.message.clone()).await;
+    }
 }
 
 async fn apply(
@@ -178,7 +184,15 @@ async fn apply(
     // The caches this reconcile reads (the hosting kubeconfig Secret among them) have listed.
     ctx.caches.ready().await;
     retain_hosting_links(ctx, None);
-    let recorded = record_machine_namespace(api, kc, &cluster_name, ctx).await?;
+    let recorded = match record_machine_namespace(api, kc, &cluster_name, ctx).await? {
+        Ok(recorded) => recorded,
+        Err(u) => {
+            report_unavailable(ctx, kc, &u).await;
+            let down = u.condition(CONDITION_HOSTING_CLUSTER_AVAILABLE);
+            write_status(api, kc, &ClusterState::HostingUnavailable(down)).await?;
+            return Ok(Action::requeue(Duration::from_secs(60)));
+        }
+    };
     let kc = recorded.as_ref().unwrap_or(kc);
 
     // Where the Service and the machines live. A hosting cluster that cannot be used now is a
@@ -223,6 +237,9 @@ async fn apply(
     Ok(Action::requeue(recheck))
 }
 
+/// Reason: the operator's machine namespace for this cluster is a tenant's (it holds clusters).
+pub const REASON_MACHINE_NAMESPACE_REFUSED: &str = "MachineNamespaceRefused";
+
 /// Event reason: the cluster's machine namespace was chosen.
 pub const REASON_MACHINE_NAMESPACE_CHOSEN: &str = "MachineNamespaceChosen";
 
@@ -231,15 +248,17 @@ pub const REASON_MACHINE_NAMESPACE_CHOSEN: &str = "MachineNamespaceChosen";
 /// operator's machine namespace for a new cluster; for one provisioned before it was recorded
 /// (made by a release without the choice), or whose Service is already in its own namespace,
 /// its own namespace, so that running VMs never move. Returns the KVMCluster as recorded, or
-/// `None` when it was already.
+/// `None` when it was already; refuses a machine namespace that holds Cluster API clusters
+/// (a tenant's namespace, as `capk-{namespace}` can name: its users could exec into another
+/// tenant's machine Pods).
 async fn record_machine_namespace(
     api: &Api<KVMCluster>,
     kc: &KVMCluster,
     cluster: &str,
     ctx: &Context,
-) -> Result<Option<KVMCluster>> {
+) -> Result<std::result::Result<Option<KVMCluster>, Unavailable>> {
     if crate::hosting::machine_namespace(kc).is_some() {
-        return Ok(None);
+        return Ok(Ok(None));
     }
     let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
     let provisioned = kc
@@ -259,6 +278,27 @@ async fn record_machine_namespace(
         ctx.settings.machine_namespace.of(&ns)
     };
     if chosen != ns {
+        let in_chosen = |other: Option<String>| other.as_deref() == Some(chosen.as_str());
+        let tenants = ctx
+            .caches
+            .kvm_clusters
+            .state()
+            .iter()
+            .any(|k| in_chosen(k.namespace()))
+            || ctx
+                .caches
+                .clusters
+                .state()
+                .iter()
+                .any(|c| in_chosen(c.namespace()));
+        if tenants {
+            return Ok(Err(Unavailable {
+                reason: REASON_MACHINE_NAMESPACE_REFUSED,
+                message: format!(
+                    "the machine namespace {chosen} (the operator's CAPK_MACHINE_NAMESPACE) holds Cluster API clusters: whoever may exec into Pods there would reach this cluster's privileged machine Pods; the operator must name a namespace of its own"
+                ),
+            }));
+        }
         ensure_machine_namespace(ctx, &chosen).await?;
     }
     let patch = json!({"status": {"machineNamespace": chosen}});
@@ -282,7 +322,7 @@ async fn record_machine_namespace(
         note,
     )
     .await;
-    Ok(Some(recorded))
+    Ok(Ok(Some(recorded)))
 }
 
 /// Makes machine namespace `name` when it does not exist, labelled to admit privileged Pods

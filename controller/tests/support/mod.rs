@@ -138,6 +138,28 @@ pub async fn provisioned_cluster_named(client: &Client, ns: &str, cluster: &str)
     Ok(())
 }
 
+/// Cluster `demo` (provisioned, as Cluster API records it) and its KVMCluster of `spec`.
+pub async fn kvm_cluster(
+    client: &Client,
+    ns: &str,
+    spec: serde_json::Value,
+) -> Result<capk_api::v1alpha1::KVMCluster> {
+    provisioned_cluster(client, ns).await?;
+    let cluster = Api::<Cluster>::namespaced(client.clone(), ns)
+        .get("demo")
+        .await?;
+    let kc: capk_api::v1alpha1::KVMCluster = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1", "kind": "KVMCluster",
+        "metadata": {"name": "demo", "labels": {"cluster.x-k8s.io/cluster-name": "demo"},
+            "ownerReferences": [{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+                                 "name": "demo", "uid": cluster.uid().context("uid")?}]},
+        "spec": spec,
+    }))?;
+    Ok(Api::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &kc)
+        .await?)
+}
+
 /// A control-plane Machine `name` of cluster `demo` with its bootstrap Secret and KVMMachine.
 pub async fn control_plane_machine(
     client: &Client,
