@@ -712,6 +712,7 @@ async fn kubectl_get_kvmmachines_shows_the_story() -> Result<()> {
         "status": {
             "initialization": {"provisioned": true},
             "ready": true,
+            "podNamespace": "capk-machines",
             "podName": "demo-cp-0",
             "addresses": [
                 {"type": "Hostname", "address": "demo-cp-0"},
@@ -747,18 +748,31 @@ async fn kubectl_get_kvmmachines_shows_the_story() -> Result<()> {
             "Cluster",
             "Provisioned",
             "ProviderID",
+            "Pod Namespace",
             "Pod",
             "IP",
             "Age"
         ]
+    );
+    // The Pod's namespace only with `-o wide` (priority 1): every machine shares it by default.
+    let wide: Vec<bool> = table["columnDefinitions"]
+        .as_array()
+        .context("columnDefinitions")?
+        .iter()
+        .map(|c| c["priority"].as_i64().unwrap_or(0) > 0)
+        .collect();
+    assert_eq!(
+        wide,
+        [false, false, false, false, true, false, false, false]
     );
     let cells = &table["rows"][0]["cells"];
     assert_eq!(cells[0], "cp-0");
     assert_eq!(cells[1], "demo");
     assert_eq!(cells[2], true);
     assert_eq!(cells[3], "kvm://columns/cp-0");
-    assert_eq!(cells[4], "demo-cp-0");
-    assert_eq!(cells[5], "10.244.0.7");
+    assert_eq!(cells[4], "capk-machines");
+    assert_eq!(cells[5], "demo-cp-0");
+    assert_eq!(cells[6], "10.244.0.7");
     Ok(())
 }
 
