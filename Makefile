@@ -81,11 +81,13 @@ e2e: test-guest ## End to end on the local management cluster (make dev-up witho
 	CAPK_DEV_SAMPLE=0 CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_journey_on_the_local_management_cluster cluster_class_journey_on_the_local_management_cluster operating_the_controller_on_the_local_management_cluster workload_cluster_journey_on_the_local_management_cluster
 
-e2e-stub: ## The stub-guest scenarios of make e2e: the journey and the ClusterClass scenario (the local MC without the sample cluster and the node image, which they do not use)
+e2e-stub: test-guest ## The stub-guest scenarios of make e2e: the journey and the ClusterClass scenario (the local MC without the sample cluster and the node image, which they do not use)
+	bash hack/calibrate-host.sh
 	CAPK_DEV_SAMPLE=0 CAPK_DEV_NODE_IMAGE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_journey_on_the_local_management_cluster cluster_class_journey_on_the_local_management_cluster
 
-e2e-topology: ## Only the ClusterClass scenario of make e2e-stub (stub guests): a Cluster of the class kvm with a NodePort control plane reached from the host through its kubeconfig, a changed variable that rotates the KVMMachineTemplates and rolls the worker, direct template and machine edits refused
+e2e-topology: test-guest ## Only the ClusterClass scenario of make e2e-stub (stub guests): a Cluster of the class kvm with a NodePort control plane reached from the host through its kubeconfig, a changed variable that rotates the KVMMachineTemplates and rolls the worker, direct template and machine edits refused
+	bash hack/calibrate-host.sh
 	CAPK_DEV_SAMPLE=0 CAPK_DEV_NODE_IMAGE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --exact cluster_class_journey_on_the_local_management_cluster
 

@@ -7,9 +7,10 @@
 #   bash hack/dev/images.sh --no-import  build only (no running local MC needed)
 #
 # Images (names also written to _output/dev/images.env as shell variables):
-#   localhost/capk/capk-{controller,launcher}:dev   `buildah build` of Dockerfile.controller and
-#       Dockerfile.launcher (the files a Docker user builds), FROM the local rust:1-bookworm and
-#       debian:bookworm-slim of images/base/: the manifests' default (canonical) names.
+#   localhost/capk/capk-{controller,launcher}:dev   the runtime stage of Dockerfile.controller and
+#       Dockerfile.launcher (the files a Docker user builds; FROM debian:bookworm-slim of
+#       images/base/) plus the binary cargo built on the host (see below): the manifests' default
+#       (canonical) names.
 #   localhost/capk/{cluster-api-controller,kubeadm-bootstrap-controller,
 #       kubeadm-control-plane-controller}:$CAPI_VERSION   the static Go managers of
 #       hack/build-capi.sh at /manager, like upstream's distroless images.
@@ -17,13 +18,10 @@
 #       disk at /disk/image.qcow2, FROM scratch (the machine Pod's init container brings busybox).
 #
 # Idempotent and cheap when nothing changed: every image carries a label with the hash of its
-# inputs (for the Rust images: the git tree of the crates, Cargo files and Dockerfile, plus the ids
-# of the two base images); a build runs only when no image with that label exists, an import only
-# when containerd lacks the name with that label. Cargo's registry and target directory are
-# buildah cache mounts (/var/tmp/buildah-cache, outside the clone), so a rebuild compiles the
-# workspace's crates only (the Dockerfiles touch their sources: an edit made while an earlier
-# build ran would otherwise look older than its output), also in a fresh clone. Buildah storage:
-# _output/buildah (vfs), as images/base/.
+# inputs (for the Rust images: the stripped binary, the Dockerfile and the base image's id); a
+# build runs only when no image with that label exists, an import only when containerd lacks the
+# name with that label; cargo itself skips what is fresh. Buildah storage: _output/buildah (vfs),
+# as images/base/.
 set -euo pipefail
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -65,7 +63,6 @@ HOST_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
 
 # --- inputs built elsewhere (each script skips what it already did) --------------------------------
 bash "$ROOT/images/base/build.sh"
-bash "$ROOT/images/base/rust.sh"
 bash "$ROOT/hack/build-capi.sh" capi-manager kubeadm-bootstrap-manager kubeadm-control-plane-manager >&2
 bash "$ROOT/hack/prepare.d/40-test-guest.sh" >&2
 
@@ -111,14 +108,100 @@ import() {
   log "imported $dst into containerd in $((SECONDS - start))s"
 }
 
-# --- capk-controller and capk-launcher: buildah build of the Dockerfiles ----------------------------
-# rust_image NAME DOCKERFILE CRATE_DIR...: the crates the binary is built from, of which only src/
-# counts (tests, benches, fuzz targets and docs are not in a release binary; none of the crates has
-# a build script or includes a file from elsewhere); every workspace member's Cargo.toml is an input
-# too (cargo reads them all).
-rust_image() {
+# --- capk-controller and capk-launcher: the host's cargo build in the Dockerfiles' runtime stage ----
+# The binaries are built once, by cargo on the host, into its target directory:
+#   CAPK_IMAGE_PROFILE=release (default)  `cargo build --release` of the two binaries;
+#   CAPK_IMAGE_PROFILE=dev                the debug binaries of `cargo test --workspace --no-run`,
+#       what `make test` has just built (make check's journey uses this: nothing compiles again).
+# Each image is the Dockerfile's `runtime` stage (`buildah build --target runtime`: the build stage
+# is skipped) plus the binary, stripped, at the path the Dockerfile's last stage copies it to. A
+# binary that needs a newer glibc than the runtime stage's Debian has (a host newer than bookworm)
+# is not used: the image is then the whole Dockerfile, compiled inside buildah (also
+# CAPK_IMAGE_BUILD=dockerfile, to try what a Docker user builds).
+IMAGE_PROFILE=${CAPK_IMAGE_PROFILE:-release}
+IMAGE_BUILD=${CAPK_IMAGE_BUILD:-host}
+[[ $IMAGE_PROFILE == release || $IMAGE_PROFILE == dev ]] || die "CAPK_IMAGE_PROFILE=$IMAGE_PROFILE: release or dev"
+[[ $IMAGE_BUILD == host || $IMAGE_BUILD == dockerfile ]] || die "CAPK_IMAGE_BUILD=$IMAGE_BUILD: host or dockerfile"
+
+# The glibc of the runtime stage's base (images/base/'s debootstrap), as x.y.
+base_glibc=$(tar -xOf "$OUT/images/base/rootfs.tar" ./var/lib/dpkg/status |
+  awk '/^Package: libc6$/ { p = 1 } p && !done && /^Version:/ { split($2, v, "-"); print v[1]; done = 1 }')
+[[ $base_glibc =~ ^[0-9]+\.[0-9]+$ ]] || die "no libc6 version in $OUT/images/base/rootfs.tar"
+
+# host_binaries: build both binaries on the host; sets CONTROLLER_BIN and LAUNCHER_BIN.
+host_binaries() {
+  local target start logfile=$WORK/cargo.build.log
+  require cargo strip:binutils
+  target=$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps --locked | jq -r .target_directory)
+  start=$SECONDS
+  log "cargo builds capk-controller and capk-launcher ($IMAGE_PROFILE; log ${logfile#"$ROOT"/})"
+  if [[ $IMAGE_PROFILE == release ]]; then
+    (cd "$ROOT" && cargo build --release --locked -p capk-controller -p capk-launcher \
+      --bin capk-controller --bin capk-launcher) >"$logfile" 2>&1 || { tail -n 30 "$logfile" >&2; die "cargo build failed (log ${logfile#"$ROOT"/})"; }
+    CONTROLLER_BIN=$target/release/capk-controller LAUNCHER_BIN=$target/release/capk-launcher
+  else
+    (cd "$ROOT" && cargo test --workspace --locked --no-run) >"$logfile" 2>&1 ||
+      { tail -n 30 "$logfile" >&2; die "cargo test --no-run failed (log ${logfile#"$ROOT"/})"; }
+    CONTROLLER_BIN=$target/debug/capk-controller LAUNCHER_BIN=$target/debug/capk-launcher
+  fi
+  log "cargo done in $((SECONDS - start))s"
+}
+
+# needs_glibc BINARY: the newest GLIBC_x.y symbol version it links against.
+needs_glibc() { objdump -T "$1" | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -V | tail -n 1; }
+
+# host_image NAME DOCKERFILE BINARY: the runtime stage of DOCKERFILE plus BINARY at
+# /usr/local/bin/<its name>.
+host_image() {
+  local name=$1 dockerfile=$2 bin=$3 exe runtime rkey key logfile start old ctr stripped
+  exe=$(basename "$bin")
+  [[ -x $bin ]] || die "$bin missing after the cargo build"
+  runtime=${name%%:*}-runtime:dev
+  rkey=$(printf '%s\n' "dockerfile $(sha256sum <"$ROOT/$dockerfile" | cut -d' ' -f1)" \
+    "base $(image_id debian:bookworm-slim)" "recipe $RUST_RECIPE" | sha256sum | cut -c1-32)
+  if [[ $(image_label "$runtime") != "$rkey" ]]; then
+    logfile=$WORK/$(basename "${runtime%%:*}").build.log
+    start=$SECONDS
+    old=$(image_id "$runtime" 2>/dev/null || true)
+    # chroot isolation shares the host's network: apt reaches the Debian mirror of the base's
+    # sources.list; the RUN steps see the host's CA bundle (a network that inspects TLS).
+    if ! capk_buildah build --pull=never --isolation chroot --network host --layers=false --force-rm \
+      --volume "$HOST_CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt:ro" --target runtime \
+      --label "$LABEL=$rkey" -f "$ROOT/$dockerfile" -t "$runtime" "$ROOT" >"$logfile" 2>&1; then
+      tail -n 30 "$logfile" >&2
+      die "buildah build --target runtime of $dockerfile failed (log ${logfile#"$ROOT"/})"
+    fi
+    drop_replaced "$old" "$runtime"
+    log "built $runtime (the runtime stage of $dockerfile) in $((SECONDS - start))s"
+  fi
+  stripped=$WORK/$exe
+  strip --strip-debug -o "$stripped" "$bin"
+  key=$(printf '%s\n' "runtime $rkey" "binary $(sha256sum <"$stripped" | cut -d' ' -f1)" | sha256sum | cut -c1-32)
+  if [[ $(image_label "$name") == "$key" ]]; then
+    log "buildah has $name (inputs $key)"
+  else
+    old=$(image_id "$name" 2>/dev/null || true)
+    ctr=$(capk_buildah from --pull=never "$runtime")
+    capk_buildah copy --chown 0:0 --chmod 0755 "$ctr" "$stripped" "/usr/local/bin/$exe" >/dev/null
+    capk_buildah config --label "$LABEL=$key" \
+      --label "org.opencontainers.image.description=$exe ($IMAGE_PROFILE build of this tree) on the runtime stage of $dockerfile" "$ctr"
+    capk_buildah commit --quiet --rm "$ctr" "$name" >/dev/null
+    drop_replaced "$old" "$name"
+    log "built $name ($IMAGE_PROFILE binary, $(du -h "$stripped" | cut -f1))"
+  fi
+  rm -f "$stripped"
+  import "$name" "$name" "$key"
+}
+
+# dockerfile_image NAME DOCKERFILE CRATE_DIR...: the whole Dockerfile, compiled inside buildah. Its
+# input key: the crates the binary is built from, of which only src/ counts (tests, benches, fuzz
+# targets and docs are not in a release binary; none of the crates has a build script or
+# includes a file from elsewhere); every workspace member's Cargo.toml is an input too (cargo
+# reads them all).
+dockerfile_image() {
   local name=$1 dockerfile=$2 key logfile start old crate
   shift 2
+  bash "$ROOT/images/base/rust.sh"
   local manifests=()
   # The members of the workspace, as Cargo.toml lists them (images/flatcar is two levels deep).
   mapfile -t manifests < <(sed -n 's/^members = \[\(.*\)\]$/\1/p' "$ROOT/Cargo.toml" | tr -d '" ' | tr ',' '\n' | sed 's#$#/Cargo.toml#')
@@ -131,13 +214,10 @@ rust_image() {
     log "buildah has $name (inputs $key)"
   else
     logfile=$WORK/$(basename "${name%%:*}").build.log
-    log "building $name from $dockerfile (log ${logfile#"$ROOT"/})"
+    log "building $name from $dockerfile inside buildah (log ${logfile#"$ROOT"/})"
     start=$SECONDS
     old=$(image_id "$name" 2>/dev/null || true)
-    # chroot isolation shares the host's network: cargo reaches the crate registry and apt the Debian
-    # mirror of the base image's sources.list. The RUN steps see the host's CA bundle (read-only,
-    # not part of any layer): on a network that inspects TLS, the host trusts a CA that Debian's
-    # bundle in the image lacks. --pull=never: FROM names resolve to images/base/'s.
+    # As host_image's runtime stage; --pull=never: FROM names resolve to images/base/'s.
     if ! capk_buildah build --pull=never --isolation chroot --network host --layers=false --force-rm \
       --volume "$HOST_CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt:ro" \
       --label "$LABEL=$key" -f "$ROOT/$dockerfile" -t "$name" "$ROOT" >"$logfile" 2>&1; then
@@ -149,8 +229,24 @@ rust_image() {
   fi
   import "$name" "$name" "$key"
 }
-rust_image "$CONTROLLER_IMAGE" Dockerfile.controller api bootstrap controller readyz
-rust_image "$LAUNCHER_IMAGE" Dockerfile.launcher api bootstrap images/flatcar launcher readyz
+
+if [[ $IMAGE_BUILD == host ]]; then
+  host_binaries
+  for bin in "$CONTROLLER_BIN" "$LAUNCHER_BIN"; do
+    need=$(needs_glibc "$bin")
+    if [[ $(printf '%s\n' "$need" "$base_glibc" | sort -V | tail -n 1) != "$base_glibc" ]]; then
+      log "$(basename "$bin") needs glibc $need, debian:bookworm-slim has $base_glibc: the images compile inside buildah instead"
+      IMAGE_BUILD=dockerfile
+    fi
+  done
+fi
+if [[ $IMAGE_BUILD == host ]]; then
+  host_image "$CONTROLLER_IMAGE" Dockerfile.controller "$CONTROLLER_BIN"
+  host_image "$LAUNCHER_IMAGE" Dockerfile.launcher "$LAUNCHER_BIN"
+else
+  dockerfile_image "$CONTROLLER_IMAGE" Dockerfile.controller api bootstrap controller readyz
+  dockerfile_image "$LAUNCHER_IMAGE" Dockerfile.launcher api bootstrap images/flatcar launcher readyz
+fi
 
 # --- Cluster API managers: static binaries at /manager -----------------------------------------------
 # What upstream's distroless static:nonroot base image gives them: /etc/passwd and /etc/group with

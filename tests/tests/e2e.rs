@@ -358,6 +358,42 @@ fn chrono_stamp() -> String {
     format!("run-{secs}")
 }
 
+/// How much slower this host emulates than the reference machine of hack/calibrate-host.sh (its
+/// `CAPK_TCG_CALIBRATION_RATIO` in `_output/calibration.env`, which every make target of an
+/// emulated journey writes first), never below 1. Without that file the waits are the reference
+/// machine's, and the first wait says so.
+fn tcg_ratio() -> f64 {
+    static RATIO: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *RATIO.get_or_init(|| {
+        let file = capk_tests::output_dir().join("calibration.env");
+        let ratio = std::fs::read_to_string(&file).ok().and_then(|env| {
+            env.lines()
+                .find_map(|l| l.strip_prefix("CAPK_TCG_CALIBRATION_RATIO="))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        });
+        match ratio {
+            Some(r) => {
+                let r = r.max(1.0);
+                eprintln!("e2e: waits for emulated guests scaled by {r:.2} ({})", file.display());
+                r
+            }
+            None => {
+                eprintln!(
+                    "e2e: no host calibration in {} (make calibrate): waits for emulated guests are the reference machine's",
+                    file.display()
+                );
+                1.0
+            }
+        }
+    })
+}
+
+/// A wait for emulated guests: `reference` is what it may take on the reference machine (docs/
+/// benchmarks.md, "Host calibration"), scaled by this host's [`tcg_ratio`].
+fn emulated(reference: Duration) -> Duration {
+    reference.mul_f64(tcg_ratio())
+}
+
 /// Polls `f` until it returns `Some`, or fails with the description and the last error.
 fn wait<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<Option<T>>) -> Result<T> {
     let start = Instant::now();
@@ -571,7 +607,7 @@ fn wait_workers(e: &E2e, n: usize) -> Result<Vec<String>> {
 fn wait_workers_in(e: &E2e, hosting: &E2e, n: usize) -> Result<Vec<String>> {
     wait(
         &format!("{n} worker machines up, no other machine Pods"),
-        Duration::from_secs(420),
+        emulated(Duration::from_secs(420)),
         || workers_up_in(e, hosting, n),
     )
 }
@@ -878,17 +914,21 @@ fn create_cluster(e: &E2e) -> Result<ControlPlane> {
         name(&svc)
     );
 
-    let cp = wait("control-plane machine up", Duration::from_secs(420), || {
-        let cps = control_plane_kvmmachines(e)?;
-        let Some(km) = cps.first() else {
-            return Ok(None);
-        };
-        let machines = e.items(
-            "machines",
-            Some("cluster.x-k8s.io/cluster-name=e2e,cluster.x-k8s.io/control-plane"),
-        )?;
-        machine_up(e, &machines[0]).map(|up| up.filter(|k| k == km))
-    })?;
+    let cp = wait(
+        "control-plane machine up",
+        emulated(Duration::from_secs(420)),
+        || {
+            let cps = control_plane_kvmmachines(e)?;
+            let Some(km) = cps.first() else {
+                return Ok(None);
+            };
+            let machines = e.items(
+                "machines",
+                Some("cluster.x-k8s.io/cluster-name=e2e,cluster.x-k8s.io/control-plane"),
+            )?;
+            machine_up(e, &machines[0]).map(|up| up.filter(|k| k == km))
+        },
+    )?;
     // The tenant's namespace holds no Pod of the machine (it is baseline, [`fresh_namespace`]).
     assert_machines_outside_the_tenant_namespace(e)?;
     let cp_pod = machine_pod(e, &cp)?;
@@ -1169,7 +1209,7 @@ fn scale_upgrade_faults_pause_delete(e: &E2e, cp: &str, first_marker: &str) -> R
     )?;
     let upgraded = wait(
         "worker rolled to the new template",
-        Duration::from_secs(420),
+        emulated(Duration::from_secs(420)),
         || {
             let ms = worker_machines(e)?;
             if ms.len() != 1 || ms[0]["metadata"]["deletionTimestamp"].is_string() {

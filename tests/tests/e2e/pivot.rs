@@ -23,8 +23,8 @@ use k8s_openapi::jiff::Timestamp;
 
 use super::{
     workload::{
-        NODE_READY, Workload, apply_workload_cluster, assert_no_etcd_data_left, dev_node_image,
-        dev_setting, map_yaml_docs, ready_nodes,
+        Workload, apply_workload_cluster, assert_no_etcd_data_left, dev_node_image, dev_setting,
+        map_yaml_docs, node_ready_timeout, ready_nodes,
     },
     *,
 };
@@ -161,7 +161,7 @@ fn create_movable_cluster(mc1: &E2e) -> Result<(String, Workload)> {
     })?;
     prepare_workers(mc1)?;
     let w = Workload::fetch(mc1)?;
-    wait("control-plane Node Ready", NODE_READY, || {
+    wait("control-plane Node Ready", node_ready_timeout(), || {
         Ok(ready_nodes(&w, mc1)?.contains(&cp).then_some(()))
     })?;
     // What clusterctl move checks before it moves anything (mover.go, checkProvisioningCompleted).

@@ -203,20 +203,26 @@ fn create_topology_cluster(e: &E2e, node_ip: &str) -> Result<(String, String)> {
         ))
     })?;
     // The worker boots beside the control plane: its Machine gets bootstrap data on every look.
-    let cp = wait("control-plane machine up", Duration::from_secs(420), || {
-        give_workers_bootstrap_data(e)?;
-        let machines = e.items(
-            "machines",
-            Some("cluster.x-k8s.io/cluster-name=e2e,cluster.x-k8s.io/control-plane"),
-        )?;
-        match machines.as_slice() {
-            [m] => machine_up(e, m),
-            _ => Ok(None),
-        }
-    })?;
-    let worker = wait("worker machine up", Duration::from_secs(420), || {
-        workers_with_bootstrap_data_up(e, 1)
-    })?
+    let cp = wait(
+        "control-plane machine up",
+        emulated(Duration::from_secs(420)),
+        || {
+            give_workers_bootstrap_data(e)?;
+            let machines = e.items(
+                "machines",
+                Some("cluster.x-k8s.io/cluster-name=e2e,cluster.x-k8s.io/control-plane"),
+            )?;
+            match machines.as_slice() {
+                [m] => machine_up(e, m),
+                _ => Ok(None),
+            }
+        },
+    )?;
+    let worker = wait(
+        "worker machine up",
+        emulated(Duration::from_secs(420)),
+        || workers_with_bootstrap_data_up(e, 1),
+    )?
     .remove(0);
     let checks = wait(
         "the class's MachineHealthChecks",
@@ -378,7 +384,7 @@ fn rotate_workers(e: &E2e, cp: &str, old_worker: &str) -> Result<String> {
 
     let new_worker = wait(
         "the worker rolled to the new template",
-        Duration::from_secs(420),
+        emulated(Duration::from_secs(420)),
         || {
             let Some(up) = workers_with_bootstrap_data_up(e, 1)? else {
                 return Ok(None);

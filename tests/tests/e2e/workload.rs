@@ -27,8 +27,12 @@ const ETCD_HOST_PATH: &str = "/var/lib/capk/etcd";
 /// WORKER_MACHINE_CPUS).
 const CONTROL_PLANE_CPUS: &str = "1";
 const WORKER_CPUS: &str = "1";
-/// How long a TCG machine may take from created to a Ready Node (boot, image import, kubeadm).
-pub(super) const NODE_READY: Duration = Duration::from_secs(45 * 60);
+/// How long a TCG machine may take from created to a Ready Node (boot, image import, kubeadm): 25
+/// minutes on the reference machine, where a control plane and a worker were Ready 445 s after
+/// the apply, scaled by this host's calibration.
+pub(super) fn node_ready_timeout() -> Duration {
+    emulated(Duration::from_secs(25 * 60))
+}
 /// How long a request to the workload apiserver is retried while its connection is refused or
 /// times out (an emulated control plane restarting its apiserver takes minutes).
 const UNREACHABLE_RETRY: Duration = Duration::from_secs(5 * 60);
@@ -363,7 +367,7 @@ pub(super) fn apply_workload_cluster(
     })?;
     wait(
         "workload kubeconfig Secret (control plane initialized)",
-        NODE_READY,
+        node_ready_timeout(),
         || {
             let c = e.json(&["-n", ns(), "get", "cluster", CLUSTER])?;
             Ok(condition_true(&c, "ControlPlaneInitialized").then_some(()))
@@ -373,10 +377,14 @@ pub(super) fn apply_workload_cluster(
         "e2e: workload: control plane initialized {:.0}s after apply",
         created.elapsed().as_secs_f64()
     );
-    wait("kubeadm init done on the control plane", NODE_READY, || {
-        let km = e.json(&["-n", ns(), "get", "kvmmachine", &cp])?;
-        Ok(condition_true(&km, "BootstrapCompleted").then_some(()))
-    })?;
+    wait(
+        "kubeadm init done on the control plane",
+        node_ready_timeout(),
+        || {
+            let km = e.json(&["-n", ns(), "get", "kvmmachine", &cp])?;
+            Ok(condition_true(&km, "BootstrapCompleted").then_some(()))
+        },
+    )?;
     Ok((cp, created))
 }
 
@@ -409,7 +417,7 @@ pub(super) fn workload_journey(e: &E2e) -> Result<()> {
     std::fs::write(format!("{}/hello", host_volume_dir()), &host_text)?;
     scale_machine_deployment(e, 1)?;
     let w = Workload::fetch(e)?;
-    let nodes = wait("both Nodes Ready", NODE_READY, || {
+    let nodes = wait("both Nodes Ready", node_ready_timeout(), || {
         let ready = ready_nodes(&w, e)?;
         Ok((ready.len() == 2).then_some(ready))
     })?;
@@ -718,7 +726,7 @@ fn worker_nodes(w: &Workload, e: &E2e) -> Result<Vec<String>> {
 
 /// Waits until the workers are exactly `n` Ready Nodes, each with a Running Machine.
 fn wait_ready_workers(e: &E2e, w: &Workload, n: usize, what: &str) -> Result<Vec<String>> {
-    wait(what, NODE_READY, || {
+    wait(what, node_ready_timeout(), || {
         let nodes = w.items(
             e,
             &[
@@ -800,7 +808,7 @@ fn node_health_remediation(e: &E2e, w: &Workload, cp: &str, toolbox: &str) -> Re
             "clusterName": CLUSTER,
             "selector": {"matchLabels": {"cluster.x-k8s.io/deployment-name": format!("{CLUSTER}-md-0")}},
             "checks": {
-                "nodeStartupTimeoutSeconds": NODE_READY.as_secs(),
+                "nodeStartupTimeoutSeconds": node_ready_timeout().as_secs(),
                 "unhealthyNodeConditions": [
                     {"type": "Ready", "status": "Unknown", "timeoutSeconds": 60},
                     {"type": "Ready", "status": "False", "timeoutSeconds": 60}
@@ -879,16 +887,18 @@ fn etcd_survives_kill_of_qemu(e: &E2e, w: &Workload, cp: &str) -> Result<()> {
     kill_qemu(e, cp, Duration::from_secs(300))?;
     let seen = wait(
         "workload apiserver back, with the object created before the kill",
-        NODE_READY,
+        node_ready_timeout(),
         || {
             let cm = w.json(e, &["-n", "default", "get", "configmap", "etcd-marker"])?;
             Ok(cm["data"]["id"].as_str().map(str::to_owned))
         },
     )?;
     assert_eq!(seen, marker, "etcd lost its data across the VM restart");
-    wait("control-plane Node Ready again", NODE_READY, || {
-        Ok(ready_nodes(w, e)?.contains(&cp.to_owned()).then_some(()))
-    })?;
+    wait(
+        "control-plane Node Ready again",
+        node_ready_timeout(),
+        || Ok(ready_nodes(w, e)?.contains(&cp.to_owned()).then_some(())),
+    )?;
     eprintln!(
         "e2e: workload: 4. kill -9 of QEMU on {cp}: VM back with etcd's data in {:.0}s",
         started.elapsed().as_secs_f64()
@@ -964,7 +974,7 @@ fn control_plane_rollout(e: &E2e, w: &Workload, old_cp: &str) -> Result<()> {
     ])?;
     let result = wait(
         "control plane rolled out: one new control-plane Node Ready, the old one gone",
-        NODE_READY + NODE_READY,
+        node_ready_timeout() * 2,
         || {
             let cps = control_plane_kvmmachines(e)?;
             let nodes = w.items(
@@ -1248,12 +1258,12 @@ pub(super) fn idle_nodes_bench(e: &E2e) -> Result<()> {
 fn idle_cost(e: &E2e, w: &Workload, cp: &str, created: Instant, bench: &str) -> Result<String> {
     const SETTLE: Duration = Duration::from_secs(30);
     const WINDOW: Duration = Duration::from_secs(60);
-    let nodes = wait("both Nodes Ready", NODE_READY, || {
+    let nodes = wait("both Nodes Ready", node_ready_timeout(), || {
         let ready = ready_nodes(w, e)?;
         Ok((ready.len() == 2).then_some(ready))
     })?;
     let nodes_ready = created.elapsed();
-    wait("every workload Pod ready", NODE_READY, || {
+    wait("every workload Pod ready", node_ready_timeout(), || {
         let pods = w.items(e, &["get", "pods", "--all-namespaces"])?;
         let waiting: Vec<String> = pods
             .iter()
