@@ -63,7 +63,6 @@ done
 mkdir -p "$WORK"
 ms_rel=$(realpath --relative-to="$WORK" "$ms_src/manifests/overlays/release")
 vpa_rel=$(realpath --relative-to="$WORK" "$vpa_src/deploy")
-vpa_tag=${VPA_VERSION#v}
 cat >"$WORK/certificates.yaml" <<EOF
 # The admission controller's serving certificate, from cert-manager (written by hack/dev/vpa.sh).
 apiVersion: cert-manager.io/v1
@@ -95,6 +94,26 @@ spec:
   privateKey: {algorithm: ECDSA, size: 256}
   issuerRef: {name: vpa-ca, kind: Issuer}
 EOF
+# The image names upstream's manifests give each container, read from them (rendered once without
+# the replacements below), so that nothing here names their registry.
+cat >"$WORK/kustomization.yaml" <<EOF
+resources:
+  - $ms_rel
+  - $vpa_rel
+EOF
+"$BIN/kubectl" kustomize "$WORK" 2>/dev/null >"$WORK/upstream.yaml" ||
+  die "kustomize of upstream's manifests in ${WORK#"$ROOT"/} failed: $("$BIN/kubectl" kustomize "$WORK" 2>&1 | tail -3)"
+# upstream_image NAME: upstream's image name (without the tag) of the container image NAME.
+upstream_image() {
+  local found
+  found=$(sed -n "s#^[ -]*image: \(.*/$1\):[^/]*\$#\1#p" "$WORK/upstream.yaml" | sort -u)
+  [[ -n $found && $found != *$'\n'* ]] || die "upstream's manifests name no single image .../$1 (found: ${found:-none})"
+  echo "$found"
+}
+up_ms=$(upstream_image metrics-server)
+up_recommender=$(upstream_image vpa-recommender)
+up_updater=$(upstream_image vpa-updater)
+up_admission=$(upstream_image vpa-admission-controller)
 cat >"$WORK/kustomization.yaml" <<EOF
 # Written by hack/dev/vpa.sh: upstream's metrics-server and VPA manifests, local images.
 resources:
@@ -102,10 +121,10 @@ resources:
   - $vpa_rel
   - certificates.yaml
 images:
-  - {name: registry.k8s.io/metrics-server/metrics-server, newName: ${MS_IMAGE%:*}, newTag: $METRICS_SERVER_VERSION}
-  - {name: registry.k8s.io/autoscaling/vpa-recommender, newName: localhost/capk/vpa-recommender, newTag: $VPA_VERSION}
-  - {name: registry.k8s.io/autoscaling/vpa-updater, newName: localhost/capk/vpa-updater, newTag: $VPA_VERSION}
-  - {name: registry.k8s.io/autoscaling/vpa-admission-controller, newName: localhost/capk/vpa-admission-controller, newTag: $VPA_VERSION}
+  - {name: $up_ms, newName: ${MS_IMAGE%:*}, newTag: $METRICS_SERVER_VERSION}
+  - {name: $up_recommender, newName: localhost/capk/vpa-recommender, newTag: $VPA_VERSION}
+  - {name: $up_updater, newName: localhost/capk/vpa-updater, newTag: $VPA_VERSION}
+  - {name: $up_admission, newName: localhost/capk/vpa-admission-controller, newTag: $VPA_VERSION}
 patches:
   - target: {kind: Deployment, name: metrics-server}
     patch: |
@@ -129,8 +148,9 @@ for image in "$MS_IMAGE" "localhost/capk/vpa-recommender:$VPA_VERSION" "localhos
   "localhost/capk/vpa-admission-controller:$VPA_VERSION"; do
   grep -q "image: $image\$" "$WORK/components.yaml" || die "upstream's manifests no longer name the image replaced by $image"
 done
-grep -q "registry.k8s.io/autoscaling/vpa-.*:$vpa_tag\|registry.k8s.io/metrics-server" "$WORK/components.yaml" &&
-  die "an upstream image name is left in ${WORK#"$ROOT"/}/components.yaml"
+for up in "$up_ms" "$up_recommender" "$up_updater" "$up_admission"; do
+  ! grep -q "image: $up:" "$WORK/components.yaml" || die "upstream's image $up is left in ${WORK#"$ROOT"/}/components.yaml"
+done
 
 # cert-manager's webhook admits Issuers and Certificates only once it serves (right after
 # clusterctl init it may not yet): retry the apply for a while.
