@@ -3,7 +3,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 OUTPUT := _output
 
-.PHONY: all build check check-no-local-mc packages test test-deps lint fmt generate release-manifests bench calibrate test-guest bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node bench-idle-nodes testenv testenv-down dev-up dev-down e2e e2e-stub e2e-topology e2e-operating e2e-workload fuzz clean help node-image test-node-image
+.PHONY: all build check check-no-local-mc packages test test-deps lint fmt generate release-manifests bench calibrate test-guest bench-controller bench-launcher bench-e2e bench-e2e-workload bench-idle-node bench-idle-nodes bench-dev-up testenv testenv-down dev-up dev-down e2e e2e-stub e2e-topology e2e-operating e2e-workload fuzz clean help node-image test-node-image
 
 all: build
 
@@ -110,6 +110,9 @@ bench-e2e: test-guest ## On the local MC: machine created -> guest up (test gues
 	bash hack/calibrate-host.sh
 	CAPK_DEV_SAMPLE=0 bash hack/dev-up.sh
 	$(CARGO) test -p capk-tests --test e2e -- --ignored --nocapture --test-threads=1 --exact bench_e2e_machine_boot_and_pod_overhead bench_e2e_workload_nodes
+
+bench-dev-up: test-guest ## make dev-up as a user waits for it, to the sample's Nodes Ready: as the tree is, after make dev-down, with everything up (CAPK_BENCH_COLD=1: a clean clone from empty caches instead); after the host calibration
+	bash hack/bench-dev-up.sh
 
 bench-idle-nodes: test-guest ## Real nodes under TCG, idle: one control plane and one worker of the node-image flavor on the local MC, each machine Pod's host CPU over 60 s once every Pod is ready, and the time to both Nodes Ready (about 30 minutes)
 	bash hack/calibrate-host.sh
