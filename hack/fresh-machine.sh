@@ -75,6 +75,11 @@ debootstrap --variant=minbase --include=git,make,ca-certificates "$SUITE" "$DIR"
   { tail -n 20 "$DIR.debootstrap.log" >&2; die "debootstrap failed (log $DIR.debootstrap.log)"; }
 rm -f "$DIR.debootstrap.log"
 log "debootstrap done in $((SECONDS - start))s"
+# A machine's / is a mount point (buildah remounts / private before it applies a layer; in a
+# plain chroot that is EINVAL), shared with nothing outside but shared inside, as a host's is.
+mount --bind "$DIR" "$DIR"
+mount --make-private "$DIR"
+mount --make-shared "$DIR"
 
 # What the machine's image gives every machine: apt's settings (the suite's own sources), the CA
 # of the network's TLS inspection, DNS.
