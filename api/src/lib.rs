@@ -1,6 +1,6 @@
 //! The API of cluster-api-provider-kvm: the KVM kinds (`infrastructure.cluster.x-k8s.io/v1alpha1`),
 //! the minimal Cluster API types the provider reads, and the names (labels, annotations,
-//! finalizers, conditions) everything else shares. No I/O.
+//! finalizers, conditions) and the machine limits everything else shares. No I/O.
 #![forbid(unsafe_code)]
 
 #[cfg(feature = "kube")]
@@ -9,6 +9,7 @@ pub mod constants;
 #[cfg(feature = "kube")]
 pub mod crd;
 pub mod etcd_owner;
+pub mod limits;
 pub mod mount_tag;
 pub mod quantity;
 #[cfg(feature = "kube")]

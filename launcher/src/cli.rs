@@ -491,8 +491,12 @@ mod tests {
                 "invalid --vcpus: must be between 1 and 255",
             ),
             (
-                &["--memory", "64Mi"],
-                "invalid --memory: must be at least 128Mi",
+                &["--memory", "255Mi"],
+                "invalid --memory: must be at least 256Mi",
+            ),
+            (
+                &["--disk-size", "1023Mi"],
+                "invalid --disk-size: must be at least 1Gi",
             ),
             (
                 &["--image-format", "vmdk"],
@@ -552,6 +556,38 @@ mod tests {
             ]))
             .is_ok()
         );
+    }
+
+    /// The launcher runs a machine up to the shared limits the CRD and the controller's validation
+    /// hold too (their own tests), and refuses one past each.
+    #[test]
+    fn the_resource_edges_are_the_shared_limits() {
+        use capk_api::limits::{MAX_VCPUS, MIN_DISK, MIN_MEMORY, MIN_VCPUS};
+        let at = |vcpus: u32, memory: u64, disk: u64| {
+            let (vcpus, memory, disk) = (vcpus.to_string(), memory.to_string(), disk.to_string());
+            validate(&config(&[
+                "--vcpus",
+                &vcpus,
+                "--memory",
+                &memory,
+                "--disk-size",
+                &disk,
+            ]))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+        };
+        let (mem, disk) = (MIN_MEMORY.bytes, MIN_DISK.bytes);
+        assert_eq!(at(MIN_VCPUS, mem, disk), Ok(()));
+        assert_eq!(at(MAX_VCPUS, mem, disk), Ok(()));
+        for (vcpus, memory, disk, flag) in [
+            (MIN_VCPUS - 1, mem, disk, "--vcpus"),
+            (MAX_VCPUS + 1, mem, disk, "--vcpus"),
+            (1, mem - 1, disk, "--memory"),
+            (1, mem, disk - 1, "--disk-size"),
+        ] {
+            let e = at(vcpus, memory, disk).unwrap_err();
+            assert!(e.starts_with(&format!("invalid {flag}: ")), "{e}");
+        }
     }
 
     /// The launcher takes exactly the mount tags the CRD and the bootstrap overlay take.

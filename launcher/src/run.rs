@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{Mutex, Notify};
 
+use capk_api::limits::{MAX_VCPUS, MIN_DISK, MIN_MEMORY, MIN_VCPUS};
+
 use crate::accel::{self, AccelChoice, KvmUnusable};
 use crate::apiserver;
 use crate::console;
@@ -238,20 +240,29 @@ pub fn validate(a: &RunConfig) -> Result<Validated, RunError> {
         flag,
         reason: reason.to_string(),
     };
-    if a.vcpus == 0 || a.vcpus > 255 {
-        return Err(invalid("vcpus", "must be between 1 and 255"));
+    if !(MIN_VCPUS..=MAX_VCPUS).contains(&a.vcpus) {
+        return Err(invalid(
+            "vcpus",
+            &format!("must be between {MIN_VCPUS} and {MAX_VCPUS}"),
+        ));
+    }
+    if a.memory.0 < MIN_MEMORY.bytes {
+        return Err(invalid(
+            "memory",
+            &format!("must be at least {}", MIN_MEMORY.quantity),
+        ));
     }
     let memory_mib = a.memory.as_mib_ceil();
-    if memory_mib < 128 {
-        return Err(invalid("memory", "must be at least 128Mi"));
-    }
     let image_format = match a.image_format.as_str() {
         "qcow2" => DiskFormat::Qcow2,
         "raw" => DiskFormat::Raw,
         _ => return Err(invalid("image-format", "must be qcow2 or raw")),
     };
-    if a.disk_size.0 == 0 {
-        return Err(invalid("disk-size", "must be larger than 0"));
+    if a.disk_size.0 < MIN_DISK.bytes {
+        return Err(invalid(
+            "disk-size",
+            &format!("must be at least {}", MIN_DISK.quantity),
+        ));
     }
     if a.etcd_disk.is_some() && a.etcd_disk_size.0 == 0 {
         return Err(invalid("etcd-disk-size", "must be larger than 0"));

@@ -236,7 +236,7 @@ impl Launcher {
             .args(["--role", t.bootstrap.role])
             .args([
                 "--disk-size",
-                "512Mi",
+                "1Gi",
                 "--docker-disk-size",
                 "64Mi",
                 "--kubelet-disk-size",
@@ -395,7 +395,7 @@ fn boot_and_check_as(
         "{kubelet}"
     );
     let root = l.wait_for("serial=rootfs", Duration::from_secs(5));
-    assert!(root.ends_with(&format!("bytes={}", 512u64 << 20)), "{root}");
+    assert!(root.ends_with(&format!("bytes={}", 1u64 << 30)), "{root}");
     let nine_p = l.wait_for("CAPK-TESTGUEST virtio-9p-devices=", Duration::from_secs(5));
     assert!(
         nine_p.ends_with("=2"),
@@ -947,7 +947,7 @@ fn bootable_disk_guest_boots_through_firmware_and_bootloader() {
     let lease = l.wait_for("CAPK-TESTGUEST lease ", Duration::from_secs(60));
     assert!(lease.contains(&format!("ip={}/", t.pod_ip)), "{lease}");
     let root = l.wait_for("serial=rootfs", Duration::from_secs(5));
-    assert!(root.ends_with(&format!("bytes={}", 512u64 << 20)), "{root}");
+    assert!(root.ends_with(&format!("bytes={}", 1u64 << 30)), "{root}");
     assert_ignition_ran(&mut l);
     l.wait_for("CAPK-TESTGUEST bootstrap-success", Duration::from_secs(60));
     let ready = l.wait_probe("readiness", true, Duration::from_secs(30));
@@ -1383,7 +1383,7 @@ fn refuses_the_host_network_namespace() {
             "--memory",
             "256Mi",
             "--disk-size",
-            "512Mi",
+            "1Gi",
         ],
     );
     assert!(!ok, "{err}");

@@ -12,16 +12,15 @@ use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
 use super::shared::{Initialization, MachineAddress};
-use crate::quantity::SizeQuantity;
+use crate::{
+    limits::{self, CelRule},
+    quantity::SizeQuantity,
+};
 
-/// The smallest VM memory the API accepts. Flatcar with containerd and a kubelet does not boot
-/// into a working node below this; 2Gi or more is recommended for real nodes.
-pub const MIN_MEMORY: &str = "256Mi";
-/// The smallest root disk the API accepts.
-pub const MIN_DISK: &str = "1Gi";
-/// The largest vCPU count the API accepts: what `capk-launcher run --vcpus` takes (the CRD rule
-/// on `spec.resources.cpu` says the same number; a test holds them together).
-pub const MAX_CPU: i32 = 255;
+/// A CRD rule from one of [`limits`]' rules.
+fn cel(r: CelRule) -> kube::core::Rule {
+    kube::core::Rule::new(r.rule).message(kube::core::Message::Message(r.message))
+}
 
 /// The CEL rule that keeps a KVMMachine's spec as it was when its machine Pod was built. The
 /// controller sets `providerID` right before it creates the Pod (and the spec's own rule forbids
@@ -183,16 +182,16 @@ pub struct KVMMachineSpec {
 #[serde(rename_all = "camelCase")]
 pub struct MachineResources {
     /// Number of vCPUs (1 to 255, what the launcher runs).
-    #[x_kube(validation = Rule::new("self >= 1").message("cpu is the number of vCPUs and must be at least 1"))]
-    #[x_kube(validation = Rule::new("self <= 255").message("cpu must be at most 255 (the most vCPUs a machine runs)"))]
+    #[x_kube(validation = cel(limits::cpu_min_rule()))]
+    #[x_kube(validation = cel(limits::cpu_max_rule()))]
     pub cpu: i32,
 
     /// VM memory, at least 256Mi (e.g. `1Gi`).
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).compareTo(quantity('256Mi')) >= 0").message("memory must be a quantity of at least 256Mi, e.g. 1Gi"))]
+    #[x_kube(validation = cel(limits::memory_rule()))]
     pub memory: SizeQuantity,
 
     /// Root disk size: the qcow2 overlay on the node image is grown to this (at least 1Gi).
-    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).compareTo(quantity('1Gi')) >= 0").message("disk must be a quantity of at least 1Gi, e.g. 20Gi"))]
+    #[x_kube(validation = cel(limits::disk_rule()))]
     pub disk: SizeQuantity,
 
     /// Size of the container runtime's disk (`/var/lib/containerd`). The name is the RFC's.
@@ -557,16 +556,19 @@ mod tests {
 
     use super::*;
 
-    /// The CEL rules on `spec.resources.cpu` of a KVMMachine.
-    fn cpu_rules() -> Vec<String> {
+    /// The CEL rules (rule, message) on `spec.resources.<field>` of a KVMMachine.
+    fn resource_rules(field: &str) -> Vec<CelRule> {
         let crd = serde_json::to_value(KVMMachine::crd()).unwrap();
-        let cpu = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-            ["resources"]["properties"]["cpu"];
-        cpu["x-kubernetes-validations"]
+        let f = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+            ["resources"]["properties"][field];
+        f["x-kubernetes-validations"]
             .as_array()
             .unwrap()
             .iter()
-            .map(|r| r["rule"].as_str().unwrap().to_owned())
+            .map(|r| CelRule {
+                rule: r["rule"].as_str().unwrap().to_owned(),
+                message: r["message"].as_str().unwrap().to_owned(),
+            })
             .collect()
     }
 
@@ -600,12 +602,15 @@ mod tests {
         assert!(rules.contains(&SPEC_IMMUTABLE_RULE), "{rules:?}");
     }
 
+    /// The CRD bounds a machine's resources with the rules of [`limits`], which the controller
+    /// and the launcher check too.
     #[test]
-    fn the_crds_vcpu_limit_is_max_cpu() {
-        assert!(
-            cpu_rules().contains(&format!("self <= {MAX_CPU}")),
-            "{:?}",
-            cpu_rules()
+    fn the_crds_resource_bounds_are_the_shared_limits() {
+        assert_eq!(
+            resource_rules("cpu"),
+            [limits::cpu_min_rule(), limits::cpu_max_rule()]
         );
+        assert_eq!(resource_rules("memory"), [limits::memory_rule()]);
+        assert_eq!(resource_rules("disk"), [limits::disk_rule()]);
     }
 }

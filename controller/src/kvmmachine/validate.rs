@@ -11,11 +11,13 @@ use kube::ResourceExt;
 use super::{node_image::HOST_IMAGE_CACHE, overhead, placement::MachinePlacement};
 use crate::settings::{KeyPatterns, MachineDefaults, TenantPolicy, is_reserved_label_key};
 
-/// Most vCPUs the launcher runs (its `--vcpus` limit), the CRD's limit too; checked here as well
-/// for objects admitted before the CRD said so.
-pub const MAX_VCPUS: u32 = capk_api::v1alpha1::MAX_CPU as u32;
-/// Least guest memory the launcher runs, bytes (its `--memory` limit).
-pub const MIN_MEMORY_BYTES: u64 = 128 << 20;
+use capk_api::limits::{MAX_VCPUS, MIN_DISK, MIN_MEMORY, MIN_VCPUS, SizeBound};
+
+/// The data disks (containerd, kubelet, etcd) need only be there; the CRD asks them positive.
+const ONE_BYTE: SizeBound = SizeBound {
+    quantity: "1",
+    bytes: 1,
+};
 
 /// A spec that passed [`validate`], with its sizes in bytes (defaults filled in): what the
 /// builders use, so they cannot fail.
@@ -82,23 +84,23 @@ pub fn validate(
     let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
 
     let vcpus = match u32::try_from(spec.resources.cpu) {
-        Ok(n @ 1..=MAX_VCPUS) => n,
+        Ok(n @ MIN_VCPUS..=MAX_VCPUS) => n,
         _ => {
             fail(
                 "spec.resources.cpu".into(),
-                format!("must be 1 to {MAX_VCPUS} vCPUs"),
+                format!("must be {MIN_VCPUS} to {MAX_VCPUS} vCPUs"),
             );
-            1
+            MIN_VCPUS
         }
     };
-    let mut size = |q: Option<&SizeQuantity>, field: &str, default: u64, min: u64| match q {
+    let mut size = |q: Option<&SizeQuantity>, field: &str, default: u64, min: SizeBound| match q {
         None => default,
         Some(q) => match q.bytes() {
-            Ok(b) if b >= min => b,
+            Ok(b) if b >= min.bytes => b,
             Ok(_) => {
                 fail(
                     field.into(),
-                    format!("{q} is below the minimum of {min} bytes"),
+                    format!("{q} is below the minimum of {}", min.quantity),
                 );
                 default
             }
@@ -111,21 +113,26 @@ pub fn validate(
     let memory = size(
         Some(&spec.resources.memory),
         "spec.resources.memory",
-        MIN_MEMORY_BYTES,
-        MIN_MEMORY_BYTES,
+        MIN_MEMORY.bytes,
+        MIN_MEMORY,
     );
-    let disk = size(Some(&spec.resources.disk), "spec.resources.disk", 1, 1);
+    let disk = size(
+        Some(&spec.resources.disk),
+        "spec.resources.disk",
+        MIN_DISK.bytes,
+        MIN_DISK,
+    );
     let docker_disk = size(
         spec.resources.docker_volume_size.as_ref(),
         "spec.resources.dockerVolumeSize",
         defaults.docker_volume_bytes,
-        1,
+        ONE_BYTE,
     );
     let kubelet_disk = size(
         spec.resources.kubelet_volume_size.as_ref(),
         "spec.resources.kubeletVolumeSize",
         defaults.kubelet_volume_bytes,
-        1,
+        ONE_BYTE,
     );
     // The etcd disk is only made for a control plane: a worker's etcdStorage is not used.
     let etcd_disk = match &spec.etcd_storage {
@@ -133,7 +140,7 @@ pub fn validate(
             s.size.as_ref(),
             "spec.etcdStorage.size",
             defaults.etcd_volume_bytes,
-            1,
+            ONE_BYTE,
         ),
         _ => defaults.etcd_volume_bytes,
     };
@@ -558,6 +565,26 @@ mod tests {
         }
     }
 
+    /// The controller takes a machine's resources up to the shared limits, which the CRD and the
+    /// launcher hold too (their own tests), and refuses one past each, naming the field.
+    #[test]
+    fn the_resource_edges_are_the_shared_limits() {
+        let at = |cpu: u32, memory: u64, disk: u64| {
+            errors(
+                json!({"resources": {"cpu": cpu, "memory": memory.to_string(),
+                                     "disk": disk.to_string()}}),
+                false,
+            )
+        };
+        let (mem, disk) = (MIN_MEMORY.bytes, MIN_DISK.bytes);
+        assert!(at(MIN_VCPUS, mem, disk).is_empty());
+        assert!(at(MAX_VCPUS, mem, disk).is_empty());
+        assert_eq!(at(MIN_VCPUS - 1, mem, disk), ["spec.resources.cpu"]);
+        assert_eq!(at(MAX_VCPUS + 1, mem, disk), ["spec.resources.cpu"]);
+        assert_eq!(at(1, mem - 1, disk), ["spec.resources.memory"]);
+        assert_eq!(at(1, mem, disk - 1), ["spec.resources.disk"]);
+    }
+
     #[test]
     fn each_broken_rule_names_its_field() {
         let cases = [
@@ -974,7 +1001,8 @@ mod tests {
         let edges = [
             (
                 true,
-                json!({"resources": {"cpu": 255, "memory": "128Mi", "disk": "1"}}),
+                json!({"resources": {"cpu": MAX_VCPUS, "memory": MIN_MEMORY.quantity,
+                                     "disk": MIN_DISK.quantity}}),
             ),
             (
                 true,
