@@ -81,10 +81,9 @@ ip link set "$BRIDGE" up
 sysctl -qw "net.ipv6.conf.$BRIDGE.disable_ipv6=1" 2>/dev/null || true
 # The Service range is routed onto the bridge, so that what this machine sends to a ClusterIP that
 # kube-proxy has no rule for yet stays here (unanswered) instead of following the default route
-# out of the machine. It happened: the apiserver's first connections to a just-created APIService
-# went out that way, were answered 404 by whatever was there, and being kept alive never met the
-# DNAT rule that came a second later (the metrics API stayed unavailable). The route goes with
-# the bridge.
+# out of the machine, where whatever answers would keep a kept-alive connection (the apiserver's
+# to a just-created APIService) from ever meeting the DNAT rule that comes a second later. The
+# route goes with the bridge.
 ip route replace "$SERVICE_CIDR" dev "$BRIDGE" src "$NODE_IP"
 
 fw_chain() { # CHAIN HOOK: (re)create our chain and hook it first into HOOK
@@ -390,7 +389,7 @@ elif [[ ${CAPK_DEV_PROVIDERS:-1} != 0 ]]; then
   bash "$ROOT/hack/dev/images.sh"
   bash "$ROOT/hack/dev/cert-manager.sh"
   bash "$ROOT/hack/dev/capi.sh" >/dev/null
-  # Operating the provider (issue 22): CAPK_DEV_VPA=1 adds metrics-server and the VPA's
+  # Operating the provider: CAPK_DEV_VPA=1 adds metrics-server and the VPA's
   # recommender, updater and admission controller; CAPK_DEV_MONITORING=1 a Prometheus scraping the
   # controller. Unset, what an earlier run installed stays.
   [[ ${CAPK_DEV_VPA:-0} == 0 ]] || bash "$ROOT/hack/dev/vpa.sh"

@@ -26,10 +26,12 @@ pub mod remote;
 pub mod remote_limits;
 pub mod report;
 pub mod settings;
+pub mod wake;
 pub mod workload;
 
 use std::sync::Arc;
 
+use capk_api::v1alpha1::{KVMCluster, KVMMachine};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Client, runtime::controller::Config as ControllerConfig};
 
@@ -67,8 +69,8 @@ pub async fn run_with_metrics(
     // The management cluster's watches, each feeding a cache the reconciles read; what other
     // clusters report wakes the reconciles it concerns.
     let (caches, events, services) = Caches::watch(&client, settings.namespace.as_deref());
-    let (cluster_wake, cluster_wakes) = kvmcluster::watches::Wake::new();
-    let (machine_wake, machine_wakes) = kvmmachine::watches::Wake::new();
+    let (cluster_wake, cluster_wakes) = kvmcluster::watches::Wake::<KVMCluster>::new();
+    let (machine_wake, machine_wakes) = kvmmachine::watches::Wake::<KVMMachine>::new();
     let events = cluster_wake.on(events, &caches);
     let limits = &settings.remote_limits;
     let workloads = workload::Links::new(machine_wake.on_nodes(&caches), limits);

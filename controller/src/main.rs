@@ -13,7 +13,6 @@ use capk_controller::metrics::{
     serve::{self, Serving},
 };
 use capk_controller::{
-    leader::LEASE_NAME,
     remote_limits::RemoteLimits,
     settings::{MachineDefaults, MachineNamespace, NodeImageSource, TenantPolicy},
 };
@@ -265,7 +264,6 @@ enum Command {
     },
 }
 
-/// An allowed host directory: absolute, no `..` element (or empty: none).
 /// A Kubernetes quantity of bytes (`50Gi`), positive.
 fn quantity_bytes(s: &str) -> Result<u64, String> {
     match capk_api::quantity::parse_bytes(s.trim()) {
@@ -310,6 +308,7 @@ fn listed(entries: Vec<String>) -> Vec<String> {
         .collect()
 }
 
+/// An allowed host directory: absolute, no `..` element (or empty: none).
 fn absolute_dir(s: &str) -> Result<String, String> {
     let s = s.trim();
     if s.is_empty() {
@@ -343,25 +342,11 @@ fn render_ignition(
     Ok(())
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    if let Some(Command::RenderIgnition {
-        format,
-        hostname,
-        instance_id,
-    }) = cli.command
-    {
-        // One line on error, the way a CLI user expects (no backtrace).
-        if let Err(e) = render_ignition(&format, hostname, instance_id) {
-            eprintln!("capk-controller render-ignition: {e:#}");
-            std::process::exit(1);
-        }
-        return Ok(());
-    }
+/// The reconcilers' settings from the command line; refuses combinations that cannot work.
+fn settings(cli: &Cli) -> anyhow::Result<capk_controller::Settings> {
     // `--namespace=` (clusterctl with an empty variable) means all namespaces.
-    let namespace = cli.namespace.filter(|n| !n.is_empty());
-    let machine_namespace = match (cli.machine_namespace, &namespace) {
+    let namespace = cli.namespace.clone().filter(|n| !n.is_empty());
+    let machine_namespace = match (&cli.machine_namespace, &namespace) {
         (Some(m), _) => m.parse::<MachineNamespace>()?,
         (None, Some(_)) => MachineNamespace::Tenant,
         (None, None) => MachineNamespace::Shared(
@@ -375,28 +360,14 @@ async fn main() -> anyhow::Result<()> {
             "--namespace={watched} watches one namespace only, so machines must live there too: set --machine-namespace= (CAPK_MACHINE_NAMESPACE) empty or to {watched}"
         );
     }
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    match cli.log_format {
-        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
-        LogFormat::Json => tracing_subscriber::fmt()
-            .json()
-            .with_env_filter(filter)
-            .init(),
-    }
-    let metrics = std::sync::Arc::new(capk_controller::metrics::Metrics::new(cli.concurrency));
-    // The client counts its requests (rest_client_requests_total).
-    let config = kube::Config::infer().await?;
-    let requests = RequestsLayer::new(metrics.clone(), &config.cluster_url);
-    let client = kube::client::ClientBuilder::try_from(config)?
-        .with_layer(&requests)
-        .build();
-    let settings = capk_controller::Settings {
+    let non_empty = |v: &[String]| v.iter().filter(|p| !p.is_empty()).cloned().collect();
+    Ok(capk_controller::Settings {
         namespace,
         machine_namespace,
-        cluster_domain: cli.cluster_domain,
+        cluster_domain: cli.cluster_domain.clone(),
         machine_defaults: MachineDefaults {
-            launcher_image: cli.launcher_image,
-            flatcar_version: cli.default_flatcar_version,
+            launcher_image: cli.launcher_image.clone(),
+            flatcar_version: cli.default_flatcar_version.clone(),
             flatcar_base_url: Some(cli.flatcar_base_url.trim().to_owned())
                 .filter(|u| !u.is_empty()),
             image_cache_bytes: cli.image_cache_size,
@@ -411,25 +382,18 @@ async fn main() -> anyhow::Result<()> {
         },
         concurrency: cli.concurrency,
         tenant_policy: TenantPolicy {
-            host_volume_prefixes: cli
-                .allowed_host_volume_paths
-                .into_iter()
-                .filter(|p| !p.is_empty())
-                .collect(),
-            etcd_host_path_prefixes: cli
-                .allowed_etcd_host_paths
-                .into_iter()
-                .filter(|p| !p.is_empty())
-                .collect(),
+            host_volume_prefixes: non_empty(&cli.allowed_host_volume_paths),
+            etcd_host_path_prefixes: non_empty(&cli.allowed_etcd_host_paths),
             allow_tolerate_all_taints: cli.allow_tolerate_all_taints,
-            toleration_keys: listed(cli.allowed_toleration_keys),
-            node_selector_keys: listed(cli.allowed_node_selector_keys),
-            priority_classes: listed(cli.allowed_priority_classes),
-            service_annotation_keys: listed(cli.allowed_control_plane_service_annotations),
+            toleration_keys: listed(cli.allowed_toleration_keys.clone()),
+            node_selector_keys: listed(cli.allowed_node_selector_keys.clone()),
+            priority_classes: listed(cli.allowed_priority_classes.clone()),
+            service_annotation_keys: listed(cli.allowed_control_plane_service_annotations.clone()),
             control_plane_service_types: cli
                 .allowed_control_plane_service_types
-                .into_iter()
+                .iter()
                 .flatten()
+                .cloned()
                 .collect(),
         },
         remote_limits: RemoteLimits {
@@ -439,28 +403,25 @@ async fn main() -> anyhow::Result<()> {
             max_in_flight: cli.remote_max_in_flight.into(),
             request_timeout: Duration::from_secs(cli.remote_request_timeout_seconds.into()),
         },
-    };
-    // Kubernetes stops Pods with SIGTERM; a terminal sends SIGINT.
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = sigterm.recv() => {}
-        }
-        let _ = stop_tx.send(true);
-    });
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
+    })
+}
+
+/// Serves the metrics (authorized, or plain with `--insecure-diagnostics`) and the health
+/// endpoints in the background.
+async fn serve_diagnostics(
+    cli: &Cli,
+    client: &kube::Client,
+    metrics: &std::sync::Arc<capk_controller::metrics::Metrics>,
+) -> anyhow::Result<()> {
     let serving = if cli.insecure_diagnostics {
         Serving::Insecure
     } else {
         let tls = match cli
             .diagnostics_cert_dir
+            .as_ref()
             .filter(|d| !d.as_os_str().is_empty())
         {
-            Some(dir) => serve::tls_from_dir(&dir)?,
+            Some(dir) => serve::tls_from_dir(dir)?,
             None => serve::tls_self_signed(serve::self_signed_names())?.0,
         };
         Serving::Secure {
@@ -479,86 +440,64 @@ async fn main() -> anyhow::Result<()> {
     );
     tokio::spawn(serve::serve_metrics(diagnostics, metrics.clone(), serving));
     tokio::spawn(serve::serve_health(health, metrics.clone()));
-    if !cli.leader_elect {
-        capk_controller::run_with_metrics(client, settings, metrics, stopped(stop_rx)).await;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Some(Command::RenderIgnition {
+        format,
+        hostname,
+        instance_id,
+    }) = &cli.command
+    {
+        // One line on error, the way a CLI user expects (no backtrace).
+        if let Err(e) = render_ignition(format, hostname.clone(), instance_id.clone()) {
+            eprintln!("capk-controller render-ignition: {e:#}");
+            std::process::exit(1);
+        }
         return Ok(());
     }
-
-    // Leader election: wait for the Lease, run while holding it, release it on the way out so
-    // the next replica takes over at once. Losing it mid-run ends the process (like
-    // controller-runtime): the kubelet restarts it as a follower.
+    let settings = settings(&cli)?;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    match cli.log_format {
+        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init(),
+    }
+    let metrics = std::sync::Arc::new(capk_controller::metrics::Metrics::new(cli.concurrency));
+    // The client counts its requests (rest_client_requests_total).
+    let config = kube::Config::infer().await?;
+    let requests = RequestsLayer::new(metrics.clone(), &config.cluster_url);
+    let client = kube::client::ClientBuilder::try_from(config)?
+        .with_layer(&requests)
+        .build();
+    // Kubernetes stops Pods with SIGTERM; a terminal sends SIGINT.
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = sigterm.recv() => {}
+        }
+        let _ = stop_tx.send(true);
+    });
+    serve_diagnostics(&cli, &client, &metrics).await?;
+    if !cli.leader_elect {
+        let mut stop = stop_rx;
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        capk_controller::run_with_metrics(client, settings, metrics, stopped).await;
+        return Ok(());
+    }
     let namespace = cli
         .leader_election_namespace
+        .clone()
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| client.default_namespace().to_owned());
-    let identity = std::env::var("POD_NAME").unwrap_or_else(|_| {
-        format!(
-            "{}-{}",
-            std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .unwrap_or_default()
-                .trim(),
-            std::process::id()
-        )
-    });
-    let manager = capk_controller::leader::lease_manager(client.clone(), &namespace, &identity)
-        .await
-        .with_context(|| format!("leader election Lease {namespace}/{LEASE_NAME}"))?;
-    // A follower is healthy and ready: it serves its endpoints and waits its turn.
-    metrics.set_ready();
-    // The Lease is driven by hand (not `watch()`), so that on the way out it is released at
-    // once rather than after the manager's next renewal.
-    let manager = std::sync::Arc::new(manager);
-    tracing::info!(lease = %format!("{namespace}/{LEASE_NAME}"), %identity, "waiting for leadership");
-    loop {
-        tokio::select! {
-            held = manager.changed() => {
-                if held.context("leader election")? {
-                    break;
-                }
-            }
-            _ = stopped(stop_rx.clone()) => return Ok(()),
-        }
-    }
-    tracing::info!(%identity, "became the leader");
-    // Renew in the background; `changed()` returns only when the state changes: lost.
-    let renew = {
-        let manager = manager.clone();
-        tokio::spawn(async move {
-            loop {
-                match manager.changed().await {
-                    Ok(true) => continue,
-                    Ok(false) => break,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "renewing the Lease failed");
-                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                    }
-                }
-            }
-        })
-    };
-    let (end_tx, end_rx) = tokio::sync::watch::channel(false);
-    let run = capk_controller::run_with_metrics(client, settings, metrics, stopped(end_rx));
-    tokio::pin!(run);
-    tokio::pin!(renew);
-    let lost = tokio::select! {
-        _ = &mut run => false,
-        _ = stopped(stop_rx.clone()) => {
-            let _ = end_tx.send(true);
-            run.await;
-            false
-        }
-        _ = &mut renew => {
-            let _ = end_tx.send(true);
-            run.await;
-            true
-        }
-    };
-    renew.abort();
-    if !lost && let Err(e) = manager.release().await {
-        tracing::warn!(error = %e, "releasing the Lease failed; the next leader waits for it to expire");
-    }
-    if lost {
-        anyhow::bail!("lost the leader election Lease {namespace}/{LEASE_NAME}");
-    }
-    Ok(())
+    capk_controller::leader::run_as_leader(client, &namespace, settings, metrics, stop_rx).await
 }

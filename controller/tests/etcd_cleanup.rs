@@ -499,7 +499,7 @@ fn run_cleanup(pod: &Pod, host: &std::path::Path) -> Result<i32> {
     )
 }
 
-/// The attack of issue 38: tenant B names its namespace like tenant A's control-plane
+/// Tenant B names its namespace like tenant A's control-plane
 /// KVMMachine, and its own KVMMachine `etcd.img` with etcd under `<prefix>/<A's namespace>`:
 /// its "directory" is A's etcd disk. The cleanup Pod refuses it (A's marker names A's UID),
 /// A's etcd data stays, and B's deletion finishes with an EtcdCleanupRefused Warning.

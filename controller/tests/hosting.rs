@@ -31,7 +31,6 @@ use support::{
 };
 
 const OWNER_NS_LABEL: &str = "infrastructure.cluster.x-k8s.io/owner-namespace";
-const OWNER_UID_LABEL: &str = "infrastructure.cluster.x-k8s.io/owner-uid";
 const KVMMACHINE_LABEL: &str = "infrastructure.cluster.x-k8s.io/kvmmachine";
 
 /// The namespace `hosting-rbac.yaml` grants.
@@ -1012,7 +1011,7 @@ async fn same_named_clusters_of_two_namespaces_share_one_hosting_namespace() -> 
         assert_eq!(pod_names[i], qualified("demo-cp-0", ns, ""));
         assert_eq!(service_names[i], qualified("demo", ns, "-apiserver"));
     }
-    // Nothing under the unqualified names.
+    // Nothing under the bare names.
     assert!(hosted_pods.get_opt("demo-cp-0").await?.is_none());
     assert!(hosted_services.get_opt("demo-apiserver").await?.is_none());
     let kept = hosted_secrets.get("demo-cp-0-ignition").await?;
@@ -1058,137 +1057,5 @@ async fn same_named_clusters_of_two_namespaces_share_one_hosting_namespace() -> 
     );
     let kept = hosted_secrets.get("demo-cp-0-ignition").await?;
     assert_eq!(secret_value(&kept), Some(b"someone else's".to_vec()));
-    Ok(())
-}
-
-/// A cluster hosted in a namespace of another name since before names there were qualified: the
-/// machine Pod, its Ignition Secret and the Service the controller made then keep their names
-/// (a renamed Pod would be a second VM; the endpoint names the Service), adopted by their
-/// labels; nothing is made twice, and the machine's deletion still finds its Pod.
-#[tokio::test]
-async fn objects_made_before_names_were_qualified_keep_their_names() -> Result<()> {
-    let (ns, hosted_ns) = ("hosting-unqualified", "unqualified");
-    let hosting = hosting_as_admin(hosted_ns).await?;
-    let hosted_pods: Api<Pod> = Api::namespaced(hosting.admin.clone(), hosted_ns);
-    let hosted_secrets: Api<Secret> = Api::namespaced(hosting.admin.clone(), hosted_ns);
-    let hosted_services: Api<Service> = Api::namespaced(hosting.admin.clone(), hosted_ns);
-    // What the controller made there before (the UIDs of then), labelled as it labels them.
-    let labels = |owner_label: &str, owner: &str| {
-        json!({"app.kubernetes.io/managed-by": "capk-controller",
-               "cluster.x-k8s.io/cluster-name": "demo",
-               "infrastructure.cluster.x-k8s.io/machine-role": "control-plane",
-               OWNER_NS_LABEL: ns, owner_label: owner, OWNER_UID_LABEL: "uid-of-then"})
-    };
-    let old_pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "demo-cp-0",
-                     "labels": labels("infrastructure.cluster.x-k8s.io/kvmmachine", "demo-cp-0")},
-        "spec": {"containers": [{"name": "launcher", "image": "capk-launcher"}],
-                 "volumes": [{"name": "ignition", "secret": {"secretName": "demo-cp-0-ignition"}}]},
-    }))?;
-    let old_pod = hosted_pods.create(&PostParams::default(), &old_pod).await?;
-    let mut svc_labels = labels("infrastructure.cluster.x-k8s.io/kvmcluster", "demo");
-    svc_labels
-        .as_object_mut()
-        .context("labels")?
-        .remove("infrastructure.cluster.x-k8s.io/machine-role");
-    let old_svc: Service = serde_json::from_value(json!({
-        "metadata": {"name": "demo-apiserver", "labels": svc_labels},
-        "spec": {"ports": [{"name": "apiserver", "port": 6443, "targetPort": 6443}]},
-    }))?;
-    let old_svc = hosted_services
-        .create(&PostParams::default(), &old_svc)
-        .await?;
-
-    let (mc, _stop, _) = controller_and_hosted_cluster(ns, &hosting, hosted_ns).await?;
-    control_plane_machine(&mc, ns, "demo-cp-0", BOOTSTRAP).await?;
-    let kms: Api<KVMMachine> = Api::namespaced(mc.clone(), ns);
-    let kcs: Api<KVMCluster> = Api::namespaced(mc.clone(), ns);
-    let km = eventually(60, "the KVMMachine's UID", || async {
-        Ok(kms.get_opt("demo-cp-0").await?)
-    })
-    .await?;
-    let pod = eventually(60, "the old Pod adopted", || async {
-        let p = hosted_pods.get("demo-cp-0").await?;
-        Ok((labels_of(&p.metadata).get(OWNER_UID_LABEL) == km.uid().as_ref()).then_some(p))
-    })
-    .await?;
-    assert_eq!(pod.uid(), old_pod.uid(), "the VM was not recreated");
-    let kc = eventually(60, "the KVMCluster provisioned", || async {
-        let kc = kcs.get("demo").await?;
-        Ok((kc.status.as_ref().and_then(|s| s.ready) == Some(true)).then_some(kc))
-    })
-    .await?;
-    assert_eq!(
-        kc.spec
-            .control_plane_endpoint
-            .as_ref()
-            .and_then(|e| e.host.clone()),
-        Some(format!("demo-apiserver.{hosted_ns}.svc.cluster.local"))
-    );
-    let svc = hosted_services.get("demo-apiserver").await?;
-    assert_eq!(svc.uid(), old_svc.uid());
-    assert_eq!(
-        labels_of(&svc.metadata).get(OWNER_UID_LABEL),
-        kc.uid().as_ref()
-    );
-    // The Ignition Secret the Pod mounts, made under the name it mounts.
-    let ignition = eventually(60, "the Ignition Secret the old Pod mounts", || async {
-        Ok(hosted_secrets.get_opt("demo-cp-0-ignition").await?)
-    })
-    .await?;
-    assert_eq!(labels_of(&ignition.metadata)[OWNER_NS_LABEL], ns);
-    run_pod(&hosted_pods, "demo-cp-0", "10.240.0.21").await?;
-    eventually(60, "the KVMMachine Ready from the old Pod", || async {
-        let km = kms.get("demo-cp-0").await?;
-        let ready = machine_condition(&km, "Ready")
-            .is_some_and(|(s, r, _)| s == "True" && r == "VMRunning");
-        Ok(ready.then_some(()))
-    })
-    .await?;
-    let pod_name = qualified("demo-cp-0", ns, "");
-    assert!(
-        hosted_pods.get_opt(&pod_name).await?.is_none(),
-        "no second VM"
-    );
-    assert!(
-        hosted_secrets
-            .get_opt(&format!("{pod_name}-ignition"))
-            .await?
-            .is_none()
-    );
-    assert!(
-        hosted_services
-            .get_opt(&qualified("demo", ns, "-apiserver"))
-            .await?
-            .is_none()
-    );
-    assert_eq!(
-        hosted_pods.list(&ListParams::default()).await?.items.len(),
-        1
-    );
-
-    // Deletion finds the Pod under its old name.
-    kms.delete("demo-cp-0", &DeleteParams::default()).await?;
-    eventually(30, "the old Pod being deleted", || async {
-        let pod = hosted_pods.get_opt("demo-cp-0").await?;
-        Ok(pod
-            .is_none_or(|p| p.metadata.deletion_timestamp.is_some())
-            .then_some(()))
-    })
-    .await?;
-    let now = DeleteParams {
-        grace_period_seconds: Some(0),
-        ..Default::default()
-    };
-    let _ = hosted_pods.delete("demo-cp-0", &now).await;
-    eventually(60, "the machine and its Secret gone", || async {
-        let gone = kms.get_opt("demo-cp-0").await?.is_none()
-            && hosted_secrets
-                .get_opt("demo-cp-0-ignition")
-                .await?
-                .is_none();
-        Ok(gone.then_some(()))
-    })
-    .await?;
     Ok(())
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cert-manager for the local management cluster, built here, never pulled (issue 6): clusterctl init
+# cert-manager for the local management cluster, built here, never pulled: clusterctl init
 # installs cert-manager first, and no registry is reachable here.
 #
 #   bash hack/dev/cert-manager.sh          binaries, images, components YAML, _output/dev/cert-manager.env

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every image the local management cluster needs for the Cluster API + CAPK journey, built here and
-# imported into the dev containerd (namespace k8s.io), so the kubelet never pulls (issue 6; Pods
+# imported into the dev containerd (namespace k8s.io), so the kubelet never pulls (Pods
 # name concrete tags with imagePullPolicy IfNotPresent). No registry is involved.
 #
 #   bash hack/dev/images.sh              build what changed, import what containerd lacks

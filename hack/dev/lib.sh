@@ -9,7 +9,7 @@ LOG_NAME=dev
 # shellcheck source=../lib/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib/common.sh"
 
-# CAPK_DEV_MC=2: the second management cluster (issue 12: the target of `clusterctl move`), a
+# CAPK_DEV_MC=2: the second management cluster (the target of `clusterctl move`), a
 # second node beside the first on the same bridge: its own etcd, control plane, containerd and
 # kubelet (own root, socket, ports and cgroup root), pods in 10.240.1.0/24, services in
 # 10.98.0.0/16. It has no kube-proxy and no CoreDNS of its own: one DNAT rule sends its

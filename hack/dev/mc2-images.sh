@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The images of the second local management cluster (CAPK_DEV_MC=2; issue 12), copied from the
+# The images of the second local management cluster (CAPK_DEV_MC=2), copied from the
 # first one's containerd: the Cluster API and CAPK managers and cert-manager that
 # hack/dev/images.sh and hack/dev/cert-manager.sh built and imported there, under the same names,
 # plus the files that name them (images.env, cert-manager.env) for hack/dev/capi.sh. The launcher

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real Prometheus in the local management cluster scraping the CAPK controller's /metrics
-# (issue 22; `CAPK_DEV_MONITORING=1 make dev-up`, and `make e2e`).
+# (`CAPK_DEV_MONITORING=1 make dev-up`, and `make e2e`).
 #
 #   bash hack/dev/monitoring.sh   (needs a running local MC with CAPK installed: make dev-up; idempotent)
 #

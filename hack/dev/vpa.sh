@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # metrics-server and the VerticalPodAutoscaler (recommender, updater, admission controller) in the
-# local management cluster (issue 22; `CAPK_DEV_VPA=1 make dev-up`, and `make e2e`), so that the
+# local management cluster (`CAPK_DEV_VPA=1 make dev-up`, and `make e2e`), so that the
 # provider's shipped VPA object (manifests/components/vpa) meets a real VPA.
 #
 #   bash hack/dev/vpa.sh     (needs a running local MC with cert-manager: make dev-up; idempotent)

@@ -241,7 +241,7 @@ mod tests {
         )
     }
 
-    /// The attack of issue 38: tenant B's namespace is named like tenant A's control-plane
+    /// Tenant B's namespace is named like tenant A's control-plane
     /// KVMMachine and its KVMMachine `etcd.img` keeps etcd under `<prefix>/team-a`, so B's
     /// "directory" is A's etcd disk. B's cleanup removes nothing of A's, whatever it points at.
     #[test]

@@ -1,4 +1,4 @@
-//! End to end on the local management cluster (`make e2e`; issue 6).
+//! End to end on the local management cluster (`make e2e`).
 //!
 //! The user's journey with real components: Cluster API's core, kubeadm bootstrap and control-plane
 //! controllers and this provider, installed by the real `clusterctl init` (`make dev-up`), a real
@@ -17,14 +17,14 @@
 //! Every step asserts with a timeout; on failure everything useful goes to `_output/e2e/`.
 //!
 //! [`operating`]: the controller's metrics as a real Prometheus scrapes them, and the shipped
-//! VerticalPodAutoscaler object under the real VPA (issue 22).
+//! VerticalPodAutoscaler object under the real VPA.
 //!
 //! [`topology`]: a Cluster of the ClusterClass `kvm` with a NodePort control-plane Service: its
 //! kubeconfig works from the host, and a changed variable rotates a template and rolls the
-//! Machines (issue 21).
+//! Machines.
 //!
 //! `make e2e-move` adds a second local management cluster and moves a cluster to it with the
-//! real `clusterctl move` (issue 12; [`pivot`]).
+//! real `clusterctl move` ([`pivot`]).
 
 use std::{
     collections::BTreeMap,
@@ -721,7 +721,7 @@ fn launcher_status(e: &E2e, machine: &str) -> Result<Value> {
 /// the controller does not change.
 const QEMU_ID: &str = "107";
 
-/// What the launcher promises of QEMU in a real machine Pod (issue 20), read from QEMU's
+/// What the launcher promises of QEMU in a real machine Pod, read from QEMU's
 /// `/proc/<pid>/status` through `kubectl exec` (`status`: the launcher's, naming QEMU's pid): it
 /// runs as the unprivileged user with no root group, no capability in any set, `no_new_privs`
 /// and its `-sandbox` seccomp filter, so a guest that escapes into QEMU holds none of the

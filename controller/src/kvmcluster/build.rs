@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use capk_api::{
     constants::{
         API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_PAUSED, CONDITION_READY, MANAGED_BY,
-        MAX_LABEL_LEN, control_plane_service_name,
+        MAX_LABEL_LEN,
     },
     v1alpha1::{ApiEndpoint, Initialization, KVMCluster, KVMClusterStatus, ServiceType},
 };
@@ -43,34 +43,6 @@ pub fn owned_labels(cluster: &str) -> BTreeMap<String, String> {
 pub fn service_name_in(kc: &KVMCluster, cluster: &str, home: &Home) -> String {
     let ns = kc.namespace().unwrap_or_default();
     home.name_for(&ns, cluster, "-apiserver", MAX_LABEL_LEN)
-}
-
-/// The control-plane Service's name in `home`, given the metadata of the Service there under
-/// the unqualified name `<cluster>-apiserver` (`unqualified`, when one exists). That name stays
-/// while that Service is this KVMCluster's (made before names in a shared hosting namespace were
-/// qualified), and whenever the `controlPlaneEndpoint` recorded is its DNS name (the workload
-/// cluster's certificates and kubeconfigs name it: someone else's Service there is then
-/// reported, never silently served). Otherwise [`service_name_in`]: someone else's Service of
-/// the unqualified name is left to them.
-pub fn service_name(
-    kc: &KVMCluster,
-    cluster: &str,
-    home: &Home,
-    unqualified: Option<&ObjectMeta>,
-) -> String {
-    let old = control_plane_service_name(cluster);
-    let ours = unqualified.is_some_and(|m| Owner::cluster(kc).owns(m));
-    let recorded = kc
-        .spec
-        .control_plane_endpoint
-        .as_ref()
-        .and_then(|e| e.host.as_deref())
-        .is_some_and(|h| h.starts_with(&format!("{old}.{}.svc.", home.namespace)));
-    if ours || recorded {
-        old
-    } else {
-        service_name_in(kc, cluster, home)
-    }
 }
 
 /// The control-plane Service: port 6443 of the cluster's control-plane machines.
@@ -627,49 +599,6 @@ mod tests {
         }
         assert_ne!(la, lb);
         assert_ne!(la, service_name_in(&a, &format!("{long}y"), &shared));
-    }
-
-    #[test]
-    fn a_service_made_before_names_were_qualified_keeps_its_name() {
-        let kc = kvm_cluster(KVMClusterSpec::default());
-        let shared = Home {
-            namespace: "shared".into(),
-            management: false,
-        };
-        let qualified = service_name_in(&kc, "demo", &shared);
-        let meta = |ns: &str, owner: &str| -> ObjectMeta {
-            serde_json::from_value(serde_json::json!({"name": "demo-apiserver", "labels": {
-                "infrastructure.cluster.x-k8s.io/owner-namespace": ns,
-                "infrastructure.cluster.x-k8s.io/kvmcluster": owner}}))
-            .unwrap()
-        };
-        // Ours (the UID may differ: a move), by the owner labels: kept.
-        let ours = meta("team-a", "demo");
-        assert_eq!(
-            service_name(&kc, "demo", &shared, Some(&ours)),
-            "demo-apiserver"
-        );
-        // Another namespace's cluster of the same name, or anyone's: theirs; ours is qualified.
-        for theirs in [meta("team-b", "demo"), ObjectMeta::default()] {
-            assert_eq!(service_name(&kc, "demo", &shared, Some(&theirs)), qualified);
-        }
-        assert_eq!(service_name(&kc, "demo", &shared, None), qualified);
-        // The endpoint recorded names the unqualified Service: that name, made again when gone;
-        // held by someone else, it is theirs and the reconcile says so (ForeignObject) rather
-        // than leave the endpoint naming their Service.
-        let mut recorded = kc.clone();
-        recorded.spec.control_plane_endpoint = Some(ApiEndpoint {
-            host: Some("demo-apiserver.shared.svc.cluster.local".into()),
-            port: Some(6443),
-        });
-        assert_eq!(
-            service_name(&recorded, "demo", &shared, None),
-            "demo-apiserver"
-        );
-        assert_eq!(
-            service_name(&recorded, "demo", &shared, Some(&meta("team-b", "demo"))),
-            "demo-apiserver"
-        );
     }
 
     #[test]

@@ -35,17 +35,6 @@ use crate::{
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// `endpointslice.kubernetes.io/managed-by`: who writes an EndpointSlice.
 pub const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
-/// Kubernetes' EndpointSlice controller, which filled the slices of the Service while it had a
-/// selector (controllers before this one).
-const KUBE_ENDPOINTSLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
-/// Kubernetes' EndpointSliceMirroring controller: it copies a selector-less Service's v1
-/// Endpoints into slices, so the Endpoints left from the selector days would come back as one.
-const KUBE_MIRRORING_CONTROLLER: &str = "endpointslicemirroring-controller.k8s.io";
-/// `endpoints.kubernetes.io/managed-by` value of the v1 Endpoints that Kubernetes' Endpoints
-/// controller wrote while the Service had a selector.
-pub const KUBE_ENDPOINTS_CONTROLLER: &str = "endpoint-controller";
-/// The label holding [`KUBE_ENDPOINTS_CONTROLLER`].
-pub const ENDPOINTS_MANAGED_BY_LABEL: &str = "endpoints.kubernetes.io/managed-by";
 
 /// A control-plane machine Pod with an address: one endpoint of the Service.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -208,22 +197,6 @@ pub fn slice_is_current(current: &EndpointSlice, desired: &EndpointSlice) -> boo
         && current.ports == desired.ports
         && labels_in_place
         && owners_in_place
-}
-
-/// The slices of the Service that Kubernetes' own controllers wrote: left from when the Service
-/// had a selector (controllers before this one), they still route to every control-plane Pod,
-/// answering or not, until deleted.
-pub fn left_by_kubernetes(slices: &[EndpointSlice]) -> Vec<String> {
-    slices
-        .iter()
-        .filter(|s| {
-            matches!(
-                s.labels().get(MANAGED_BY_LABEL).map(String::as_str),
-                Some(KUBE_ENDPOINTSLICE_CONTROLLER | KUBE_MIRRORING_CONTROLLER)
-            )
-        })
-        .map(|s| s.name_any())
-        .collect()
 }
 
 /// `ControlPlaneEndpointsReady`: True while some control-plane apiserver answers (the Service
@@ -467,32 +440,6 @@ mod tests {
             endpoint_slice(&kvm_cluster(), "demo", "demo-apiserver", &members, &hosted);
         assert!(!slice_is_current(&desired, &desired_hosted), "stale owner");
         assert!(slice_is_current(&desired_hosted, &desired_hosted));
-    }
-
-    #[test]
-    fn slices_written_by_kubernetes_controllers_are_left_over() {
-        let slice = |name: &str, by: &str| -> EndpointSlice {
-            serde_json::from_value(json!({
-                "metadata": {"name": name, "labels": {
-                    "kubernetes.io/service-name": "demo-apiserver",
-                    "endpointslice.kubernetes.io/managed-by": by}},
-                "addressType": "IPv4", "endpoints": [],
-            }))
-            .unwrap()
-        };
-        let slices = [
-            slice("demo-apiserver", ENDPOINT_SLICE_MANAGED_BY),
-            slice("demo-apiserver-x7k2p", "endpointslice-controller.k8s.io"),
-            slice(
-                "demo-apiserver-m4q9z",
-                "endpointslicemirroring-controller.k8s.io",
-            ),
-            slice("demo-apiserver-user", "someone-else.example.com"),
-        ];
-        assert_eq!(
-            left_by_kubernetes(&slices),
-            ["demo-apiserver-x7k2p", "demo-apiserver-m4q9z"]
-        );
     }
 
     #[test]

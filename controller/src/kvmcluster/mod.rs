@@ -19,7 +19,7 @@ use capk_api::{
 };
 use k8s_openapi::{
     api::{
-        core::v1::{Endpoints, Namespace, Pod, Service},
+        core::v1::{Namespace, Pod, Service},
         discovery::v1::EndpointSlice,
     },
     jiff::Timestamp,
@@ -34,7 +34,7 @@ use kube::{
     },
 };
 use serde_json::json;
-use tracing::{info, instrument, warn};
+use tracing::{info, instrument};
 
 use self::{
     build::ClusterState,
@@ -210,7 +210,7 @@ async fn apply(
         }
     };
 
-    let name = service_name(kc, &cluster_name, &target).await?;
+    let name = build::service_name_in(kc, &cluster_name, &target.home);
     let service = build::control_plane_service(kc, &cluster_name, &name, &target.home);
     refuse_foreign_service(kc, &target, &name).await?;
     let node_port = apply_service(&target, &service).await?;
@@ -440,33 +440,6 @@ pub async fn hosting_kubeconfig(
     Ok(secret.map(|s| s.resource_version().unwrap_or_default()))
 }
 
-/// The control-plane Service's name in `target` ([`build::service_name`]): one made under the
-/// unqualified name before names in a shared hosting namespace were qualified keeps it. A
-/// hosting cluster's cache shows only Services labelled as the controller's: while it shows
-/// neither name, the apiserver is asked for the unqualified one.
-async fn service_name(kc: &KVMCluster, cluster: &str, target: &Target) -> Result<String> {
-    let wanted = build::service_name_in(kc, cluster, &target.home);
-    let old = control_plane_service_name(cluster);
-    if wanted == old || target.service(&wanted).is_some() {
-        return Ok(wanted);
-    }
-    let meta = match target.service(&old) {
-        Some(cached) => Some(cached.metadata.clone()),
-        None => target
-            .api::<Service>()
-            .get_metadata_opt(&old)
-            .await
-            .map_err(read_error("Service", &old))?
-            .map(|m| m.metadata),
-    };
-    Ok(build::service_name(
-        kc,
-        cluster,
-        &target.home,
-        meta.as_ref(),
-    ))
-}
-
 /// Refuses a Service of the control-plane Service's name that belongs to someone else (the
 /// apply would take it over). Ours carry our label, so are cached; one the cache does not show
 /// is looked up.
@@ -490,33 +463,24 @@ async fn refuse_foreign_service(kc: &KVMCluster, target: &Target, name: &str) ->
     }
 }
 
-/// Server-side applies the control-plane Service. A Service made by an earlier controller had a
-/// selector and `publishNotReadyAddresses`; the apply drops both (this field manager set them).
-/// Should another manager hold them, they are removed explicitly: a selector would keep
-/// Kubernetes' controllers writing endpoints for every control-plane Pod, answering or not.
-/// The apply also sets the labels naming the KVMCluster and, outside the management cluster,
-/// drops the owner reference an earlier apply set: adoption is the apply itself. Returns the
-/// Service's node port (type NodePort: requested or allocated).
+/// Server-side applies the control-plane Service. The apply also sets the labels naming the
+/// KVMCluster and, outside the management cluster, drops the owner reference an earlier apply
+/// set: adoption is the apply itself. Returns the Service's node port (type NodePort: requested
+/// or allocated).
 async fn apply_service(target: &Target, svc: &Service) -> Result<Option<i32>> {
-    let name = svc.name_any();
     let services: Api<Service> = target.api();
     let applied = objects::apply(&services, svc, "Service").await?;
-    let spec = applied.spec.as_ref();
-    if spec.is_some_and(|s| s.selector.is_some() || s.publish_not_ready_addresses == Some(true)) {
-        info!(service = %name, "removing the selector another field manager set on the control-plane Service");
-        let patch = json!({"spec": {"selector": null, "publishNotReadyAddresses": null}});
-        objects::merge_patch(&services, &applied, "Service", &patch).await?;
-    }
-    Ok(spec
+    Ok(applied
+        .spec
+        .as_ref()
         .and_then(|s| s.ports.as_ref())
         .and_then(|p| p.first())
         .and_then(|p| p.node_port))
 }
 
 /// The endpoints of control-plane Service `service`: probes every control-plane machine's
-/// apiserver, writes the EndpointSlice when it changed, and deletes what Kubernetes' controllers
-/// wrote while the Service had a selector. Returns the `ControlPlaneEndpointsReady` condition
-/// and when to probe again.
+/// apiserver and writes the EndpointSlice when it changed. Returns the
+/// `ControlPlaneEndpointsReady` condition and when to probe again.
 async fn sync_endpoints(
     kc: &KVMCluster,
     cluster: &str,
@@ -532,15 +496,7 @@ async fn sync_endpoints(
     let pods: Vec<Arc<Pod>> = target
         .pods()
         .into_iter()
-        .filter(|p| {
-            let owner_ns = p.labels().get(OWNER_NAMESPACE_LABEL);
-            // Pods made before the label existed are only ever in the management cluster.
-            if target.home.management {
-                owner_ns.is_none_or(|o| o == ns)
-            } else {
-                owner_ns.is_some_and(|o| o == ns)
-            }
-        })
+        .filter(|p| p.labels().get(OWNER_NAMESPACE_LABEL).map(String::as_str) == Some(ns))
         .collect();
     let members = endpoints::control_plane_members(
         pods.iter().map(|p| &**p),
@@ -607,37 +563,7 @@ async fn sync_endpoints(
             .await;
         }
     }
-    let left = endpoints::left_by_kubernetes(&current);
-    if !left.is_empty() {
-        remove_left_by_kubernetes(target, &name, &left).await?;
-    }
     Ok((condition, recheck))
-}
-
-/// Deletes what Kubernetes' controllers wrote for the Service while it had a selector: first the
-/// v1 Endpoints of its Endpoints controller (its EndpointSliceMirroring controller copies the
-/// Endpoints of a selector-less Service into a slice), then the slices. Neither controller
-/// removes them by itself once the selector is gone.
-async fn remove_left_by_kubernetes(target: &Target, svc: &str, slices: &[String]) -> Result<()> {
-    let legacy: Api<Endpoints> = target.api();
-    let meta = legacy
-        .get_metadata_opt(svc)
-        .await
-        .map_err(read_error("Endpoints", svc))?;
-    if meta.is_some_and(|m| {
-        m.labels()
-            .get(endpoints::ENDPOINTS_MANAGED_BY_LABEL)
-            .map(String::as_str)
-            == Some(endpoints::KUBE_ENDPOINTS_CONTROLLER)
-    }) {
-        objects::delete_if_present(&legacy, "Endpoints", svc).await?;
-    }
-    let api: Api<EndpointSlice> = target.api();
-    for name in slices {
-        objects::delete_if_present(&api, "EndpointSlice", name).await?;
-    }
-    warn!(service = %svc, ?slices, "deleted the endpoints Kubernetes kept from when the control-plane Service had a selector");
-    Ok(())
 }
 
 /// The health monitor's key of a KVMCluster.
@@ -706,18 +632,11 @@ async fn cleanup(
     if let Some(cluster) = cluster {
         let cluster_name = cluster.name_any();
         let owner = Owner::cluster(kc);
-        // Only delete the Service and EndpointSlice this KVMCluster owns, under either name
-        // they may have: qualified, or made before names were qualified.
-        let mut names = vec![
-            build::service_name_in(kc, &cluster_name, &target.home),
-            control_plane_service_name(&cluster_name),
-        ];
-        names.dedup();
-        for name in &names {
-            objects::delete_if_owned(&target.api::<Service>(), "Service", name, &owner).await?;
-            let slices = target.api::<EndpointSlice>();
-            objects::delete_if_owned(&slices, "EndpointSlice", name, &owner).await?;
-        }
+        // Only the Service and EndpointSlice this KVMCluster owns.
+        let name = build::service_name_in(kc, &cluster_name, &target.home);
+        objects::delete_if_owned(&target.api::<Service>(), "Service", &name, &owner).await?;
+        let slices = target.api::<EndpointSlice>();
+        objects::delete_if_owned(&slices, "EndpointSlice", &name, &owner).await?;
         // The workload cluster goes with it: stop watching its Nodes.
         ctx.workloads.forget(&ns, &cluster.name_any());
     }

@@ -17,10 +17,7 @@ use capk_api::{
     },
     v1alpha1::{KVMCluster, KVMMachine},
 };
-use futures::{
-    StreamExt,
-    channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded},
-};
+use futures::{StreamExt, channel::mpsc::UnboundedReceiver};
 use k8s_openapi::{
     api::core::v1::{Pod, Secret},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -172,24 +169,9 @@ pub fn kvmclusters_of_hosting(
         .collect()
 }
 
-/// Wakes KVMCluster reconciles from changes that other watches see.
-#[derive(Clone)]
-pub struct Wake(UnboundedSender<ObjectRef<KVMCluster>>);
+pub use crate::wake::Wake;
 
-impl Wake {
-    /// A wake, and the reconciles it asks for (for [`run`]).
-    pub fn new() -> (Self, UnboundedReceiver<ObjectRef<KVMCluster>>) {
-        let (tx, rx) = unbounded();
-        (Self(tx), rx)
-    }
-
-    /// Asks for a reconcile of each of `refs`.
-    pub fn all(&self, refs: impl IntoIterator<Item = ObjectRef<KVMCluster>>) {
-        for r in refs {
-            let _ = self.0.unbounded_send(r);
-        }
-    }
-
+impl Wake<KVMCluster> {
     /// The management cluster's changes, passed on unchanged, waking the KVMClusters that
     /// machine Pods, KVMMachines being deleted and hosting kubeconfig Secrets concern on the way.
     /// (The KVMCluster controller keeps a watch of its own: a store awaited by two tasks at once

@@ -67,19 +67,13 @@ pub async fn delete(
     };
     let owner = Owner::machine(km);
     let pods: Api<Pod> = there.api();
-    // Under every name the machine's objects may have there: qualified, or made before names
-    // were qualified.
-    let candidates = MachineNames::candidates(km, &there.home);
-    for name in candidates.iter().map(|n| &n.pod) {
-        delete_pod(api, km, &pods, name, &owner, &there).await?;
-    }
+    let names = MachineNames::in_home(km, &there.home);
+    delete_pod(api, km, &pods, &names.pod, &owner, &there).await?;
     let secrets: Api<Secret> = there.api();
     let pvcs: Api<PersistentVolumeClaim> = there.api();
-    for names in &candidates {
-        objects::delete_if_owned(&secrets, "Secret", &names.ignition_secret, &owner).await?;
-        let claim = &names.etcd_claim;
-        objects::delete_if_owned(&pvcs, "PersistentVolumeClaim", claim, &owner).await?;
-    }
+    objects::delete_if_owned(&secrets, "Secret", &names.ignition_secret, &owner).await?;
+    let claim = &names.etcd_claim;
+    objects::delete_if_owned(&pvcs, "PersistentVolumeClaim", claim, &owner).await?;
     remove_etcd_data(api, km, &there, ctx).await
 }
 
@@ -300,34 +294,26 @@ async fn remove_etcd_data(
     create_cleanup_pod(api, km, there, ctx, &dir, &next, None).await
 }
 
-/// The machine's cleanup Pod in `there`, and its name: the one of this machine under either
-/// name it may have (one made before names were qualified is still waited for), else none yet
-/// and the name a new one gets. Someone else's Pod of that name stops the cleanup.
+/// The machine's cleanup Pod in `there`, and its name: none yet while nothing of that name is
+/// there. Someone else's Pod of that name stops the cleanup.
 async fn cleanup_pod_of(
     km: &KVMMachine,
     pods: &Api<Pod>,
     there: &Target,
 ) -> Result<(String, Option<Pod>)> {
-    let owner = Owner::machine(km);
-    let candidates = MachineNames::candidates(km, &there.home);
-    let mut foreign = None;
-    for (i, name) in candidates.iter().map(|n| &n.etcd_cleanup_pod).enumerate() {
-        match pods.get_opt(name).await.map_err(read_error("Pod", name))? {
-            Some(p) if owner.owns(&p.metadata) => return Ok((name.clone(), Some(p))),
-            Some(_) if i == 0 => foreign = Some(name.clone()),
-            _ => {}
-        }
-    }
-    match foreign {
-        Some(name) => Err(Error::Foreign {
+    let name = MachineNames::in_home(km, &there.home).etcd_cleanup_pod;
+    match pods
+        .get_opt(&name)
+        .await
+        .map_err(read_error("Pod", &name))?
+    {
+        Some(p) if Owner::machine(km).owns(&p.metadata) => Ok((name, Some(p))),
+        Some(_) => Err(Error::Foreign {
             kind: "Pod",
             name,
             place: there.describe(),
         }),
-        None => Ok((
-            MachineNames::in_home(km, &there.home).etcd_cleanup_pod,
-            None,
-        )),
+        None => Ok((name, None)),
     }
 }
 

@@ -214,29 +214,6 @@ enum Bootstrap {
     },
 }
 
-/// The names of the machine's objects in `there` ([`MachineNames::choose`]): a machine Pod made
-/// under the unqualified name before names in a shared hosting namespace were qualified keeps
-/// it (a renamed Pod would be a second VM), and so do the Secret and PVC it mounts. A hosting
-/// cluster's cache shows only Pods labelled as the controller's: while it shows neither Pod, the
-/// apiserver is asked for the unqualified one.
-async fn machine_names(km: &KVMMachine, there: &Target) -> Result<MachineNames> {
-    let wanted = MachineNames::in_home(km, &there.home);
-    let old = MachineNames::unqualified(km);
-    if wanted == old || there.pod(&wanted.pod).is_some() {
-        return Ok(wanted);
-    }
-    let old_pod = match there.pod(&old.pod) {
-        Some(p) => Some(p.metadata.clone()),
-        None => there
-            .api::<Pod>()
-            .get_metadata_opt(&old.pod)
-            .await
-            .map_err(read_error("Pod", &old.pod))?
-            .map(|m| m.metadata),
-    };
-    Ok(MachineNames::choose(km, &there.home, old_pod.as_ref()))
-}
-
 /// Fetches the bootstrap data Secret `name` of cluster `cluster` (next to the KVMMachine),
 /// unless the Ignition Secret `ignition` (in `target`) was rendered from its current version.
 /// `None` while it does not exist. The cache holds it by its cluster-name label, which Cluster
@@ -350,7 +327,7 @@ async fn apply(
                 ));
             }
         };
-        let names = machine_names(km, there).await?;
+        let names = MachineNames::in_home(km, &there.home);
         let Some(secret_name) = machine.spec.bootstrap.data_secret_name.as_deref() else {
             break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapData);
         };

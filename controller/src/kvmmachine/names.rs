@@ -11,7 +11,6 @@ use capk_api::constants::{
     bounded_name,
 };
 use capk_api::v1alpha1::KVMMachine;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 
 use super::placement::MachinePlacement;
@@ -38,7 +37,7 @@ pub struct MachineNames {
 }
 
 impl MachineNames {
-    /// The names a machine's new objects get in `home` ([`Home::name_for`]): the KVMMachine's
+    /// The names a machine's objects get in `home` ([`Home::name_for`]): the KVMMachine's
     /// name in its own namespace; in another (a hosting namespace several management namespaces
     /// may share) `<kvmmachine>-<hash of its namespace>`, so that same-named machines of two
     /// namespaces never want one name.
@@ -50,42 +49,6 @@ impl MachineNames {
             ignition_secret: name("-ignition"),
             etcd_claim: name("-etcd"),
             etcd_cleanup_pod: name("-etcd-cleanup"),
-        }
-    }
-
-    /// The names every machine's objects had before names in a shared hosting namespace were
-    /// qualified: the KVMMachine's own. A machine Pod made so keeps its name (a renamed Pod
-    /// would be a second VM), and with it the Secret and PVC it mounts.
-    pub fn unqualified(km: &KVMMachine) -> Self {
-        let name = |suffix: &str| bounded_name(&km.name_any(), suffix, MAX_SUBDOMAIN_LEN);
-        Self {
-            pod: name(""),
-            ignition_secret: name("-ignition"),
-            etcd_claim: name("-etcd"),
-            etcd_cleanup_pod: name("-etcd-cleanup"),
-        }
-    }
-
-    /// The names of `km`'s objects in `home`, given the metadata of the Pod there under the
-    /// unqualified name (`unqualified_pod`, when one exists): the unqualified names while that
-    /// Pod is this machine's (by its owner labels), else [`MachineNames::in_home`]. Someone
-    /// else's Pod of that name (another namespace's machine of the same name) is left to them.
-    pub fn choose(km: &KVMMachine, home: &Home, unqualified_pod: Option<&ObjectMeta>) -> Self {
-        match unqualified_pod {
-            Some(meta) if Owner::machine(km).owns(meta) => Self::unqualified(km),
-            _ => Self::in_home(km, home),
-        }
-    }
-
-    /// Every set of names `km`'s objects in `home` may have: [`MachineNames::in_home`], then the
-    /// unqualified names when they differ. Deletion looks under each.
-    pub fn candidates(km: &KVMMachine, home: &Home) -> Vec<Self> {
-        let wanted = Self::in_home(km, home);
-        let old = Self::unqualified(km);
-        if wanted == old {
-            vec![wanted]
-        } else {
-            vec![wanted, old]
         }
     }
 }
@@ -205,14 +168,7 @@ mod tests {
         let (a, b) = (in_ns("demo-cp-0", "team-a"), in_ns("demo-cp-0", "team-b"));
         // Its own namespace (the management cluster's, or a hosting namespace of that name):
         // the names machines always had.
-        for own in [home("team-a"), crate::kvmmachine::testing::management()] {
-            assert_eq!(
-                MachineNames::in_home(&a, &own),
-                MachineNames::unqualified(&a)
-            );
-            assert_eq!(MachineNames::candidates(&a, &own).len(), 1);
-        }
-        assert_eq!(MachineNames::unqualified(&a).pod, "demo-cp-0");
+        assert_eq!(MachineNames::in_home(&a, &home("team-a")).pod, "demo-cp-0");
         // A shared one: same-named machines of two namespaces want different names.
         let (na, nb) = (
             MachineNames::in_home(&a, &home("shared")),
@@ -250,51 +206,11 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_made_before_names_were_qualified_keeps_its_names_while_it_is_ours() {
-        let a = in_ns("demo-cp-0", "team-a");
-        let shared = home("shared");
-        let pod = |ns: &str, machine: &str| -> ObjectMeta {
-            serde_json::from_value(serde_json::json!({"name": "demo-cp-0", "labels": {
-                "infrastructure.cluster.x-k8s.io/owner-namespace": ns,
-                "infrastructure.cluster.x-k8s.io/kvmmachine": machine}}))
-            .unwrap()
-        };
-        assert_eq!(
-            MachineNames::choose(&a, &shared, Some(&pod("team-a", "demo-cp-0"))),
-            MachineNames::unqualified(&a),
-            "a running VM is never renamed (a second VM)"
-        );
-        for theirs in [
-            pod("team-b", "demo-cp-0"),
-            pod("team-a", "demo-cp-1"),
-            ObjectMeta::default(),
-        ] {
-            assert_eq!(
-                MachineNames::choose(&a, &shared, Some(&theirs)),
-                MachineNames::in_home(&a, &shared),
-                "someone else's Pod of that name: {theirs:?}"
-            );
-        }
-        assert_eq!(
-            MachineNames::choose(&a, &shared, None),
-            MachineNames::in_home(&a, &shared)
-        );
-        let both = MachineNames::candidates(&a, &shared);
-        assert_eq!(
-            both,
-            vec![
-                MachineNames::in_home(&a, &shared),
-                MachineNames::unqualified(&a)
-            ]
-        );
-    }
-
-    #[test]
     fn short_names_are_used_as_they_are() {
         let m = km("demo-md-0-x7k2p-abcde");
         assert_eq!(hostname(&m), "demo-md-0-x7k2p-abcde");
         assert_eq!(label_value(&m), "demo-md-0-x7k2p-abcde");
-        let names = MachineNames::unqualified(&m);
+        let names = MachineNames::in_home(&m, &home("team-a"));
         assert_eq!(names.pod, "demo-md-0-x7k2p-abcde");
         assert_eq!(names.ignition_secret, "demo-md-0-x7k2p-abcde-ignition");
         assert_eq!(names.etcd_claim, "demo-md-0-x7k2p-abcde-etcd");
@@ -342,12 +258,13 @@ mod tests {
         }
         assert_ne!(hostname(&a), hostname(&b));
         assert_ne!(label_value(&a), label_value(&b));
-        let longest = MachineNames::unqualified(&km(&"y".repeat(253)));
+        let longest = MachineNames::in_home(&km(&"y".repeat(253)), &home("team-a"));
         assert!(longest.ignition_secret.len() <= 253);
         assert!(longest.etcd_claim.ends_with("-etcd"));
         assert_ne!(
             longest.ignition_secret,
-            MachineNames::unqualified(&km(&format!("{}z", "y".repeat(252)))).ignition_secret
+            MachineNames::in_home(&km(&format!("{}z", "y".repeat(252))), &home("team-a"))
+                .ignition_secret
         );
     }
 }

@@ -17,10 +17,7 @@ use capk_api::{
     constants::{CLUSTER_NAME_LABEL, GROUP, KVMMACHINE_LABEL, OWNER_NAMESPACE_LABEL},
     v1alpha1::{KVMCluster, KVMMachine},
 };
-use futures::{
-    StreamExt,
-    channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded},
-};
+use futures::{StreamExt, channel::mpsc::UnboundedReceiver};
 use k8s_openapi::{
     api::core::v1::{Pod, Secret},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -245,24 +242,9 @@ impl HostingMoves {
     }
 }
 
-/// Wakes KVMMachine reconciles from what the links to workload and hosting clusters see.
-#[derive(Clone)]
-pub struct Wake(UnboundedSender<ObjectRef<KVMMachine>>);
+pub use crate::wake::Wake;
 
-impl Wake {
-    /// A wake, and the reconciles it asks for (for [`run`]).
-    pub fn new() -> (Self, UnboundedReceiver<ObjectRef<KVMMachine>>) {
-        let (tx, rx) = unbounded();
-        (Self(tx), rx)
-    }
-
-    /// Asks for a reconcile of each of `refs`.
-    pub fn all(&self, refs: impl IntoIterator<Item = ObjectRef<KVMMachine>>) {
-        for r in refs {
-            let _ = self.0.unbounded_send(r);
-        }
-    }
-
+impl Wake<KVMMachine> {
     /// What a workload cluster's Node watch reports: a Node changed ([`kvmmachines_of_node`]).
     pub fn on_nodes(&self, caches: &Caches) -> OnNodeChange {
         let (wake, kvm_machines) = (self.clone(), caches.kvm_machines.clone());

@@ -71,9 +71,9 @@ fn attach(name: &str) -> Result<File, TapError> {
 /// when the device exists.
 pub fn create_persistent_tap(name: &str) -> Result<(), TapError> {
     let file = attach(name)?;
+    let persist: libc::c_ulong = 1;
     // SAFETY: the descriptor is the tun file attached to the tap above, alive for this call;
     // TUNSETPERSIST takes an integer argument by value and touches no user memory.
-    let persist: libc::c_ulong = 1;
     Errno::result(unsafe { libc::ioctl(file.as_raw_fd(), TUNSETPERSIST, persist) })
         .map_err(|e| TapError::Persist(name.into(), e))?;
     Ok(())

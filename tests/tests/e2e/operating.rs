@@ -1,4 +1,4 @@
-//! Operating the provider (issue 22, `make e2e` and `make e2e-operating`): the controller's metrics as
+//! Operating the provider (`make e2e` and `make e2e-operating`): the controller's metrics as
 //! a real Prometheus scrapes them, and the shipped VerticalPodAutoscaler object under the real
 //! VPA. `CAPK_DEV_VPA=1 CAPK_DEV_MONITORING=1 make dev-up` installs them (hack/dev/vpa.sh:
 //! metrics-server, the VPA's recommender, updater and admission controller; hack/dev/monitoring.sh:

@@ -1,4 +1,4 @@
-//! The pivot journey (issue 12, `make e2e-move`): a workload cluster is made on the local
+//! The pivot journey (`make e2e-move`): a workload cluster is made on the local
 //! management cluster (MC1), its machines in MC1's machine namespace ([`MACHINE_NS`]), then
 //! switched to an explicit hosting cluster that is MC1 itself, in that same namespace (its objects
 //! kept, not made again), then moved by the real `clusterctl move` to a second management cluster

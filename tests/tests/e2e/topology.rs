@@ -1,4 +1,4 @@
-//! The ClusterClass journey (issue 21 §4 and §5; `make e2e-topology`, part of `make e2e-stub`
+//! The ClusterClass journey (`make e2e-topology`, part of `make e2e-stub`
 //! and `make e2e`): a Cluster of the ClusterClass `kvm` under Cluster API's real topology
 //! controller, its control plane reachable from outside the management cluster through a
 //! NodePort, and a changed class variable that rotates a KVMMachineTemplate and rolls a Machine.
