@@ -143,7 +143,18 @@ console_step() {
   local pod_ns=${pod%%/*} pod_name=${pod#*/}
   # systemd colours its status lines: the escape sequences go before matching.
   if ! console=$(kc -n "$pod_ns" logs "$pod_name" -c launcher 2>/dev/null | sed -E $'s/\x1b\\[[0-9;]*[A-Za-z]//g'); then
-    echo "machine Pod $pod starting ($(kc -n "$pod_ns" get pod "$pod_name" -o 'jsonpath={.status.phase}' 2>/dev/null || echo absent))"
+    local phase waiting
+    phase=$(kc -n "$pod_ns" get pod "$pod_name" -o 'jsonpath={.status.phase}' 2>/dev/null || echo absent)
+    # Why a container waits, when it is not just being created (an image the kubelet cannot
+    # find is never pulled here: nothing on this MC has a registry).
+    waiting=$(kc -n "$pod_ns" get pod "$pod_name" -o 'jsonpath={range .status.initContainerStatuses[*]}{.name}: {.state.waiting.reason} {"\n"}{end}{range .status.containerStatuses[*]}{.name}: {.state.waiting.reason} {"\n"}{end}' 2>/dev/null |
+      grep -Ev ': (PodInitializing|ContainerCreating)? $' | grep -E ': [A-Za-z]+ $' | tr '\n' ';' || true)
+    case $waiting in
+      *ImagePull* | *ErrImage*)
+        echo "machine Pod $pod starting ($phase; ${waiting% ;}: an image is gone from the MC's containerd; the kubelet deletes images when free disk falls below 2 %: df -h, free space, make dev-up imports them again)" ;;
+      ?*) echo "machine Pod $pod starting ($phase; ${waiting% ;})" ;;
+      *) echo "machine Pod $pod starting ($phase)" ;;
+    esac
     return
   fi
   local step="launcher started, QEMU starting"
@@ -201,6 +212,14 @@ NODE_ENV=$DEV/node-image.env
 # shellcheck disable=SC1090
 source "$NODE_ENV"
 [[ -n ${CAPK_NODE_IMAGE:-} ]] || die "${NODE_ENV#"$ROOT"/} names no CAPK_NODE_IMAGE: rerun hack/dev/node-image.sh"
+
+# Each machine Pod copies the node image into the node's image cache once, and its disks grow as
+# the guest writes: room for that above the kubelet's eviction line (2 % free, where it deletes
+# the imported images), said now rather than as an ImagePullBackOff in the middle of the sample.
+read -r fs_size fs_avail < <(df -B1 --output=size,avail "$OUT" | tail -n 1)
+need=$((fs_size / 50 + 8 * 1024 * 1024 * 1024))
+((fs_avail >= need)) ||
+  die "$((fs_avail / 1024 / 1024)) MiB free on the filesystem of ${OUT#"$ROOT"/}; the sample's machines need $((need / 1024 / 1024)) MiB (8 GiB above the 2 % where the MC's kubelet deletes images): free some space (df -h $OUT) and run make dev-up again"
 
 # This host's emulation speed against the reference machine, printed, and the waits scaled by it.
 bash "$ROOT/hack/calibrate-host.sh" >&2 || die "the host calibration failed (above): bash hack/calibrate-host.sh"
