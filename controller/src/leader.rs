@@ -1,13 +1,16 @@
 //! Leader election on a Lease, so that several replicas can run and one reconciles.
 
-use std::sync::Arc;
+use std::{future::Future, pin::Pin, sync::Arc};
 
 use anyhow::Context;
 use kube::Client;
 use kube_lease_manager::{LeaseManager, LeaseManagerBuilder};
 use tokio::sync::watch;
 
-use crate::{Settings, metrics::Metrics};
+use crate::metrics::Metrics;
+
+/// Resolves when the controllers are to stop.
+pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Name of the leader-election Lease.
 pub const LEASE_NAME: &str = "capkvm-controller-leader";
@@ -47,20 +50,23 @@ async fn stopped(mut stop: watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
-/// Runs the controllers while this replica holds the Lease in `namespace`, until `stop` turns
-/// true. A follower is healthy and ready (it serves its endpoints) while it waits its turn. On
-/// the way out the Lease is released at once, so the next replica takes over without waiting for
-/// it to expire. Losing it mid-run is an error that ends the process (as controller-runtime
-/// does): the kubelet restarts it as a follower.
-pub async fn run_as_leader(
+/// Runs `run` (the controllers, until the [`Shutdown`] it gets resolves) while this replica holds
+/// the Lease in `namespace`, until `stop` turns true. A follower is healthy and ready (it serves
+/// its endpoints) while it waits its turn. On the way out the Lease is released at once, so the
+/// next replica takes over without waiting for it to expire. Losing it mid-run is an error that
+/// ends the process (as controller-runtime does): the kubelet restarts it as a follower.
+pub async fn run_as_leader<Run>(
     client: Client,
     namespace: &str,
-    settings: Settings,
-    metrics: Arc<Metrics>,
+    metrics: &Metrics,
     stop: watch::Receiver<bool>,
-) -> anyhow::Result<()> {
+    run: impl FnOnce(Shutdown) -> Run,
+) -> anyhow::Result<()>
+where
+    Run: Future<Output = ()>,
+{
     let identity = identity();
-    let manager = lease_manager(client.clone(), namespace, &identity)
+    let manager = lease_manager(client, namespace, &identity)
         .await
         .with_context(|| format!("leader election Lease {namespace}/{LEASE_NAME}"))?;
     metrics.set_ready();
@@ -96,7 +102,7 @@ pub async fn run_as_leader(
         })
     };
     let (end_tx, end_rx) = watch::channel(false);
-    let run = crate::run_with_metrics(client, settings, metrics, stopped(end_rx));
+    let run = run(Box::pin(stopped(end_rx)));
     tokio::pin!(run);
     tokio::pin!(renew);
     let lost = tokio::select! {

@@ -499,5 +499,8 @@ async fn main() -> anyhow::Result<()> {
         .clone()
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| client.default_namespace().to_owned());
-    capk_controller::leader::run_as_leader(client, &namespace, settings, metrics, stop_rx).await
+    let run = |shutdown| {
+        capk_controller::run_with_metrics(client.clone(), settings, metrics.clone(), shutdown)
+    };
+    capk_controller::leader::run_as_leader(client.clone(), &namespace, &metrics, stop_rx, run).await
 }
