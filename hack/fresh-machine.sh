@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # A fresh Debian machine inside this one, to try the README's commands as a new user would: a
 # debootstrapped Debian (minbase plus git, make and ca-certificates: what a user installs to clone
-# and run make) in a chroot that shares this machine's kernel, network and devices. It gets what
+# and run make) with a mount namespace of its own whose root it is (pivot_root, so that what
+# enters a container there, a kubelet's exec probe or kubectl exec, lands in that container and
+# not in this machine's root, as it would from a chroot), sharing this machine's kernel, network,
+# devices and process table. It gets what
 # this machine's image gives every new machine (apt's sources and settings, the CA bundle of the
 # network's TLS inspection, the Go settings of the environment) and the Go and Rust toolchains the
 # README asks for before the first command (this machine's, read-only); nothing else: none of
@@ -11,9 +14,10 @@
 #   bash hack/fresh-machine.sh [--suite bookworm|trixie] [--keep] -- COMMAND
 #     e.g. bash hack/fresh-machine.sh -- 'make dev-up && make dev-down && make check'
 #
-# The root is $CAPK_FRESH_DIR (default /var/tmp/capk-fresh-<suite>), made anew each run; afterwards
-# `make dev-down` runs in it, every process whose root it is stops and it is unmounted and removed
-# (--keep: left as it is, with whatever runs in it). Root; one local MC per machine, so nothing of
+# The root is $CAPK_FRESH_DIR (default /var/tmp/capk-fresh-<suite>), made anew each run, its mount
+# namespace kept in /run/capk-fresh/<its name>.mnt (nsenter --mount=<it> bash: a shell in it); afterwards
+# `make dev-down` runs in it, every process of that namespace and their descendants stop, and it is
+# unmounted and removed (--keep: left as it is, with whatever runs in it). Root; one local MC per machine, so nothing of
 # another must be up.
 set -euo pipefail
 LOG_NAME=fresh-machine
@@ -36,6 +40,9 @@ CMD=$*
 case $SUITE in bookworm | trixie) ;; *) die "--suite $SUITE: bookworm or trixie" ;; esac
 DIR=${CAPK_FRESH_DIR:-/var/tmp/capk-fresh-$SUITE}
 [[ $DIR == /*/* ]] || die "CAPK_FRESH_DIR=$DIR: an absolute path below /"
+# Where its mount namespace is kept: a persistent mount namespace must sit on a private mount.
+NS_DIR=/run/capk-fresh
+NS=$NS_DIR/$(basename "$DIR").mnt
 bash "$ROOT/hack/dev/leftovers.sh" >/dev/null 2>&1 ||
   die "a local management cluster is up on this machine (hack/dev/leftovers.sh): make dev-down first"
 if ! command -v go >/dev/null || ! command -v cargo >/dev/null; then die "this machine has no Go or Rust toolchain to lend"; fi
@@ -44,19 +51,30 @@ RUSTUP_HOST=${RUSTUP_HOME:-$HOME/.rustup}
 CARGO_BIN_HOST=$(dirname "$(command -v cargo)")
 [[ -d $RUSTUP_HOST ]] || die "no rustup home at $RUSTUP_HOST (the toolchain is lent with its rustup proxies)"
 
-# stop_and_unmount: stops every process whose root is DIR (TERM, then KILL), unmounts all below it.
+# machine_pids: the processes of the fresh machine's mount namespace and their descendants (the
+# containers its containerd starts have mount namespaces of their own).
+machine_pids() {
+  local ns
+  [[ -e $NS ]] && ns=$(stat -L -c %i "$NS" 2>/dev/null) || return 0
+  ps -e -o pid=,ppid= | while read -r pid ppid; do
+    echo "$pid $ppid $(stat -L -c %i "/proc/$pid/ns/mnt" 2>/dev/null || echo -)"
+  done | awk -v ns="$ns" '
+    { parent[$1] = $2; if ($3 == ns) inside[$1] = 1 }
+    END { for (p in parent) { q = p; while (q in parent && !(q in inside) && q > 1) q = parent[q]; if (q in inside) print p } }'
+}
+
+# stop_and_unmount: stops the fresh machine's processes (TERM, then KILL), unmounts all below DIR
+# and its namespace.
 stop_and_unmount() {
-  local pid root pids
+  local sig pids
   for sig in TERM KILL; do
-    pids=()
-    for pid in /proc/[0-9]*; do
-      root=$(readlink "$pid/root" 2>/dev/null) || continue
-      [[ $root == "$DIR" || $root == "$DIR"/* ]] && pids+=("${pid#/proc/}")
-    done
+    mapfile -t pids < <(machine_pids)
     ((${#pids[@]})) || break
     kill "-$sig" "${pids[@]}" 2>/dev/null || true
     sleep 5
   done
+  [[ ! -e $NS ]] || umount "$NS" 2>/dev/null || true
+  rm -f "$NS"
   # Deepest first; lazily, as a kubelet's Pod mounts may still be busy for a moment.
   findmnt -rn -o TARGET | grep -E "^$DIR(/|$)" | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
 }
@@ -75,11 +93,10 @@ debootstrap --variant=minbase --include=git,make,ca-certificates "$SUITE" "$DIR"
   { tail -n 20 "$DIR.debootstrap.log" >&2; die "debootstrap failed (log $DIR.debootstrap.log)"; }
 rm -f "$DIR.debootstrap.log"
 log "debootstrap done in $((SECONDS - start))s"
-# A machine's / is a mount point (buildah remounts / private before it applies a layer; in a
-# plain chroot that is EINVAL), shared with nothing outside but shared inside, as a host's is.
+# A machine's / is a mount point (buildah remounts / private before it applies a layer), shared
+# with nothing outside but shared inside, as a host's is.
 mount --bind "$DIR" "$DIR"
 mount --make-private "$DIR"
-mount --make-shared "$DIR"
 
 # What the machine's image gives every machine: apt's settings (the suite's own sources), the CA
 # of the network's TLS inspection, DNS.
@@ -109,10 +126,10 @@ PATH_IN=/usr/local/go/bin:/root/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/s
 finish() {
   local rc=$?
   if ((KEEP)); then
-    log "kept $DIR (chroot $DIR; hack/fresh-machine.sh removes it on its next run)"
+    log "kept $DIR (a shell in it: nsenter --mount=$NS bash; hack/fresh-machine.sh removes it on its next run)"
   else
     log "make dev-down in the fresh machine, then removing it"
-    chroot "$DIR" /usr/bin/env -i HOME=/root PATH="$PATH_IN" bash -c 'cd /root/cluster-api-provider-kvm 2>/dev/null && make --no-print-directory dev-down' >/dev/null 2>&1 || true
+    [[ ! -e $NS ]] || nsenter --mount="$NS" /usr/bin/env -i HOME=/root PATH="$PATH_IN" bash -c 'cd /root/cluster-api-provider-kvm 2>/dev/null && make --no-print-directory dev-down' >/dev/null 2>&1 || true
     stop_and_unmount
     rm -rf --one-file-system "$DIR"
   fi
@@ -126,9 +143,27 @@ chroot "$DIR" git clone --quiet /src /root/cluster-api-provider-kvm
 umount "$DIR/src"
 log "a clean clone of $(git -C "$ROOT" rev-parse --short HEAD) at /root/cluster-api-provider-kvm; running: $CMD"
 
+# The machine's own mount namespace, with DIR as its root (what a container runtime does): kept
+# in $NS so that dev-down enters the same one afterwards.
+mkdir -p "$NS_DIR"
+if ! mountpoint -q "$NS_DIR"; then
+  mount --bind "$NS_DIR" "$NS_DIR"
+  mount --make-private "$NS_DIR"
+fi
+touch "$NS"
+# shellcheck disable=SC2016 # the script is the namespace's, $1 its argument
+unshare --mount="$NS" --propagation private bash -c '
+  set -e
+  cd "$1"
+  mkdir -p .host
+  pivot_root . .host
+  umount -l /.host
+  rmdir /.host
+  mount --make-rshared /' _ "$DIR"
+
 start=$SECONDS
 rc=0
-chroot "$DIR" /usr/bin/env -i HOME=/root PATH="$PATH_IN" TERM=dumb LANG=C.UTF-8 \
+nsenter --mount="$NS" /usr/bin/env -i HOME=/root PATH="$PATH_IN" TERM=dumb LANG=C.UTF-8 \
   GOFLAGS="${GOFLAGS:-}" GOTOOLCHAIN="${GOTOOLCHAIN:-auto}" CI="${CI:-}" \
   bash -c "cd /root/cluster-api-provider-kvm && $CMD" || rc=$?
 log "'$CMD' exited $rc after $((SECONDS - start))s in the fresh $SUITE machine"
