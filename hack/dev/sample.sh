@@ -290,12 +290,14 @@ write_kubeconfig() {
   tmp=$(mktemp "$DEV/sample.kubeconfig.XXXXXX")
   chmod 600 "$tmp"
   kc -n "$NS" get secret "$NAME-kubeconfig" -o 'jsonpath={.data.value}' | base64 -d >"$tmp"
-  host=$(kubectl --kubeconfig "$tmp" config view -o 'jsonpath={.clusters[0].cluster.server}' | sed -E 's#^https://##; s#:[0-9]+$##')
-  kubectl --kubeconfig "$tmp" config set-cluster "$NAME" --server "https://$ip:6443" --tls-server-name "$host" >/dev/null
+  # This MC's kubectl: a fresh machine has no other.
+  host=$("$BIN/kubectl" --kubeconfig "$tmp" config view -o 'jsonpath={.clusters[0].cluster.server}' | sed -E 's#^https://##; s#:[0-9]+$##')
+  [[ -n $host ]] || return 1
+  "$BIN/kubectl" --kubeconfig "$tmp" config set-cluster "$NAME" --server "https://$ip:6443" --tls-server-name "$host" >/dev/null || return 1
   mv "$tmp" "$SAMPLE_KUBECONFIG"
 }
 wait_for "workload kubeconfig written to ${SAMPLE_KUBECONFIG#"$ROOT"/}" 300 write_kubeconfig
-wk() { kubectl --kubeconfig "$SAMPLE_KUBECONFIG" --request-timeout=30s "$@"; }
+wk() { "$BIN/kubectl" --kubeconfig "$SAMPLE_KUBECONFIG" --request-timeout=30s "$@"; }
 
 worker_machine() { kc -n "$NS" get kvmmachines -l '!cluster.x-k8s.io/control-plane' -o 'jsonpath={.items[0].metadata.name}'; }
 ready_nodes() {
@@ -320,13 +322,14 @@ progress "CoreDNS running" coredns_ready coredns_step
 log "sample cluster ready in $((SECONDS - started))s"
 
 cp=$(machine_pod "$(cp_machine)")
-admin="kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/}"
+kubectl=${BIN#"$ROOT"/}/kubectl
+admin="$kubectl --kubeconfig ${KUBECONFIG_ADMIN#"$ROOT"/}"
 echo
 wk get nodes -o wide
 cat <<EOF
 
 Sample cluster '$NAME' in namespace $NS: a real workload cluster (node image $CAPK_NODE_IMAGE).
-  export KUBECONFIG=${SAMPLE_KUBECONFIG#"$ROOT"/}    # the workload cluster: kubectl get nodes, pods -A
+  $kubectl --kubeconfig ${SAMPLE_KUBECONFIG#"$ROOT"/} get nodes,pods -A    # the workload cluster
   $admin -n $NS get cluster,machines,kvmmachines -o wide
 $(machine_commands "$cp" "$admin")
   $admin -n $NS delete cluster $NAME   # deletes it
