@@ -36,14 +36,8 @@ done
 [[ -x /usr/lib/cni/bridge && -x /usr/lib/cni/host-local && -x /usr/lib/cni/loopback ]] ||
   die "CNI plugins missing in /usr/lib/cni: apt-get install containernetworking-plugins"
 
-# The kubelet's hard eviction (2 % of the filesystem free, kubelet-config.yaml below) removes
-# images, and nothing here can pull them back: say so now, not as an ImagePullBackOff later. What a
-# run adds besides (images, etcd, the VMs' disk overlays) is a few GiB more.
-mkdir -p "$OUT"
-read -r fs_size fs_avail < <(df -B1 --output=size,avail "$OUT" | tail -n 1)
-need=$((fs_size / 50 + 4 * 1024 * 1024 * 1024))
-((fs_avail >= need)) ||
-  die "$((fs_avail / 1024 / 1024)) MiB free on the filesystem of ${OUT#"$ROOT"/}, the local MC needs $((need / 1024 / 1024)) MiB (its kubelet evicts Pods and deletes images below 2 % free): free some space first (df -h $OUT)"
+# What a run adds besides its builds (images, etcd, the VMs' disk overlays) is a few GiB.
+require_disk 4 "the local MC"
 
 # --- binaries -------------------------------------------------------------------------------------
 bash "$ROOT/hack/build-upstream.sh" etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl

@@ -207,6 +207,18 @@ write_config() {
 }
 
 kc() { "$BIN/kubectl" --kubeconfig "$KUBECONFIG_ADMIN" "$@"; }
+
+# require_disk GIB WHO: dies unless the filesystem of $OUT has GIB GiB free above the 2 % where the
+# MC's kubelet evicts Pods and deletes images (kubelet-config.yaml, hack/dev-up.sh), which nothing
+# here can pull back: said at once, not as an ImagePullBackOff later. WHO is what needs it.
+require_disk() {
+  local gib=$1 who=$2 size avail need
+  mkdir -p "$OUT"
+  read -r size avail < <(df -B1 --output=size,avail "$OUT" | tail -n 1)
+  need=$((size / 50 + gib * 1024 * 1024 * 1024))
+  ((avail >= need)) ||
+    die "$((avail / 1024 / 1024)) MiB free on the filesystem of ${OUT#"$ROOT"/}; $who needs $((need / 1024 / 1024)) MiB ($gib GiB above the 2 % where the MC's kubelet deletes images): free some space (df -h $OUT) and run make dev-up again"
+}
 ctr_k8s() { ctr --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
 
 # ctr_has_image NAME [FILTER...]: whether containerd (k8s.io) lists NAME (among the images FILTER

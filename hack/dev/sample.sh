@@ -214,12 +214,8 @@ source "$NODE_ENV"
 [[ -n ${CAPK_NODE_IMAGE:-} ]] || die "${NODE_ENV#"$ROOT"/} names no CAPK_NODE_IMAGE: rerun hack/dev/node-image.sh"
 
 # Each machine Pod copies the node image into the node's image cache once, and its disks grow as
-# the guest writes: room for that above the kubelet's eviction line (2 % free, where it deletes
-# the imported images), said now rather than as an ImagePullBackOff in the middle of the sample.
-read -r fs_size fs_avail < <(df -B1 --output=size,avail "$OUT" | tail -n 1)
-need=$((fs_size / 50 + 8 * 1024 * 1024 * 1024))
-((fs_avail >= need)) ||
-  die "$((fs_avail / 1024 / 1024)) MiB free on the filesystem of ${OUT#"$ROOT"/}; the sample's machines need $((need / 1024 / 1024)) MiB (8 GiB above the 2 % where the MC's kubelet deletes images): free some space (df -h $OUT) and run make dev-up again"
+# the guest writes.
+require_disk 8 "the sample's machines"
 
 # This host's emulation speed against the reference machine, printed, and the waits scaled by it.
 bash "$ROOT/hack/calibrate-host.sh" >&2 || die "the host calibration failed (above): bash hack/calibrate-host.sh"
