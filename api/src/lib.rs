@@ -1,14 +1,17 @@
 //! The API of cluster-api-provider-kvm: the KVM kinds (`infrastructure.cluster.x-k8s.io/v1alpha1`),
 //! the minimal Cluster API types the provider reads, and the names (labels, annotations,
-//! finalizers, conditions) and the machine limits everything else shares. No I/O.
+//! finalizers, conditions), the machine limits and the launch contract between the controller and
+//! the launcher. No I/O.
 #![forbid(unsafe_code)]
 
+pub mod byte_size;
 #[cfg(feature = "kube")]
 pub mod capi;
 pub mod constants;
 #[cfg(feature = "kube")]
 pub mod crd;
 pub mod etcd_owner;
+pub mod launch;
 pub mod limits;
 pub mod mount_tag;
 pub mod quantity;

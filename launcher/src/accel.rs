@@ -11,18 +11,9 @@ use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::{Kvm, VcpuExit};
 use nix::sys::mman::{MapFlags, ProtFlags, mmap_anonymous, munmap};
 
-use crate::qemu::argv::Accel;
+use capk_api::launch::Accel as AccelChoice;
 
-/// Which accelerator the user asked for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AccelChoice {
-    /// KVM when a probe vCPU really runs, else TCG with a warning.
-    Auto,
-    /// KVM or fail.
-    Kvm,
-    /// Software emulation.
-    Tcg,
-}
+use crate::qemu::argv::Accel;
 
 /// Why KVM cannot be used.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]

@@ -1,18 +1,16 @@
-//! Command line of `capk-launcher`. Everything the controller decides arrives as flags or env
-//! (never secrets: the Ignition config is a file path, its content is never an argument).
+//! Command line of `capk-launcher`. What the controller decides for a machine arrives as the
+//! launch contract's flags ([`capk_api::launch`]), never secrets: the Ignition config is a file
+//! path, its content is never an argument.
 
-use std::net::Ipv4Addr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::accel::AccelChoice;
 use crate::control::ProbeKind;
 use crate::etcd_dir::EtcdOwner;
-use crate::qemu::argv::TcgThreads;
 use crate::qemu::qmp::SimpleCommand;
-use crate::run::{Role, RunConfig};
-use crate::size::ByteSize;
+use capk_api::byte_size::ByteSize;
+use capk_api::launch::Launch;
 
 /// PID 1 of a machine Pod: turns the Pod into a VM host that owns the Pod's IP and MAC.
 #[derive(Parser, Debug)]
@@ -218,116 +216,14 @@ pub struct RemoveEtcdDataArgs {
     pub termination_log: PathBuf,
 }
 
-/// Hardware accelerator choice.
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum AccelArg {
-    /// KVM when a probe vCPU really runs, else TCG with a warning.
-    Auto,
-    /// KVM or fail.
-    Kvm,
-    /// Software emulation.
-    Tcg,
-}
-
-impl From<AccelArg> for AccelChoice {
-    fn from(a: AccelArg) -> Self {
-        match a {
-            AccelArg::Auto => AccelChoice::Auto,
-            AccelArg::Kvm => AccelChoice::Kvm,
-            AccelArg::Tcg => AccelChoice::Tcg,
-        }
-    }
-}
-
-/// How TCG runs the vCPUs (`--tcg-threads`).
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum TcgThreadsArg {
-    /// One host thread for every vCPU.
-    Single,
-    /// One host thread per vCPU.
-    Multi,
-}
-
-impl From<TcgThreadsArg> for TcgThreads {
-    fn from(a: TcgThreadsArg) -> Self {
-        match a {
-            TcgThreadsArg::Single => TcgThreads::Single,
-            TcgThreadsArg::Multi => TcgThreads::Multi,
-        }
-    }
-}
-
-/// Role of the machine in its cluster.
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum RoleArg {
-    /// Runs etcd and the apiserver.
-    ControlPlane,
-    /// Runs workloads.
-    Worker,
-}
-
-impl From<RoleArg> for Role {
-    fn from(r: RoleArg) -> Self {
-        match r {
-            RoleArg::ControlPlane => Role::ControlPlane,
-            RoleArg::Worker => Role::Worker,
-        }
-    }
-}
-
-/// `run` arguments.
+/// `run` arguments: the launch contract the controller rendered, and what this host decides.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
-    /// Number of vCPUs.
-    #[arg(long, env = "CAPK_VCPUS", default_value_t = 2)]
-    pub vcpus: u32,
-    /// Guest memory (Kubernetes quantity, e.g. 8Gi).
-    #[arg(long, env = "CAPK_MEMORY", default_value = "2Gi")]
-    pub memory: ByteSize,
-    /// Node image (read-only base of the root disk's qcow2 overlay).
-    #[arg(long, env = "CAPK_IMAGE")]
-    pub image: PathBuf,
+    #[command(flatten)]
+    pub launch: Launch,
     /// Format of the node image.
     #[arg(long, env = "CAPK_IMAGE_FORMAT", default_value = "qcow2")]
     pub image_format: String,
-    /// Size the root disk is grown to (never shrunk below the image's size).
-    #[arg(long, env = "CAPK_DISK_SIZE", default_value = "20Gi")]
-    pub disk_size: ByteSize,
-    /// containerd ("docker") disk size; 0 leaves it out.
-    #[arg(long, env = "CAPK_DOCKER_DISK_SIZE", default_value = "0")]
-    pub docker_disk_size: ByteSize,
-    /// kubelet disk size; 0 leaves it out.
-    #[arg(long, env = "CAPK_KUBELET_DISK_SIZE", default_value = "0")]
-    pub kubelet_disk_size: ByteSize,
-    /// etcd disk file on persistent storage: created once, never recreated or re-formatted.
-    #[arg(long, env = "CAPK_ETCD_DISK")]
-    pub etcd_disk: Option<PathBuf>,
-    /// Size of the etcd disk when it is created.
-    #[arg(long, env = "CAPK_ETCD_DISK_SIZE", default_value = "10Gi")]
-    pub etcd_disk_size: ByteSize,
-    /// The KVMMachine the etcd disk belongs to, `<namespace>/<name>/<uid>` (required with
-    /// --etcd-disk): its directory is marked for it when the disk is created, and a directory
-    /// marked for another KVMMachine, or a disk without a marker, is refused.
-    #[arg(long, env = "CAPK_ETCD_OWNER")]
-    pub etcd_owner: Option<EtcdOwner>,
-    /// Host directory shared into the guest over virtio-9p, as TAG=PATH (repeatable). No
-    /// element of PATH may be a symbolic link (refused before QEMU starts). QEMU reads and
-    /// writes it as its own user, and keeps what the guest makes as its own files of mode
-    /// 0600/0700 with the guest's owners, modes and links in `user.virtfs.*` extended
-    /// attributes (9p security_model=mapped-xattr): the directory must be readable by
-    /// --qemu-uid/--qemu-gid, writable by them for the guest to write (e.g. owned by 107:107),
-    /// and on a filesystem with user extended attributes (ext4, xfs, btrfs; refused otherwise).
-    #[arg(long = "host-volume", env = "CAPK_HOST_VOLUMES", value_delimiter = ',')]
-    pub host_volumes: Vec<String>,
-    /// Host directory shared into the guest read-only, as TAG=PATH (repeatable): 9p
-    /// readonly=on and a read-only mount in the guest. No element of PATH may be a symbolic
-    /// link; the directory must be readable by --qemu-uid/--qemu-gid.
-    #[arg(
-        long = "host-volume-readonly",
-        env = "CAPK_HOST_VOLUMES_READONLY",
-        value_delimiter = ','
-    )]
-    pub host_volumes_readonly: Vec<String>,
     /// User QEMU runs as (never root; KubeVirt's qemu user by default). QEMU gets no
     /// capabilities and no_new_privs; the launcher gives it its disks, Ignition file and a
     /// runtime directory, and the tap and the node image as descriptors. --kernel and --initrd
@@ -337,63 +233,17 @@ pub struct RunArgs {
     /// Group QEMU runs as (never root). The group of /dev/kvm, when it exists, is added.
     #[arg(long, env = "CAPK_QEMU_GID", default_value_t = crate::qemu::privilege::DEFAULT_QEMU_ID)]
     pub qemu_gid: u32,
-    /// Directory for the root overlay and the data disks (a Pod volume, so they survive restarts).
-    #[arg(long, env = "CAPK_STATE_DIR", default_value = "/var/lib/capk")]
-    pub state_dir: PathBuf,
     #[command(flatten)]
     pub socket: SocketArgs,
-    /// Directory on a memory-backed volume (the machine Pod's `medium: Memory` emptyDir) the
-    /// merged Ignition config is written to for QEMU. It holds bootstrap secrets (a first control
-    /// plane's CA keys), so it must not be on the node's disk; the file is removed once QMP
-    /// answers (QEMU has read it by then).
-    #[arg(long, env = "CAPK_SECRET_DIR", default_value = "/run/capk-secret")]
-    pub secret_dir: PathBuf,
-    /// Ignition config file (mounted from the machine's Secret).
-    #[arg(long, env = "CAPK_IGNITION_FILE")]
-    pub ignition: Option<PathBuf>,
-    /// Accelerator.
-    #[arg(long, env = "CAPK_ACCEL", value_enum, default_value_t = AccelArg::Auto)]
-    pub accel: AccelArg,
-    /// TCG translation cache, MiB, when the guest is emulated: QEMU's memory beyond the guest's.
-    /// A Kubernetes node needs about 1024; small guests run in the default.
-    #[arg(
-        long,
-        env = "CAPK_TCG_TRANSLATION_CACHE_MIB",
-        default_value_t = crate::qemu::argv::TCG_TB_SIZE_MIB,
-        value_parser = clap::value_parser!(u32).range(32..=4096)
-    )]
-    pub tcg_translation_cache_mib: u32,
-    /// How an emulated guest's vCPUs run: `multi` (a thread per vCPU, QEMU's default) or
-    /// `single` (one host thread for all of them, so a VM uses at most one host core).
-    #[arg(long, env = "CAPK_TCG_THREADS", value_enum, default_value_t = TcgThreadsArg::Multi)]
-    pub tcg_threads: TcgThreadsArg,
-    /// DNS servers for the guest (default: the Pod's resolv.conf).
-    #[arg(long = "dns", env = "CAPK_DNS_SERVERS", value_delimiter = ',')]
-    pub dns_servers: Vec<Ipv4Addr>,
-    /// DNS search domains for the guest (default: the Pod's resolv.conf).
-    #[arg(long = "dns-search", env = "CAPK_DNS_SEARCH", value_delimiter = ',')]
-    pub dns_search: Vec<String>,
-    /// NTP servers for the guest.
-    #[arg(long = "ntp", env = "CAPK_NTP_SERVERS", value_delimiter = ',')]
-    pub ntp_servers: Vec<Ipv4Addr>,
-    /// Guest hostname (default: this Pod's hostname).
-    #[arg(long, env = "CAPK_HOSTNAME")]
-    pub hostname: Option<String>,
     /// iSCSI initiator name written into the guest (stable per machine; chosen by the controller).
     #[arg(long, env = "CAPK_ISCSI_INITIATOR_NAME")]
     pub iscsi_initiator_name: Option<String>,
-    /// Machine role.
-    #[arg(long, env = "CAPK_ROLE", value_enum, default_value_t = RoleArg::Worker)]
-    pub role: RoleArg,
     /// The Pod's interface whose identity the VM takes.
     #[arg(long, env = "CAPK_POD_INTERFACE", default_value = "eth0")]
     pub interface: String,
     /// resolv.conf to read DNS servers and search domains from.
     #[arg(long, default_value = "/etc/resolv.conf")]
     pub resolv_conf: PathBuf,
-    /// Seconds between ACPI powerdown and killing QEMU on SIGTERM.
-    #[arg(long, env = "CAPK_SHUTDOWN_GRACE_SECONDS", default_value_t = 300)]
-    pub grace_period_seconds: u64,
     /// Port of the guest apiserver: with `--role control-plane`, readiness also requires
     /// `https://<VM IP>:<port>/readyz` to answer 200 (certificate not verified). 0 turns the
     /// check off.
@@ -422,51 +272,6 @@ pub struct RunArgs {
     pub kvm_probe_timeout_ms: u64,
 }
 
-impl From<RunArgs> for RunConfig {
-    fn from(a: RunArgs) -> Self {
-        RunConfig {
-            vcpus: a.vcpus,
-            memory: a.memory,
-            image: a.image,
-            image_format: a.image_format,
-            disk_size: a.disk_size,
-            docker_disk_size: a.docker_disk_size,
-            kubelet_disk_size: a.kubelet_disk_size,
-            etcd_disk: a.etcd_disk,
-            etcd_disk_size: a.etcd_disk_size,
-            etcd_owner: a.etcd_owner,
-            host_volumes: a.host_volumes,
-            host_volumes_readonly: a.host_volumes_readonly,
-            qemu_uid: a.qemu_uid,
-            qemu_gid: a.qemu_gid,
-            state_dir: a.state_dir,
-            runtime_dir: a.socket.runtime_dir,
-            secret_dir: a.secret_dir,
-            ignition: a.ignition,
-            accel: a.accel.into(),
-            tcg_translation_cache_mib: a.tcg_translation_cache_mib,
-            tcg_threads: a.tcg_threads.into(),
-            dns_servers: a.dns_servers,
-            dns_search: a.dns_search,
-            ntp_servers: a.ntp_servers,
-            hostname: a.hostname,
-            iscsi_initiator_name: a.iscsi_initiator_name,
-            role: a.role.into(),
-            interface: a.interface,
-            resolv_conf: a.resolv_conf,
-            grace_period_seconds: a.grace_period_seconds,
-            apiserver_readyz_port: a.apiserver_readyz_port,
-            heartbeat_timeout_seconds: a.heartbeat_timeout_seconds,
-            qemu: a.qemu,
-            qemu_img: a.qemu_img,
-            kernel: a.kernel,
-            initrd: a.initrd,
-            kernel_cmdline: a.kernel_cmdline,
-            kvm_probe_timeout_ms: a.kvm_probe_timeout_ms,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;
@@ -474,13 +279,119 @@ mod tests {
     use super::*;
     use crate::run::{guest_naming, validate};
 
-    fn config(extra: &[&str]) -> RunConfig {
+    fn config(extra: &[&str]) -> RunArgs {
         let mut v = vec!["capk-launcher", "run", "--image", "/img.qcow2"];
         v.extend_from_slice(extra);
         match Cli::try_parse_from(v).unwrap().command {
-            Command::Run(r) => RunConfig::from(*r),
+            Command::Run(r) => *r,
             _ => unreachable!(),
         }
+    }
+
+    fn parse_launch(args: Vec<String>) -> Launch {
+        let argv = ["capk-launcher".to_owned(), "run".to_owned()]
+            .into_iter()
+            .chain(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Run(r) => r.launch,
+            _ => unreachable!(),
+        }
+    }
+
+    /// What the controller renders is what the launcher reads: every field of the contract, set
+    /// away from its default, parses back to the same value (a field rendered by one side only,
+    /// or under another flag, fails here).
+    #[test]
+    fn a_rendered_launch_contract_parses_back_to_itself() {
+        use capk_api::launch::{Accel, Role, Share, TcgThreads};
+        let launch = Launch {
+            vcpus: 3,
+            memory: ByteSize::mib(1536),
+            image: "/var/lib/capk/image/disk/image.qcow2".into(),
+            disk_size: ByteSize::gib(40),
+            docker_disk_size: ByteSize::gib(30),
+            kubelet_disk_size: ByteSize(5_000_000_000),
+            etcd_disk: Some("/var/lib/capk/etcd/etcd.img".into()),
+            etcd_disk_size: ByteSize::gib(12),
+            etcd_owner: Some(
+                "team-a/demo-cp-0/6f1c2a8e-0b7d-4c1e-9a53-2f0e8d7c6b5a"
+                    .parse()
+                    .unwrap(),
+            ),
+            host_volumes: vec![
+                "data=/var/lib/capk/host-volumes/data"
+                    .parse::<Share>()
+                    .unwrap(),
+            ],
+            host_volumes_readonly: vec![
+                "cfg=/var/lib/capk/host-volumes/cfg/sub"
+                    .parse::<Share>()
+                    .unwrap(),
+                "certs=/var/lib/capk/host-volumes/certs"
+                    .parse::<Share>()
+                    .unwrap(),
+            ],
+            state_dir: "/var/lib/capk-state".into(),
+            secret_dir: "/run/capk-secret-x".into(),
+            ignition: Some("/etc/capk/ignition/config.ign".into()),
+            accel: Accel::Tcg,
+            tcg_translation_cache_mib: 1024,
+            tcg_threads: TcgThreads::Single,
+            dns_servers: vec![Ipv4Addr::new(10, 96, 0, 10), Ipv4Addr::new(10, 96, 0, 11)],
+            dns_search: vec!["team-a.svc.cluster.local".into(), "cluster.local".into()],
+            ntp_servers: vec![Ipv4Addr::new(10, 0, 0, 1)],
+            hostname: Some("demo-cp-0".into()),
+            role: Role::ControlPlane,
+            grace_period_seconds: 120,
+        };
+        assert!(launch.check().is_ok());
+        let defaults = parse_launch(vec!["--image=/i".into()]);
+        assert_eq!(parse_launch(launch.to_args()), launch);
+        // Every field differs from the launcher's default, so none passes by defaulting.
+        let differing = |a: &Launch, b: &Launch| {
+            [
+                a.vcpus != b.vcpus,
+                a.memory != b.memory,
+                a.image != b.image,
+                a.disk_size != b.disk_size,
+                a.docker_disk_size != b.docker_disk_size,
+                a.kubelet_disk_size != b.kubelet_disk_size,
+                a.etcd_disk != b.etcd_disk,
+                a.etcd_disk_size != b.etcd_disk_size,
+                a.etcd_owner != b.etcd_owner,
+                a.host_volumes != b.host_volumes,
+                a.host_volumes_readonly != b.host_volumes_readonly,
+                a.state_dir != b.state_dir,
+                a.secret_dir != b.secret_dir,
+                a.ignition != b.ignition,
+                a.accel != b.accel,
+                a.tcg_translation_cache_mib != b.tcg_translation_cache_mib,
+                a.tcg_threads != b.tcg_threads,
+                a.dns_servers != b.dns_servers,
+                a.dns_search != b.dns_search,
+                a.ntp_servers != b.ntp_servers,
+                a.hostname != b.hostname,
+                a.role != b.role,
+                a.grace_period_seconds != b.grace_period_seconds,
+            ]
+        };
+        assert!(differing(&launch, &defaults).iter().all(|d| *d));
+        // And the launcher's defaults render to themselves as well.
+        assert_eq!(parse_launch(defaults.to_args()), defaults);
+    }
+
+    #[test]
+    fn a_share_that_is_not_tag_and_path_is_refused_by_the_cli() {
+        let e = Cli::try_parse_from([
+            "capk-launcher",
+            "run",
+            "--image",
+            "/i",
+            "--host-volume",
+            "data",
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("\"data\" is not TAG=PATH"), "{e}");
     }
 
     #[test]
@@ -501,10 +412,6 @@ mod tests {
             (
                 &["--image-format", "vmdk"],
                 "invalid --image-format: must be qcow2 or raw",
-            ),
-            (
-                &["--host-volume", "data"],
-                "invalid --host-volume: \"data\" is not TAG=PATH",
             ),
             (
                 &["--host-volume", "d=rel/path"],
@@ -595,7 +502,21 @@ mod tests {
     fn host_volume_tags_follow_the_shared_rule() {
         for tag in capk_api::mount_tag::EXAMPLES {
             let flag = format!("{tag}=/srv");
-            let got = validate(&config(&["--host-volume", &flag]));
+            let argv = [
+                "capk-launcher",
+                "run",
+                "--image",
+                "/i",
+                "--host-volume",
+                &flag,
+            ];
+            // A tag the command line cannot even split into TAG=PATH is refused there.
+            let got = Cli::try_parse_from(argv)
+                .map_err(|e| e.to_string())
+                .and_then(|cli| match cli.command {
+                    Command::Run(r) => validate(&r).map_err(|e| e.to_string()),
+                    _ => unreachable!(),
+                });
             assert_eq!(
                 got.is_ok(),
                 capk_api::mount_tag::check(tag).is_ok(),
@@ -614,7 +535,7 @@ mod tests {
         ]);
         assert!(validate(&r).is_ok());
         assert_eq!(
-            r.etcd_owner.unwrap().uid,
+            r.launch.etcd_owner.unwrap().uid,
             "6f1c2a8e-0b7d-4c1e-9a53-2f0e8d7c6b5a"
         );
         let e = Cli::try_parse_from([

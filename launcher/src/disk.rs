@@ -12,7 +12,7 @@ use serde::Serialize;
 use crate::etcd_dir::{self, EtcdOwner, Marker};
 use crate::qcow2::{self, NotSelfContained};
 use crate::qemu::argv::{BaseImage, DiskAttachment, DiskFormat};
-use crate::size::ByteSize;
+use capk_api::byte_size::ByteSize;
 
 /// What the controller asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,7 +18,6 @@ pub mod net;
 pub mod qcow2;
 pub mod qemu;
 pub mod run;
-pub mod size;
 pub mod supervise;
 
 #[cfg(test)]

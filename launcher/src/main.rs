@@ -208,7 +208,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Run(args) => {
             init_tracing(cli.log_format);
-            match rt.block_on(run::run((*args).into())) {
+            match rt.block_on(run::run(*args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("capk-launcher: {}", one_line(&e));

@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{Mutex, Notify};
 
-use capk_api::limits::{MAX_VCPUS, MIN_DISK, MIN_MEMORY, MIN_VCPUS};
+use capk_api::launch::Role;
 
-use crate::accel::{self, AccelChoice, KvmUnusable};
+use crate::accel::{self, KvmUnusable};
 use crate::apiserver;
+use crate::cli::RunArgs;
 use crate::console;
 use crate::control::{self, SharedQmp};
 use crate::disk::{self, DiskError, DiskRequest, EtcdDiskRequest};
-use crate::etcd_dir::{self, EtcdOwner};
 use crate::health::{self, LauncherState, Phase, SharedState};
 use crate::host_volume::{self, HostVolumeError};
 use crate::ignition::{self, IgnitionError};
@@ -24,10 +24,9 @@ use crate::net::netns::{self, NetnsKind, NetnsUnknown};
 use crate::net::observe::NetlinkError;
 use crate::net::plan::{GuestNaming, PlanError};
 use crate::net::{MacAddr, apply, dhcp, observe, plan, resolv, tap};
-use crate::qemu::argv::{self, DirectKernel, DiskFormat, HostVolume, TcgThreads, VmSpec};
+use crate::qemu::argv::{self, DirectKernel, DiskFormat, HostVolume, VmSpec};
 use crate::qemu::privilege::{self, HandOverError, QemuUser};
 use crate::qemu::qmp::{QapiQmp, Qmp};
-use crate::size::ByteSize;
 use crate::supervise::{QemuExit, Reaper};
 
 /// The vhost-net device (KVM only), opened for QEMU.
@@ -38,106 +37,6 @@ pub const IGNITION_FILE: &str = "ignition.json";
 
 /// File name of the console copy in the runtime directory.
 pub const CONSOLE_LOG: &str = "console.log";
-
-/// Role of the machine in its cluster.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Runs etcd and the apiserver.
-    ControlPlane,
-    /// Runs workloads.
-    Worker,
-}
-
-impl Role {
-    /// The name used in flags, logs and status.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::ControlPlane => "control-plane",
-            Role::Worker => "worker",
-        }
-    }
-}
-
-/// What `run` is asked to do (the `run` flags, converted at the command line's edge).
-#[derive(Debug, Clone)]
-pub struct RunConfig {
-    /// Number of vCPUs.
-    pub vcpus: u32,
-    /// Guest memory.
-    pub memory: ByteSize,
-    /// Node image (read-only base of the root disk's qcow2 overlay).
-    pub image: PathBuf,
-    /// Format of the node image (`qcow2` or `raw`).
-    pub image_format: String,
-    /// Size the root disk is grown to.
-    pub disk_size: ByteSize,
-    /// containerd ("docker") disk size; 0 leaves it out.
-    pub docker_disk_size: ByteSize,
-    /// kubelet disk size; 0 leaves it out.
-    pub kubelet_disk_size: ByteSize,
-    /// etcd disk file on persistent storage.
-    pub etcd_disk: Option<PathBuf>,
-    /// Size of the etcd disk when it is created.
-    pub etcd_disk_size: ByteSize,
-    /// The KVMMachine the etcd disk's directory is marked for.
-    pub etcd_owner: Option<EtcdOwner>,
-    /// Host directories shared into the guest, as `TAG=PATH`.
-    pub host_volumes: Vec<String>,
-    /// Host directories shared into the guest read-only, as `TAG=PATH`.
-    pub host_volumes_readonly: Vec<String>,
-    /// User QEMU runs as.
-    pub qemu_uid: u32,
-    /// Group QEMU runs as.
-    pub qemu_gid: u32,
-    /// Directory for the root overlay and the data disks.
-    pub state_dir: PathBuf,
-    /// Directory holding the launcher's sockets (control, QMP, heartbeat) and console copy.
-    pub runtime_dir: PathBuf,
-    /// Memory-backed directory the merged Ignition config is written to (removed once read).
-    pub secret_dir: PathBuf,
-    /// Ignition config file.
-    pub ignition: Option<PathBuf>,
-    /// Accelerator.
-    pub accel: AccelChoice,
-    /// TCG translation cache, MiB.
-    pub tcg_translation_cache_mib: u32,
-    /// How TCG runs the vCPUs.
-    pub tcg_threads: TcgThreads,
-    /// DNS servers for the guest (empty: the Pod's resolv.conf).
-    pub dns_servers: Vec<Ipv4Addr>,
-    /// DNS search domains for the guest (empty: the Pod's resolv.conf).
-    pub dns_search: Vec<String>,
-    /// NTP servers for the guest.
-    pub ntp_servers: Vec<Ipv4Addr>,
-    /// Guest hostname (default: this Pod's hostname).
-    pub hostname: Option<String>,
-    /// iSCSI initiator name written into the guest.
-    pub iscsi_initiator_name: Option<String>,
-    /// Machine role.
-    pub role: Role,
-    /// The Pod's interface whose identity the VM takes.
-    pub interface: String,
-    /// resolv.conf to read DNS servers and search domains from.
-    pub resolv_conf: PathBuf,
-    /// Seconds between ACPI powerdown and killing QEMU on SIGTERM.
-    pub grace_period_seconds: u64,
-    /// Port of the guest apiserver's `/readyz` on control-plane machines; 0 turns it off.
-    pub apiserver_readyz_port: u16,
-    /// Seconds without a guest heartbeat before readiness fails.
-    pub heartbeat_timeout_seconds: u64,
-    /// QEMU system emulator.
-    pub qemu: PathBuf,
-    /// qemu-img.
-    pub qemu_img: PathBuf,
-    /// Kernel booted directly instead of the disk's bootloader.
-    pub kernel: Option<PathBuf>,
-    /// Initramfs for `kernel`.
-    pub initrd: Option<PathBuf>,
-    /// Kernel command line for `kernel`.
-    pub kernel_cmdline: Option<String>,
-    /// How long the KVM probe vCPU may take for its loop.
-    pub kvm_probe_timeout_ms: u64,
-}
 
 /// Why `run` stopped or could not start. Each message is one line and says what to do.
 #[derive(Debug, thiserror::Error)]
@@ -235,65 +134,21 @@ pub struct Validated {
 }
 
 /// Pure validation of the flags.
-pub fn validate(a: &RunConfig) -> Result<Validated, RunError> {
+pub fn validate(a: &RunArgs) -> Result<Validated, RunError> {
     let invalid = |flag, reason: &str| RunError::Invalid {
         flag,
         reason: reason.to_string(),
     };
-    if !(MIN_VCPUS..=MAX_VCPUS).contains(&a.vcpus) {
-        return Err(invalid(
-            "vcpus",
-            &format!("must be between {MIN_VCPUS} and {MAX_VCPUS}"),
-        ));
-    }
-    if a.memory.0 < MIN_MEMORY.bytes {
-        return Err(invalid(
-            "memory",
-            &format!("must be at least {}", MIN_MEMORY.quantity),
-        ));
-    }
-    let memory_mib = a.memory.as_mib_ceil();
+    a.launch.check().map_err(|e| RunError::Invalid {
+        flag: e.flag,
+        reason: e.reason,
+    })?;
+    let memory_mib = a.launch.memory.as_mib_ceil();
     let image_format = match a.image_format.as_str() {
         "qcow2" => DiskFormat::Qcow2,
         "raw" => DiskFormat::Raw,
         _ => return Err(invalid("image-format", "must be qcow2 or raw")),
     };
-    if a.disk_size.0 < MIN_DISK.bytes {
-        return Err(invalid(
-            "disk-size",
-            &format!("must be at least {}", MIN_DISK.quantity),
-        ));
-    }
-    if a.etcd_disk.is_some() && a.etcd_disk_size.0 == 0 {
-        return Err(invalid("etcd-disk-size", "must be larger than 0"));
-    }
-    // The cleanup removes exactly the disk it knows by name, and only where this marker is.
-    if let Some(p) = &a.etcd_disk
-        && p.file_name().and_then(|n| n.to_str()) != Some(etcd_dir::DISK_FILE)
-    {
-        return Err(invalid(
-            "etcd-disk",
-            &format!(
-                "must be a file named {} in a directory of its own",
-                etcd_dir::DISK_FILE
-            ),
-        ));
-    }
-    if a.etcd_disk.is_some() && a.etcd_owner.is_none() {
-        return Err(invalid(
-            "etcd-owner",
-            "is required with --etcd-disk: the KVMMachine (<namespace>/<name>/<uid>) whose \
-             directory it is",
-        ));
-    }
-    if let Some(h) = &a.hostname
-        && !valid_hostname(h)
-    {
-        return Err(invalid(
-            "hostname",
-            "must be a DNS name of labels [a-z0-9-], at most 253 characters",
-        ));
-    }
     if let Some(n) = &a.iscsi_initiator_name
         && (!(n.starts_with("iqn.") || n.starts_with("eui."))
             || n.len() > 223
@@ -304,32 +159,16 @@ pub fn validate(a: &RunConfig) -> Result<Validated, RunError> {
             "must be an iqn. or eui. name without spaces, at most 223 bytes",
         ));
     }
-    let mut host_volumes: Vec<HostVolume> = Vec::new();
-    for (flag, values, read_only) in [
-        ("host-volume", &a.host_volumes, false),
-        ("host-volume-readonly", &a.host_volumes_readonly, true),
-    ] {
-        for v in values {
-            let Some((tag, path)) = v.split_once('=') else {
-                return Err(invalid(flag, &format!("{v:?} is not TAG=PATH")));
-            };
-            if let Err(e) = capk_api::mount_tag::check(tag) {
-                return Err(invalid(flag, &e.to_string()));
-            }
-            if !path.starts_with('/') {
-                return Err(invalid(flag, &format!("path {path:?} must be absolute")));
-            }
-            if host_volumes.iter().any(|h| h.tag == tag) {
-                return Err(invalid(flag, &format!("mount tag {tag:?} is used twice")));
-            }
-            host_volumes.push(HostVolume {
-                tag: tag.into(),
-                path: path.into(),
-                read_only,
-                fd: None,
-            });
-        }
-    }
+    let host_volumes = a
+        .launch
+        .shares()
+        .map(|(share, read_only)| HostVolume {
+            tag: share.tag.clone(),
+            path: share.path.clone(),
+            read_only,
+            fd: None,
+        })
+        .collect();
     for (flag, id) in [("qemu-uid", a.qemu_uid), ("qemu-gid", a.qemu_gid)] {
         if id == 0 {
             return Err(invalid(
@@ -343,19 +182,6 @@ pub fn validate(a: &RunConfig) -> Result<Validated, RunError> {
         host_volumes,
         memory_mib,
     })
-}
-
-fn valid_hostname(h: &str) -> bool {
-    !h.is_empty()
-        && h.len() <= 253
-        && h.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && l.chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        })
 }
 
 /// Whether `dir` is on tmpfs: what an emptyDir with
@@ -382,9 +208,9 @@ fn require_file(what: &'static str, path: &Path) -> Result<(), RunError> {
 type OpenedVolumes = Vec<std::os::fd::OwnedFd>;
 
 /// Checks files and devices before anything is changed; opens the host volumes' directories.
-fn preflight(a: &RunConfig, v: &Validated) -> Result<OpenedVolumes, RunError> {
-    require_file("node image", &a.image)?;
-    if let Some(i) = &a.ignition {
+fn preflight(a: &RunArgs, v: &Validated) -> Result<OpenedVolumes, RunError> {
+    require_file("node image", &a.launch.image)?;
+    if let Some(i) = &a.launch.ignition {
         require_file("Ignition config", i)?;
     }
     if let Some(k) = &a.kernel {
@@ -416,26 +242,26 @@ fn preflight(a: &RunConfig, v: &Validated) -> Result<OpenedVolumes, RunError> {
 }
 
 /// Naming facts for DHCP: flags win over the Pod's resolv.conf.
-pub fn guest_naming(a: &RunConfig, resolv_text: &str, hostname: String) -> GuestNaming {
+pub fn guest_naming(a: &RunArgs, resolv_text: &str, hostname: String) -> GuestNaming {
     let r = resolv::parse(resolv_text);
     GuestNaming {
         hostname,
-        dns_servers: if a.dns_servers.is_empty() {
+        dns_servers: if a.launch.dns_servers.is_empty() {
             r.nameservers
         } else {
-            a.dns_servers.clone()
+            a.launch.dns_servers.clone()
         },
-        dns_search: if a.dns_search.is_empty() {
+        dns_search: if a.launch.dns_search.is_empty() {
             r.search
         } else {
-            a.dns_search.clone()
+            a.launch.dns_search.clone()
         },
-        ntp_servers: a.ntp_servers.clone(),
+        ntp_servers: a.launch.ntp_servers.clone(),
     }
 }
 
 /// Runs the machine until QEMU ends. Ok means a requested, clean stop.
-pub async fn run(a: RunConfig) -> Result<(), RunError> {
+pub async fn run(a: RunArgs) -> Result<(), RunError> {
     let t0 = Instant::now();
     let mut signals = StopSignals::install()?;
     tracing::info!(
@@ -448,31 +274,32 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     // Disks are planned before anything changes: a node image that names other files (qcow2
     // backing or data file) is refused here, before qemu-img or QEMU opens it.
     let disk_req = DiskRequest {
-        state_dir: a.state_dir.clone(),
-        image: a.image.clone(),
+        state_dir: a.launch.state_dir.clone(),
+        image: a.launch.image.clone(),
         image_format: v.image_format,
-        root_size: a.disk_size,
-        docker_size: a.docker_disk_size,
-        kubelet_size: a.kubelet_disk_size,
+        root_size: a.launch.disk_size,
+        docker_size: a.launch.docker_disk_size,
+        kubelet_size: a.launch.kubelet_disk_size,
         etcd: a
+            .launch
             .etcd_disk
             .clone()
-            .zip(a.etcd_owner.clone())
+            .zip(a.launch.etcd_owner.clone())
             .map(|(path, owner)| EtcdDiskRequest {
                 path,
-                size: a.etcd_disk_size,
+                size: a.launch.etcd_disk_size,
                 owner,
             }),
     };
     let disk_plan = disk::plan(&disk_req, &disk::observe(&disk_req)?)?;
-    let hostname = match &a.hostname {
+    let hostname = match &a.launch.hostname {
         Some(h) => h.clone(),
         None => nix::unistd::gethostname()
             .map(|h| h.to_string_lossy().into_owned())
             .unwrap_or_else(|_| "capk-machine".into()),
     };
 
-    let decision = accel::decide(a.accel, || {
+    let decision = accel::decide(a.launch.accel, || {
         accel::probe_kvm(Duration::from_millis(a.kvm_probe_timeout_ms))
     })?;
     if let Some(reason) = &decision.fallback_reason {
@@ -484,21 +311,21 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         "accelerator chosen"
     );
 
-    std::fs::create_dir_all(&a.runtime_dir)
-        .map_err(|e| RunError::Runtime(format!("create {}", a.runtime_dir.display()), e))?;
+    std::fs::create_dir_all(&a.socket.runtime_dir)
+        .map_err(|e| RunError::Runtime(format!("create {}", a.socket.runtime_dir.display()), e))?;
     let state: SharedState = Arc::new(Mutex::new(LauncherState::new(
-        a.role.as_str(),
+        a.launch.role.as_str(),
         Duration::from_secs(a.heartbeat_timeout_seconds),
     )));
     state.lock().await.accel = Some(decision.accel);
     let qmp_slot: SharedQmp = Arc::new(Mutex::new(None));
-    let listener = control::bind(&a.runtime_dir)?;
+    let listener = control::bind(&a.socket.runtime_dir)?;
     let control_task = tokio::spawn(control::serve(listener, state.clone(), qmp_slot.clone()));
 
     // Network: observe → plan → apply (apply undoes itself on failure).
     let nl = observe::connect()?;
     let mut pod = observe::observe(&nl, &a.interface).await?;
-    let binding_file = a.state_dir.join(apply::SavedBinding::FILE);
+    let binding_file = a.launch.state_dir.join(apply::SavedBinding::FILE);
     if pod.addresses.is_empty()
         && let Some(saved) = std::fs::read(&binding_file)
             .ok()
@@ -524,8 +351,8 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     );
     let mut applied = apply::apply(&nl, &net_plan, &pod).await?;
     let saved = serde_json::to_vec(&apply::SavedBinding::new(&net_plan, &pod)).unwrap_or_default();
-    if let Err(e) =
-        std::fs::create_dir_all(&a.state_dir).and_then(|()| std::fs::write(&binding_file, saved))
+    if let Err(e) = std::fs::create_dir_all(&a.launch.state_dir)
+        .and_then(|()| std::fs::write(&binding_file, saved))
     {
         applied.undo(&nl).await;
         return Err(RunError::Runtime(
@@ -540,9 +367,10 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     }
 
     let merged_ignition = a
+        .launch
         .ignition
         .as_ref()
-        .map(|_| a.secret_dir.join(IGNITION_FILE));
+        .map(|_| a.launch.secret_dir.join(IGNITION_FILE));
     let started = start_vm(
         &a,
         &v,
@@ -569,7 +397,7 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
         "qemu started"
     );
 
-    let readyz_task = if a.role == Role::ControlPlane && a.apiserver_readyz_port != 0 {
+    let readyz_task = if a.launch.role == Role::ControlPlane && a.apiserver_readyz_port != 0 {
         let addr = SocketAddr::new(
             IpAddr::V4(net_plan.lease.address.addr()),
             a.apiserver_readyz_port,
@@ -583,12 +411,12 @@ pub async fn run(a: RunConfig) -> Result<(), RunError> {
     } else {
         None
     };
-    let console_ended = copy_console(&a.runtime_dir, qemu_stdout, state.clone())?;
+    let console_ended = copy_console(&a.socket.runtime_dir, qemu_stdout, state.clone())?;
     let hb_task = tokio::spawn(health::follow_heartbeat(
-        a.runtime_dir.join("heartbeat.sock"),
+        a.socket.runtime_dir.join("heartbeat.sock"),
         state.clone(),
     ));
-    let qmp_path = a.runtime_dir.join("qmp.sock");
+    let qmp_path = a.socket.runtime_dir.join("qmp.sock");
     // Told when QMP answers: a stop requested before then powers the guest down at that moment.
     let qmp_ready = Arc::new(Notify::new());
     let qmp_task = {
@@ -695,7 +523,7 @@ type Started = (
 
 #[allow(clippy::too_many_arguments)]
 async fn start_vm(
-    a: &RunConfig,
+    a: &RunArgs,
     v: &Validated,
     volumes: OpenedVolumes,
     disk_plan: disk::DiskPlan,
@@ -711,7 +539,7 @@ async fn start_vm(
     }
     state.lock().await.disks = disk_plan.attachments.clone();
 
-    let ignition = match &a.ignition {
+    let ignition = match &a.launch.ignition {
         Some(src) => {
             let inputs = ignition::BootInputs {
                 hostname: hostname.into(),
@@ -734,16 +562,16 @@ async fn start_vm(
                 disks: disk_plan.attachments.clone(),
                 host_volumes: v.host_volumes.clone(),
             };
-            privilege::share_secret_dir(&a.secret_dir, &user)?;
-            if !memory_backed(&a.secret_dir) {
+            privilege::share_secret_dir(&a.launch.secret_dir, &user)?;
+            if !memory_backed(&a.launch.secret_dir) {
                 tracing::warn!(
-                    secret_dir = %a.secret_dir.display(),
+                    secret_dir = %a.launch.secret_dir.display(),
                     "--secret-dir is not a memory filesystem (tmpfs): the merged Ignition config, \
                      with its bootstrap secrets, is on disk until QEMU has read it; mount an \
                      emptyDir with medium: Memory there"
                 );
             }
-            let dest = a.secret_dir.join(IGNITION_FILE);
+            let dest = a.launch.secret_dir.join(IGNITION_FILE);
             let report = ignition::prepare(src, &dest, &ignition::overlay(&inputs))?;
             privilege::hand_over(&dest, &user)?;
             for r in &report.replaced {
@@ -763,10 +591,14 @@ async fn start_vm(
     let dhcp_task = tokio::spawn(server.serve());
 
     let (qmp_socket, heartbeat_socket) = (
-        a.runtime_dir.join("qmp.sock"),
-        a.runtime_dir.join("heartbeat.sock"),
+        a.socket.runtime_dir.join("qmp.sock"),
+        a.socket.runtime_dir.join("heartbeat.sock"),
     );
-    privilege::share_runtime_dir(&a.runtime_dir, &user, &[&qmp_socket, &heartbeat_socket])?;
+    privilege::share_runtime_dir(
+        &a.socket.runtime_dir,
+        &user,
+        &[&qmp_socket, &heartbeat_socket],
+    )?;
     // QEMU cannot open /dev/net/tun or /dev/vhost-net: the launcher opens them and QEMU
     // inherits the descriptors (closed here once QEMU runs). Without vhost-net the NIC still
     // works, in QEMU's own thread.
@@ -812,9 +644,9 @@ async fn start_vm(
     let spec = VmSpec {
         name: hostname.into(),
         accel,
-        tcg_tb_size_mib: a.tcg_translation_cache_mib,
-        tcg_threads: a.tcg_threads,
-        vcpus: a.vcpus,
+        tcg_tb_size_mib: a.launch.tcg_translation_cache_mib,
+        tcg_threads: a.launch.tcg_threads,
+        vcpus: a.launch.vcpus,
         memory_mib: v.memory_mib,
         tap_fd,
         vhost_fd,
@@ -892,14 +724,14 @@ const POWERDOWN_REPEAT: Duration = Duration::from_secs(5);
 /// every [`POWERDOWN_REPEAT`]; QEMU is killed `--grace-period-seconds` after the stop request.
 async fn supervise(
     signals: &mut StopSignals,
-    a: &RunConfig,
+    a: &RunArgs,
     pid: u32,
     reaper: &mut Reaper,
     state: &SharedState,
     (qmp, qmp_ready): (&SharedQmp, &Notify),
 ) -> Result<(), RunError> {
     let StopSignals { term, int } = signals;
-    let grace = Duration::from_secs(a.grace_period_seconds);
+    let grace = Duration::from_secs(a.launch.grace_period_seconds);
     let mut deadline: Option<tokio::time::Instant> = None;
     // When to press the power button (again); None: no stop requested, or QMP not there yet.
     let mut next_press: Option<tokio::time::Instant> = None;

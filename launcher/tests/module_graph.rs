@@ -86,13 +86,18 @@ fn top_level_modules_have_no_cycles() {
     );
 }
 
+/// Only `cli` knows clap. `run`, the body of `capk-launcher run`, takes that command's parsed
+/// arguments (the launch contract and this host's settings) and hands the domain modules their
+/// own types; no other module sees the command line.
 #[test]
 fn clap_stays_at_the_binarys_edge() {
     let g = graph();
     let offenders: Vec<&String> = g
         .iter()
         .filter(|(m, _)| *m != "cli")
-        .filter(|(_, (deps, code))| deps.contains("cli") || code.contains("clap::"))
+        .filter(|(m, (deps, code))| {
+            (deps.contains("cli") && *m != "run") || code.contains("clap::")
+        })
         .map(|(m, _)| m)
         .collect();
     assert!(

@@ -23,9 +23,6 @@ pub const PER_GIB_MIB: u64 = 16;
 /// CPU overhead in millicores for the launcher, QEMU's I/O threads and the DHCP server.
 pub const CPU_MILLIS: u64 = 250;
 
-/// The launcher's default TCG translation cache, MiB (no flag needed for it).
-pub const DEFAULT_TCG_CACHE_MIB: u64 = 128;
-
 /// The TCG translation cache a machine of `accel` may use, MiB: none under KVM, else the
 /// controller's `--tcg-translation-cache-mib` (QEMU under `auto` falls back to TCG when KVM does
 /// not work, and its cache then lives in the Pod's memory).

@@ -1,14 +1,16 @@
-//! Pure: the machine Pod. It runs `capk-launcher run` as PID 1 with the machine's settings as
-//! flags; the Ignition is a file from the Ignition Secret's volume (mode 0400), never an
+//! Pure: the machine Pod. It runs `capk-launcher run` as PID 1 with the machine's launch contract
+//! ([`capk_api::launch`]) as flags; the Ignition is a file from the Ignition Secret's volume (mode 0400), never an
 //! argument or an environment variable.
 
 use std::collections::BTreeMap;
 
 use capk_api::{
+    byte_size::ByteSize,
     constants::{
         CLUSTER_NAME_LABEL, ETCD_VOLUME, MACHINE_ROLE_LABEL, NODE_READY_GATE, ROLE_CONTROL_PLANE,
     },
     etcd_owner,
+    launch::{self, Launch, Role, Share, TcgThreads},
     v1alpha1::{Accel, EtcdStorageType, KVMMachine},
 };
 use k8s_openapi::{
@@ -102,63 +104,65 @@ pub fn machine_pod(
     let node_image = node_image::plan(km, defaults);
     volumes.extend(node_image.volumes);
 
-    let mut args = vec![
-        "run".to_owned(),
-        format!("--vcpus={vcpus}"),
-        format!("--memory={memory}"),
-        format!("--disk-size={disk}"),
-        format!("--docker-disk-size={docker}"),
-        format!("--kubelet-disk-size={kubelet}"),
-        format!("--image={}", node_image.path),
-        format!("--ignition={IGNITION_DIR}/{IGNITION_KEY}"),
-        format!("--secret-dir={SECRET_DIR}"),
-        format!("--state-dir={STATE_DIR}"),
-        format!("--hostname={}", hostname(km)),
-        format!(
-            "--role={}",
-            if placement.control_plane {
-                "control-plane"
-            } else {
-                "worker"
-            }
-        ),
-        format!(
-            "--accel={}",
-            match spec.accel.unwrap_or_default() {
-                Accel::Auto => "auto",
-                Accel::Kvm => "kvm",
-                Accel::Tcg => "tcg",
-            }
-        ),
-        format!("--grace-period-seconds={GUEST_SHUTDOWN_SECONDS}"),
-    ];
-    let tcg_cache_mib = overhead::tcg_cache_mib(
-        spec.accel.unwrap_or_default(),
-        defaults.tcg_translation_cache_mib,
-    );
-    if tcg_cache_mib != overhead::DEFAULT_TCG_CACHE_MIB && tcg_cache_mib != 0 {
-        args.push(format!("--tcg-translation-cache-mib={tcg_cache_mib}"));
-    }
-    if defaults.tcg_single_thread && tcg_cache_mib != 0 {
-        args.push("--tcg-threads=single".to_owned());
-    }
+    let accel = spec.accel.unwrap_or_default();
+    let tcg_cache_mib = overhead::tcg_cache_mib(accel, defaults.tcg_translation_cache_mib);
+    let mut launch = Launch {
+        vcpus: valid.vcpus,
+        memory: ByteSize(memory),
+        image: node_image.path.into(),
+        disk_size: ByteSize(disk),
+        docker_disk_size: ByteSize(docker),
+        kubelet_disk_size: ByteSize(kubelet),
+        etcd_disk: None,
+        etcd_disk_size: ByteSize(valid.etcd_disk),
+        etcd_owner: None,
+        host_volumes: Vec::new(),
+        host_volumes_readonly: Vec::new(),
+        state_dir: STATE_DIR.into(),
+        secret_dir: SECRET_DIR.into(),
+        ignition: Some(format!("{IGNITION_DIR}/{IGNITION_KEY}").into()),
+        accel: match accel {
+            Accel::Auto => launch::Accel::Auto,
+            Accel::Kvm => launch::Accel::Kvm,
+            Accel::Tcg => launch::Accel::Tcg,
+        },
+        // Under KVM there is no translation cache; the launcher's default stands for none.
+        tcg_translation_cache_mib: u32::try_from(tcg_cache_mib)
+            .ok()
+            .filter(|mib| *mib != 0)
+            .unwrap_or(launch::DEFAULT_TCG_TRANSLATION_CACHE_MIB),
+        tcg_threads: if defaults.tcg_single_thread && tcg_cache_mib != 0 {
+            TcgThreads::Single
+        } else {
+            TcgThreads::Multi
+        },
+        dns_servers: Vec::new(),
+        dns_search: Vec::new(),
+        ntp_servers: Vec::new(),
+        hostname: Some(hostname(km)),
+        role: if placement.control_plane {
+            Role::ControlPlane
+        } else {
+            Role::Worker
+        },
+        grace_period_seconds: GUEST_SHUTDOWN_SECONDS.unsigned_abs(),
+    };
     if let Some(dns) = &spec.dns {
-        for s in &dns.servers {
-            args.push(format!("--dns={}", s.0));
-        }
-        for s in &dns.searches {
-            args.push(format!("--dns-search={}", s.0));
-        }
+        // Validation admitted only IPv4 servers and DNS names.
+        launch.dns_servers = dns
+            .servers
+            .iter()
+            .filter_map(|s| s.0.parse().ok())
+            .collect();
+        launch.dns_search = dns.searches.iter().map(|s| s.0.clone()).collect();
     }
     if let Some(ntp) = &spec.ntp {
         // The launcher hands NTP servers to the guest by DHCP, which carries addresses only.
-        for s in ntp
+        launch.ntp_servers = ntp
             .servers
             .iter()
-            .filter(|s| s.0.parse::<std::net::Ipv4Addr>().is_ok())
-        {
-            args.push(format!("--ntp={}", s.0));
-        }
+            .filter_map(|s| s.0.parse().ok())
+            .collect();
     }
 
     // Disk-backed emptyDirs, counted in the Pod's ephemeral storage.
@@ -198,14 +202,10 @@ pub fn machine_pod(
         };
         volumes.push(volume);
         mounts.push(mount(ETCD_VOLUME, ETCD_DIR, false));
-        args.push(format!("--etcd-disk={ETCD_DIR}/{}", etcd_owner::DISK_FILE));
-        args.push(format!("--etcd-disk-size={etcd_bytes}"));
+        launch.etcd_disk = Some(format!("{ETCD_DIR}/{}", etcd_owner::DISK_FILE).into());
         // The launcher marks the etcd directory as this KVMMachine's (by UID) and refuses one
         // marked for another; the cleanup removes only a directory so marked.
-        args.push(format!(
-            "--etcd-owner={}",
-            super::etcd_cleanup::owner_of(km)
-        ));
+        launch.etcd_owner = Some(super::etcd_cleanup::owner_of(km));
     } else {
         for hv in &valid.host_volumes {
             let name = format!("hostvol-{}", sanitize(&hv.mount_tag));
@@ -217,17 +217,19 @@ pub fn machine_pod(
             // Read-only twice: the Pod's mount (nothing in the Pod writes it) and the 9p export
             // (the guest cannot, even through a QEMU that could).
             mounts.push(mount(&name, &mount_path, hv.read_only));
-            let flag = if hv.read_only {
-                "--host-volume-readonly"
-            } else {
-                "--host-volume"
+            let share = Share {
+                tag: hv.mount_tag.clone(),
+                path: if hv.sub_path.is_empty() {
+                    mount_path.into()
+                } else {
+                    format!("{mount_path}/{}", hv.sub_path).into()
+                },
             };
-            let path = if hv.sub_path.is_empty() {
-                mount_path
+            if hv.read_only {
+                launch.host_volumes_readonly.push(share);
             } else {
-                format!("{mount_path}/{}", hv.sub_path)
-            };
-            args.push(format!("{flag}={}={path}", hv.mount_tag));
+                launch.host_volumes.push(share);
+            }
         }
     }
 
@@ -273,7 +275,11 @@ pub fn machine_pod(
         image: Some(defaults.launcher_image.clone()),
         image_pull_policy: Some("IfNotPresent".into()),
         command: Some(vec!["capk-launcher".into()]),
-        args: Some(args),
+        args: Some(
+            std::iter::once("run".to_owned())
+                .chain(launch.to_args())
+                .collect(),
+        ),
         security_context: Some(SecurityContext {
             privileged: Some(true),
             ..Default::default()
@@ -576,14 +582,10 @@ mod tests {
         let (base, args) = memory_and_args("kvm", &emulated);
         assert_eq!(base, (1 << 30) + ((256 + 16 + 16) << 20));
         assert!(!args.contains(&flag));
-        // Default (128 MiB, the launcher's own default): no flag, the cache on top.
+        // Default (128 MiB, the launcher's own default): the cache on top.
         let (mem, args) = memory_and_args("auto", &MachineDefaults::default());
         assert_eq!(mem, base + (128 << 20));
-        assert!(
-            !args
-                .iter()
-                .any(|a| a.starts_with("--tcg-translation-cache-mib"))
-        );
+        assert!(args.contains(&"--tcg-translation-cache-mib=128".to_owned()));
         // 1 GiB: QEMU is told, and the Pod holds all of it.
         for accel in ["auto", "tcg"] {
             let (mem, args) = memory_and_args(accel, &emulated);
@@ -591,7 +593,7 @@ mod tests {
             assert!(args.contains(&flag), "{accel}: {args:?}");
         }
         // One thread for all vCPUs is the operator's choice for machines that may be emulated;
-        // the launcher's default (a thread per vCPU) needs no flag, and KVM machines never get it.
+        // the launcher's default is a thread per vCPU, and KVM machines never get it.
         let single = "--tcg-threads=single".to_owned();
         assert!(!memory_and_args("auto", &emulated).1.contains(&single));
         let one_thread = MachineDefaults {

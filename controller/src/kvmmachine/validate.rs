@@ -1056,8 +1056,7 @@ mod tests {
             let capk_launcher::cli::Command::Run(args) = cli.command else {
                 panic!("not run")
             };
-            let config = capk_launcher::run::RunConfig::from(*args);
-            if let Err(e) = capk_launcher::run::validate(&config) {
+            if let Err(e) = capk_launcher::run::validate(&args) {
                 panic!("the launcher refuses {extra}: {e}");
             }
         }

@@ -17,10 +17,10 @@ pub const IGNITION_FW_CFG_NAMES: [&str; 2] =
     ["opt/com.coreos/config", "opt/org.flatcar-linux/config"];
 /// virtio-serial port name the guest's heartbeat unit writes to.
 pub const HEARTBEAT_PORT: &str = "org.capk.heartbeat.0";
-/// Default TCG translation cache size, MiB (QEMU's own default is 1 GiB; see `qemu_args`). Enough
-/// for small guests; a Kubernetes node's programs need about 1 GiB, or QEMU keeps flushing and
-/// re-translating them (`kubeadm init` then does not finish in 10 minutes).
-pub const TCG_TB_SIZE_MIB: u32 = 128;
+/// Default TCG translation cache size, MiB (QEMU's own default is 1 GiB; see `qemu_args`): the
+/// launch contract's. Enough for small guests; a Kubernetes node's programs need about 1 GiB, or
+/// QEMU keeps flushing and re-translating them (`kubeadm init` then does not finish in 10 minutes).
+pub const TCG_TB_SIZE_MIB: u32 = capk_api::launch::DEFAULT_TCG_TRANSLATION_CACHE_MIB;
 
 /// The accelerator actually used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -137,27 +137,8 @@ pub struct DirectKernel {
     pub cmdline: Option<String>,
 }
 
-/// How TCG runs an emulated guest's vCPUs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum TcgThreads {
-    /// One host thread takes turns running every vCPU: a VM never uses more than one host core,
-    /// and no vCPU waits on a lock another vCPU's preempted thread holds (docs/benchmarks.md,
-    /// "Levers tried on an idle emulated control plane"); a 2-vCPU control plane then boots too
-    /// slowly for kubeadm.
-    Single,
-    /// One host thread per vCPU (QEMU's default on x86, and the launcher's).
-    Multi,
-}
-
-impl TcgThreads {
-    /// QEMU's `-accel tcg,thread=` value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TcgThreads::Single => "single",
-            TcgThreads::Multi => "multi",
-        }
-    }
-}
+/// How TCG runs an emulated guest's vCPUs (the launch contract's `--tcg-threads`).
+pub use capk_api::launch::TcgThreads;
 
 /// Everything the VM is made of.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

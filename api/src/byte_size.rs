@@ -1,10 +1,10 @@
 //! Sizes as the controller writes them: Kubernetes quantities (`8Gi`, `40G`) or plain bytes,
-//! parsed by capk-api's quantity parser (the one the controller reads the spec with).
+//! parsed by the quantity parser the controller reads the spec with.
 
 use std::fmt;
 use std::str::FromStr;
 
-use capk_api::quantity::{QuantityError, parse_bytes};
+use crate::quantity::{QuantityError, parse_bytes};
 
 /// A size in bytes, parsed from a Kubernetes quantity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -73,9 +73,8 @@ mod tests {
         assert_eq!("1048576".parse(), Ok(ByteSize::mib(1)));
     }
 
-    /// What the CRD admits (and the controller reads with capk-api) the launcher takes with the
-    /// same value; what Kubernetes refuses it refuses with capk-api's message. Before, `1.5Gi`
-    /// passed the CRD and crash-looped the launcher, and `1GB` passed only the launcher.
+    /// What the CRD admits (and the controller reads as a quantity) parses to the same value;
+    /// what Kubernetes refuses is refused with the quantity parser's message.
     #[test]
     fn agrees_with_the_api_on_every_form() {
         for s in [
