@@ -74,6 +74,66 @@ where
     }
 }
 
+/// What [`ensure`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ensured {
+    /// Made it.
+    Created,
+    /// Found it, `owner`'s by its labels or an owner reference, and made it `owner`'s.
+    Adopted,
+    /// Found it, `owner`'s already.
+    Kept,
+}
+
+/// Create-or-adopt-or-leave, for an object made once and never patched (a machine Pod, an etcd
+/// PVC): with `existing` (what the caller knows is there under the name, from a cache or a
+/// read), [`adopt`] it; else [`create_or_adopt`] `desired`. Someone else's object is an error
+/// ([`Error::Foreign`]), never taken over.
+pub async fn ensure<K>(
+    api: &Api<K>,
+    kind: &'static str,
+    existing: Option<&ObjectMeta>,
+    desired: &K,
+    owner: &Owner,
+    target: &Target,
+) -> Result<Ensured>
+where
+    K: Resource + Clone + Serialize + DeserializeOwned + Debug,
+{
+    match existing {
+        Some(meta) => Ok(adopted(adopt(api, kind, meta, owner, target).await?)),
+        None => Ok(create_or_adopt(api, kind, desired, owner, target).await?.1),
+    }
+}
+
+/// Creates `desired`; when its name is taken, adopts what is there ([`adopt`]). Returns the
+/// object as stored.
+pub async fn create_or_adopt<K>(
+    api: &Api<K>,
+    kind: &'static str,
+    desired: &K,
+    owner: &Owner,
+    target: &Target,
+) -> Result<(K, Ensured)>
+where
+    K: Resource + Clone + Serialize + DeserializeOwned + Debug,
+{
+    let (stored, new) = create_if_absent(api, desired, kind).await?;
+    if new {
+        return Ok((stored, Ensured::Created));
+    }
+    let patched = adopt(api, kind, stored.meta(), owner, target).await?;
+    Ok((stored, adopted(patched)))
+}
+
+fn adopted(patched: bool) -> Ensured {
+    if patched {
+        Ensured::Adopted
+    } else {
+        Ensured::Kept
+    }
+}
+
 /// Makes `meta` (an existing object of the name the controller would give it) `owner`'s:
 /// nothing when it already is; its labels and owner references patched when it is the owner's
 /// by its labels or an owner reference ([`crate::ownership`]); an error when it is someone

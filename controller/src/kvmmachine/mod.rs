@@ -5,8 +5,9 @@
 //! [`apply`] is the pipeline, read top to bottom: fetch the owner Machine → validate the spec
 //! ([`validate`], pure) → fetch the Cluster's infrastructure, where the objects live
 //! ([`crate::hosting`]) and the bootstrap data → build the desired objects (pure, one module
-//! each: [`ignition_secret`], [`etcd_claim`], [`pod`] with [`node_image`]) → apply them
-//! ([`crate::objects`]: server-side apply, create once, adopt) → the workload Node's gate
+//! each: [`ignition_secret`], [`etcd_claim`], [`pod`] with [`node_image`]) → ensure them
+//! ([`crate::objects`]: the rendered Secret applied, the PVC and Pod made once or adopted) →
+//! the workload Node's gate
 //! ([`crate::workload`]) → one status write ([`status`] builds it, [`writes`] writes it).
 //! [`delete`] stops the machine Pod, deletes what was made for it and removes its etcd data
 //! from the MC node ([`etcd_cleanup`]). What wakes a reconcile, and the controller: [`watches`].
@@ -26,7 +27,7 @@ pub mod validate;
 pub mod watches;
 pub mod writes;
 
-use std::{sync::Arc, time::Duration};
+use std::{ops::ControlFlow, sync::Arc, time::Duration};
 
 use capk_api::{
     capi::{Cluster, Machine},
@@ -55,7 +56,7 @@ use crate::{
     context::Context,
     error::{Error, Result},
     hosting::{HostingKey, Target, Unavailable, machine_namespace},
-    objects::{self, read_error},
+    objects::{self, Ensured, read_error},
     ownership::{Claim, Owner},
     report,
     workload::{
@@ -276,279 +277,400 @@ impl Observed {
     }
 }
 
-/// The KVMMachine pipeline, top to bottom: fetch the owner Machine → validate the spec (pure, as
-/// early as the machine's role is known) → fetch the Cluster and the bootstrap data → build every
-/// desired object (pure) → apply them → write the status, once. A step that cannot go on says why
-/// in the status; nothing after it runs.
+/// A step of the pipeline: go on with its result, or stop with what was observed so far.
+type Step<T> = ControlFlow<Observed, T>;
+
+/// Stops the pipeline with `Observed::waiting(state)`.
+fn wait<T>(state: MachineState) -> Step<T> {
+    ControlFlow::Break(Observed::waiting(state))
+}
+
+/// The value of a step that went on; a step that stopped ends the pipeline with its observation.
+macro_rules! step {
+    ($e:expr) => {
+        match $e {
+            ControlFlow::Continue(value) => value,
+            ControlFlow::Break(observed) => return Ok(observed),
+        }
+    };
+}
+
+/// What the pipeline changed as it went, for the status write after it.
+struct Progress {
+    /// The KVMMachine as last written by this reconcile.
+    current: KVMMachine,
+    /// Where the objects live, once known.
+    target: Option<Target>,
+}
+
+/// The KVMMachine pipeline: [`pipeline`] (fetch → validate → locate → bootstrap → build → ensure
+/// → gate), then [`record`] (the status, once, and what follows it). A step that cannot go on
+/// says why in the status; nothing after it runs.
 async fn apply(
+    api: &Api<KVMMachine>,
+    km: &KVMMachine,
+    found: (Option<&Machine>, Option<&Cluster>, Option<&KVMCluster>),
+    ctx: &Context,
+) -> Result<Action> {
+    let mut progress = Progress {
+        current: km.clone(),
+        target: None,
+    };
+    let observed = pipeline(api, km, found, ctx, &mut progress).await?;
+    record(api, found.0, progress, observed).await
+}
+
+/// fetch the owner Machine → validate the spec → locate where the objects live → fetch the
+/// bootstrap data → build the desired objects (pure) → ensure them (the Ignition Secret, the etcd
+/// PVC, the machine Pod) → the workload Node behind the Pod's readiness gate.
+async fn pipeline(
     api: &Api<KVMMachine>,
     km: &KVMMachine,
     (machine, cluster, kvm_cluster): (Option<&Machine>, Option<&Cluster>, Option<&KVMCluster>),
     ctx: &Context,
-) -> Result<Action> {
-    let defaults = &ctx.settings.machine_defaults;
-    // The KVMMachine as last written by this reconcile.
-    let mut current = km.clone();
-    // Where the objects live, once known.
-    let mut target: Option<Target> = None;
-    let observed = 'pipeline: {
-        // 1. Fetch the owner Machine: where it puts this machine.
-        let Some(machine) = machine else {
-            break 'pipeline Observed::waiting(MachineState::WaitingForMachineOwner);
-        };
-        let placement = MachinePlacement::of(machine);
-
-        // 2. Validate the spec: one the launcher or the apiserver would refuse is the user's to
-        // fix (a condition, a Warning Event), at once, and nothing is applied for it.
-        let valid = match validate::validate(km, &placement, defaults, &ctx.settings.tenant_policy)
-        {
-            Ok(v) => v,
-            Err(e) => {
-                let msg = e.to_string();
-                warn_once(ctx, km, status::REASON_SPEC_INVALID, &msg).await;
-                break 'pipeline Observed::waiting(MachineState::SpecInvalid(msg));
-            }
-        };
-
-        // 3. Fetch what the machine is built from: its Cluster's infrastructure, the bootstrap
-        // data.
-        if !cluster.is_some_and(Cluster::infrastructure_provisioned) {
-            break 'pipeline Observed::waiting(MachineState::WaitingForClusterInfrastructure);
-        }
-        // Where the machine's objects live: its KVMCluster says. A hosting cluster that cannot
-        // be used now is a condition, and nothing there is touched meanwhile: a Pod not seen is
-        // not a Pod lost.
-        let ns = km.namespace().ok_or(Error::MissingNamespace)?;
-        let there = match target_of(ctx, km, kvm_cluster, false).await {
-            Ok(t) => target.insert(t),
-            Err(u) => {
-                break 'pipeline Observed::waiting(MachineState::HostingUnavailable(
-                    u.condition(CONDITION_HOSTING_CLUSTER_AVAILABLE),
-                ));
-            }
-        };
-        let names = MachineNames::in_home(km, &there.home);
-        let Some(secret_name) = machine.spec.bootstrap.data_secret_name.as_deref() else {
-            break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapData);
-        };
-        let ignition_name = &names.ignition_secret;
-        let bootstrap_secret = (secret_name, placement.cluster.as_str());
-        let Some(bootstrap) =
-            fetch_bootstrap(km, bootstrap_secret, there, ignition_name, ctx).await?
-        else {
-            let name = secret_name.to_owned();
-            break 'pipeline Observed::waiting(MachineState::WaitingForBootstrapSecret(name));
-        };
-
-        // 4. Build every desired object. Bootstrap data that does not convert is the user's
-        // (or the bootstrap provider's) to fix, like a bad spec.
-        let ignition = match bootstrap {
-            Bootstrap::Rendered => None,
-            Bootstrap::Read {
-                value,
-                format,
-                source,
-            } => match ignition_secret::render(km, format.as_deref(), &value) {
-                Ok(json) => Some(ignition_secret::desired(
-                    km,
-                    &placement,
-                    &there.home,
-                    &names,
-                    json,
-                    &source,
-                )),
-                Err(msg) => {
-                    warn_once(ctx, km, status::REASON_BOOTSTRAP_DATA_INVALID, &msg).await;
-                    break 'pipeline Observed::waiting(MachineState::BootstrapDataInvalid(msg));
-                }
-            },
-        };
-        let claim = etcd_claim::desired(km, &placement, &there.home, &names);
-        let desired_pod = pod::machine_pod(km, &placement, &there.home, &names, &valid, defaults);
-
-        // 5. Apply: the Ignition Secret, the etcd PVC, then the machine Pod. What exists under
-        // their names is adopted when its labels name this machine (a moved KVMMachine, a switch
-        // to an explicit hosting cluster) and refused when they name someone else: nothing is
-        // ever made twice, nobody else's object taken over.
-        let owner = Owner::machine(km);
-        let secrets: Api<Secret> = there.api();
-        let secret_name = names.ignition_secret.clone();
-        let existing = match there.secret(&secret_name) {
-            Some(meta) => Some(meta.metadata.clone()),
-            // A cache holds only labelled Secrets (ours in a hosting cluster, Cluster API's in
-            // the management cluster): before an apply (which would overwrite whatever has the
-            // name), ask whether another one exists.
-            None if ignition.is_some() => secrets
-                .get_metadata_opt(&secret_name)
-                .await
-                .map_err(read_error("Secret", &secret_name))?
-                .map(|m| m.metadata),
-            None => None,
-        };
-        if let Some(meta) = existing {
-            // A new rendering's apply (below) sets labels and owner references itself; only a
-            // foreign Secret must stop it.
-            let foreign = crate::ownership::claim(&meta, &owner, &there.home) == Claim::Foreign;
-            if ignition.is_none() || foreign {
-                objects::adopt(&secrets, "Secret", &meta, &owner, there).await?;
-            }
-        }
-        if let Some(secret) = ignition {
-            objects::apply(&secrets, &secret, "Secret").await?;
-        }
-        if let Some(pvc) = claim {
-            let pvcs: Api<PersistentVolumeClaim> = there.api();
-            match there.claim(&pvc.name_any()) {
-                Some(meta) => {
-                    objects::adopt(
-                        &pvcs,
-                        "PersistentVolumeClaim",
-                        &meta.metadata,
-                        &owner,
-                        there,
-                    )
-                    .await?;
-                }
-                None => {
-                    let (stored, new) =
-                        objects::create_if_absent(&pvcs, &pvc, "PersistentVolumeClaim").await?;
-                    if !new {
-                        objects::adopt(
-                            &pvcs,
-                            "PersistentVolumeClaim",
-                            &stored.metadata,
-                            &owner,
-                            there,
-                        )
-                        .await?;
-                    }
-                }
-            }
-        }
-        let pods: Api<Pod> = there.api();
-        let pod_name = names.pod.clone();
-        let was_provisioned = km
-            .status
-            .as_ref()
-            .and_then(|s| s.initialization.as_ref())
-            .and_then(|i| i.provisioned)
-            .unwrap_or(false);
-        // The cache can lag: a provisioned machine whose Pod the cache does not show is checked
-        // with the apiserver before it is declared lost.
-        let existing = match there.pod(&pod_name) {
-            Some(p) => Some((*p).clone()),
-            None if was_provisioned => pods
-                .get_opt(&pod_name)
-                .await
-                .map_err(read_error("Pod", &pod_name))?,
-            None => None,
-        };
-        // A provisioned machine whose Pod is gone (or failed for good) lost its VM and ephemeral
-        // disks: report it and let a MachineHealthCheck replace the Machine, rather than
-        // silently booting a fresh VM under the same Machine.
-        let lost = was_provisioned
-            && existing.as_ref().is_none_or(|p| {
-                p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")
-            });
-        if lost {
-            let msg = format!(
-                "machine Pod {pod_name} is gone or failed; the VM is lost and the Machine needs replacing"
-            );
-            if !status::has_ready_reason(km, status::REASON_MACHINE_POD_MISSING, "") {
-                let reason = status::REASON_MACHINE_POD_MISSING;
-                report::publish(ctx, km, EventType::Warning, reason, msg).await;
-            }
-            break 'pipeline Observed {
-                state: MachineState::PodMissing,
-                pod: existing,
-                gate: None,
-            };
-        }
-        // A Pod's spec is immutable: it is created once, and drift is not patched.
-        let existing = match existing {
-            Some(p) => {
-                if objects::adopt(&pods, "Pod", &p.metadata, &owner, there).await? {
-                    let note = format!("adopted machine Pod {pod_name} in {}", there.describe());
-                    report::publish(ctx, km, EventType::Normal, "MachinePodAdopted", note).await;
-                }
-                p
-            }
-            None => {
-                // clusterctl move waits while a Pod is being created: a moved KVMMachine whose
-                // Pod creation was cut short would otherwise look unprovisioned forever.
-                if let Some(patched) = writes::patch_machine(api, km, true, None).await? {
-                    current = patched;
-                }
-                info!(pod = %pod_name, "creating machine Pod");
-                let (created, new) = objects::create_if_absent(&pods, &desired_pod, "Pod").await?;
-                if new {
-                    let note = format!("created machine Pod {pod_name} in {}", there.describe());
-                    report::publish(ctx, km, EventType::Normal, "MachinePodCreated", note).await;
-                } else if objects::adopt(&pods, "Pod", &created.metadata, &owner, there).await? {
-                    let note = format!("adopted machine Pod {pod_name} in {}", there.describe());
-                    report::publish(ctx, km, EventType::Normal, "MachinePodAdopted", note).await;
-                }
-                created
-            }
-        };
-
-        // The Node in the workload cluster: the Pod's readiness gate follows it (the Node watch
-        // wakes this machine when it changes). A kubeconfig that is refused or unusable is the
-        // user's to fix: a Warning Event, once.
-        let kubeconfig = objects::labelled_secret(
-            &ctx.client,
-            &ctx.caches.secrets,
-            &ns,
-            &kubeconfig_secret_name(&placement.cluster),
-            (CLUSTER_NAME_LABEL, &placement.cluster),
+    progress: &mut Progress,
+) -> Result<Observed> {
+    let Some(machine) = machine else {
+        return Ok(Observed::waiting(MachineState::WaitingForMachineOwner));
+    };
+    let placement = MachinePlacement::of(machine);
+    let valid = step!(validate_spec(ctx, km, &placement).await);
+    let there = step!(locate(ctx, km, cluster, kvm_cluster, &mut progress.target).await);
+    let names = MachineNames::in_home(km, &there.home);
+    let bootstrap = step!(bootstrap(ctx, km, machine, &placement, there, &names).await?);
+    let desired = step!(build(ctx, km, &placement, there, &names, &valid, bootstrap).await);
+    ensure_ignition_secret(km, there, &names, desired.ignition).await?;
+    ensure_claim(km, there, desired.claim).await?;
+    let pod = step!(
+        ensure_pod(
+            api,
+            ctx,
+            km,
+            there,
+            &names,
+            &desired.pod,
+            &mut progress.current
         )
         .await?
-        .map(|m| m.resource_version().unwrap_or_default());
-        let gate = ctx
-            .workloads
-            .node_gate(
-                &ctx.client,
-                kubeconfig.as_deref(),
-                &ns,
-                &placement.cluster,
-                &names::hostname(km),
-                NodeFacts {
-                    provider_id: &provider_id(&ns, &km.name_any()),
-                    pod_node: pod_node(&existing, there),
-                },
-            )
-            .await;
-        if [REASON_KUBECONFIG_REFUSED, REASON_KUBECONFIG_INVALID].contains(&gate.reason)
-            && !status::has_condition(km, &status::node_condition(Some(&gate)))
-        {
-            report::publish(
-                ctx,
+    );
+    observe_node(ctx, km, &placement, there, pod).await
+}
+
+/// Validates the spec: one the launcher or the apiserver would refuse is the user's to fix (a
+/// condition, a Warning Event), at once, and nothing is applied for it.
+async fn validate_spec(
+    ctx: &Context,
+    km: &KVMMachine,
+    placement: &MachinePlacement,
+) -> Step<validate::ValidSpec> {
+    let defaults = &ctx.settings.machine_defaults;
+    match validate::validate(km, placement, defaults, &ctx.settings.tenant_policy) {
+        Ok(v) => ControlFlow::Continue(v),
+        Err(e) => {
+            let msg = e.to_string();
+            warn_once(ctx, km, status::REASON_SPEC_INVALID, &msg).await;
+            wait(MachineState::SpecInvalid(msg))
+        }
+    }
+}
+
+/// Where the machine's objects live, once its Cluster's infrastructure is provisioned: its
+/// KVMCluster says. A hosting cluster that cannot be used now is a condition, and nothing there is
+/// touched meanwhile: a Pod not seen is not a Pod lost.
+async fn locate<'t>(
+    ctx: &Context,
+    km: &KVMMachine,
+    cluster: Option<&Cluster>,
+    kvm_cluster: Option<&KVMCluster>,
+    target: &'t mut Option<Target>,
+) -> Step<&'t Target> {
+    if !cluster.is_some_and(Cluster::infrastructure_provisioned) {
+        return wait(MachineState::WaitingForClusterInfrastructure);
+    }
+    match target_of(ctx, km, kvm_cluster, false).await {
+        Ok(t) => ControlFlow::Continue(target.insert(t)),
+        Err(u) => wait(MachineState::HostingUnavailable(
+            u.condition(CONDITION_HOSTING_CLUSTER_AVAILABLE),
+        )),
+    }
+}
+
+/// The bootstrap data the Machine names, once it names one and it exists.
+async fn bootstrap(
+    ctx: &Context,
+    km: &KVMMachine,
+    machine: &Machine,
+    placement: &MachinePlacement,
+    there: &Target,
+    names: &MachineNames,
+) -> Result<Step<Bootstrap>> {
+    let Some(secret_name) = machine.spec.bootstrap.data_secret_name.as_deref() else {
+        return Ok(wait(MachineState::WaitingForBootstrapData));
+    };
+    let bootstrap_secret = (secret_name, placement.cluster.as_str());
+    Ok(
+        match fetch_bootstrap(km, bootstrap_secret, there, &names.ignition_secret, ctx).await? {
+            Some(b) => ControlFlow::Continue(b),
+            None => wait(MachineState::WaitingForBootstrapSecret(
+                secret_name.to_owned(),
+            )),
+        },
+    )
+}
+
+/// The objects a machine is made of, as they should be.
+struct Desired {
+    /// The Ignition Secret, when the bootstrap data was (re)rendered.
+    ignition: Option<Secret>,
+    /// The etcd PVC, when the machine keeps etcd on a persistent volume.
+    claim: Option<PersistentVolumeClaim>,
+    /// The machine Pod.
+    pod: Pod,
+}
+
+/// Builds every desired object (pure). Bootstrap data that does not convert is the user's (or
+/// the bootstrap provider's) to fix, like a bad spec.
+async fn build(
+    ctx: &Context,
+    km: &KVMMachine,
+    placement: &MachinePlacement,
+    there: &Target,
+    names: &MachineNames,
+    valid: &validate::ValidSpec,
+    bootstrap: Bootstrap,
+) -> Step<Desired> {
+    let ignition = match bootstrap {
+        Bootstrap::Rendered => None,
+        Bootstrap::Read {
+            value,
+            format,
+            source,
+        } => match ignition_secret::render(km, format.as_deref(), &value) {
+            Ok(json) => Some(ignition_secret::desired(
                 km,
-                EventType::Warning,
-                gate.reason,
-                gate.message.clone(),
-            )
-            .await;
+                placement,
+                &there.home,
+                names,
+                json,
+                &source,
+            )),
+            Err(msg) => {
+                warn_once(ctx, km, status::REASON_BOOTSTRAP_DATA_INVALID, &msg).await;
+                return wait(MachineState::BootstrapDataInvalid(msg));
+            }
+        },
+    };
+    let defaults = &ctx.settings.machine_defaults;
+    ControlFlow::Continue(Desired {
+        ignition,
+        claim: etcd_claim::desired(km, placement, &there.home, names),
+        pod: pod::machine_pod(km, placement, &there.home, names, valid, defaults),
+    })
+}
+
+/// The Ignition Secret: applied when (re)rendered; what exists under its name is adopted when
+/// its labels name this machine and refused when they name someone else.
+async fn ensure_ignition_secret(
+    km: &KVMMachine,
+    there: &Target,
+    names: &MachineNames,
+    ignition: Option<Secret>,
+) -> Result<()> {
+    let owner = Owner::machine(km);
+    let secrets: Api<Secret> = there.api();
+    let name = &names.ignition_secret;
+    let existing = match there.secret(name) {
+        Some(meta) => Some(meta.metadata.clone()),
+        // A cache holds only labelled Secrets (ours in a hosting cluster, Cluster API's in the
+        // management cluster): before an apply (which would overwrite whatever has the name),
+        // ask whether another one exists.
+        None if ignition.is_some() => secrets
+            .get_metadata_opt(name)
+            .await
+            .map_err(read_error("Secret", name))?
+            .map(|m| m.metadata),
+        None => None,
+    };
+    if let Some(meta) = existing {
+        // A new rendering's apply sets labels and owner references itself; only a foreign
+        // Secret must stop it.
+        let foreign = crate::ownership::claim(&meta, &owner, &there.home) == Claim::Foreign;
+        if ignition.is_none() || foreign {
+            objects::adopt(&secrets, "Secret", &meta, &owner, there).await?;
         }
-        // The node image cannot be fetched or verified: the user's to fix (the URL, the
-        // digest, the mirror), a Warning Event, once per message.
-        let state = status::pod_state(&existing);
-        if let MachineState::NodeImageFailed {
-            reason, message, ..
-        } = &state
-        {
-            warn_once(ctx, km, reason, message).await;
+    }
+    if let Some(secret) = ignition {
+        objects::apply(&secrets, &secret, "Secret").await?;
+    }
+    Ok(())
+}
+
+/// The etcd PVC, made once ([`objects::ensure`]).
+async fn ensure_claim(
+    km: &KVMMachine,
+    there: &Target,
+    claim: Option<PersistentVolumeClaim>,
+) -> Result<()> {
+    let Some(pvc) = claim else {
+        return Ok(());
+    };
+    let existing = there.claim(&pvc.name_any());
+    let kind = "PersistentVolumeClaim";
+    let existing = existing.as_ref().map(|m| &m.metadata);
+    objects::ensure(
+        &there.api(),
+        kind,
+        existing,
+        &pvc,
+        &Owner::machine(km),
+        there,
+    )
+    .await?;
+    Ok(())
+}
+
+/// The machine Pod, made once ([`objects::ensure`]: a Pod's spec is immutable, and drift is
+/// not patched). A provisioned machine whose Pod is gone (or failed for good) lost its VM and
+/// ephemeral disks: that is reported, and a MachineHealthCheck replaces the Machine, rather than
+/// a fresh VM silently booting under the same Machine.
+async fn ensure_pod(
+    api: &Api<KVMMachine>,
+    ctx: &Context,
+    km: &KVMMachine,
+    there: &Target,
+    names: &MachineNames,
+    desired: &Pod,
+    current: &mut KVMMachine,
+) -> Result<Step<Pod>> {
+    let pods: Api<Pod> = there.api();
+    let pod_name = &names.pod;
+    let was_provisioned = km
+        .status
+        .as_ref()
+        .and_then(|s| s.initialization.as_ref())
+        .and_then(|i| i.provisioned)
+        .unwrap_or(false);
+    // The cache can lag: a provisioned machine whose Pod the cache does not show is checked with
+    // the apiserver before it is declared lost.
+    let existing = match there.pod(pod_name) {
+        Some(p) => Some((*p).clone()),
+        None if was_provisioned => pods
+            .get_opt(pod_name)
+            .await
+            .map_err(read_error("Pod", pod_name))?,
+        None => None,
+    };
+    let lost = was_provisioned
+        && existing
+            .as_ref()
+            .is_none_or(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed"));
+    if lost {
+        let msg = format!(
+            "machine Pod {pod_name} is gone or failed; the VM is lost and the Machine needs replacing"
+        );
+        if !status::has_ready_reason(km, status::REASON_MACHINE_POD_MISSING, "") {
+            let reason = status::REASON_MACHINE_POD_MISSING;
+            report::publish(ctx, km, EventType::Warning, reason, msg).await;
         }
-        Observed {
-            state,
-            pod: Some(existing),
-            gate: Some(gate),
+        return Ok(ControlFlow::Break(Observed {
+            state: MachineState::PodMissing,
+            pod: existing,
+            gate: None,
+        }));
+    }
+    let owner = Owner::machine(km);
+    let (pod, ensured) = match existing {
+        Some(p) => {
+            let meta = Some(&p.metadata);
+            let ensured = objects::ensure(&pods, "Pod", meta, desired, &owner, there).await?;
+            (p, ensured)
+        }
+        None => {
+            // clusterctl move waits while a Pod is being created: a moved KVMMachine whose Pod
+            // creation was cut short would otherwise look unprovisioned forever.
+            if let Some(patched) = writes::patch_machine(api, km, true, None).await? {
+                *current = patched;
+            }
+            info!(pod = %pod_name, "creating machine Pod");
+            objects::create_or_adopt(&pods, "Pod", desired, &owner, there).await?
         }
     };
+    let event = match ensured {
+        Ensured::Created => Some(("MachinePodCreated", "created")),
+        Ensured::Adopted => Some(("MachinePodAdopted", "adopted")),
+        Ensured::Kept => None,
+    };
+    if let Some((reason, verb)) = event {
+        let note = format!("{verb} machine Pod {pod_name} in {}", there.describe());
+        report::publish(ctx, km, EventType::Normal, reason, note).await;
+    }
+    Ok(ControlFlow::Continue(pod))
+}
 
-    // 6. Status: one write. Then what may only follow it: with the Pod recorded, clusterctl
-    // move may go (and providerID is set here if a restart came between the Pod's creation and
-    // the first patch); the Pod's readiness gate.
+/// The Node in the workload cluster: the Pod's readiness gate follows it (the Node watch wakes
+/// this machine when it changes). A kubeconfig that is refused or unusable, a node image that
+/// cannot be fetched or verified: the user's to fix, a Warning Event, once.
+async fn observe_node(
+    ctx: &Context,
+    km: &KVMMachine,
+    placement: &MachinePlacement,
+    there: &Target,
+    pod: Pod,
+) -> Result<Observed> {
+    let ns = km.namespace().ok_or(Error::MissingNamespace)?;
+    let kubeconfig = objects::labelled_secret(
+        &ctx.client,
+        &ctx.caches.secrets,
+        &ns,
+        &kubeconfig_secret_name(&placement.cluster),
+        (CLUSTER_NAME_LABEL, &placement.cluster),
+    )
+    .await?
+    .map(|m| m.resource_version().unwrap_or_default());
+    let gate = ctx
+        .workloads
+        .node_gate(
+            &ctx.client,
+            kubeconfig.as_deref(),
+            &ns,
+            &placement.cluster,
+            &names::hostname(km),
+            NodeFacts {
+                provider_id: &provider_id(&ns, &km.name_any()),
+                pod_node: pod_node(&pod, there),
+            },
+        )
+        .await;
+    if [REASON_KUBECONFIG_REFUSED, REASON_KUBECONFIG_INVALID].contains(&gate.reason)
+        && !status::has_condition(km, &status::node_condition(Some(&gate)))
+    {
+        let msg = gate.message.clone();
+        report::publish(ctx, km, EventType::Warning, gate.reason, msg).await;
+    }
+    let state = status::pod_state(&pod);
+    if let MachineState::NodeImageFailed {
+        reason, message, ..
+    } = &state
+    {
+        warn_once(ctx, km, reason, message).await;
+    }
+    Ok(Observed {
+        state,
+        pod: Some(pod),
+        gate: Some(gate),
+    })
+}
+
+/// The status, one write; then what may only follow it: with the Pod recorded, clusterctl move
+/// may go (and providerID is set here if a restart came between the Pod's creation and the first
+/// patch); the Pod's readiness gate. Returns when to look again ([`next_action`]).
+async fn record(
+    api: &Api<KVMMachine>,
+    machine: Option<&Machine>,
+    progress: Progress,
+    observed: Observed,
+) -> Result<Action> {
+    let Progress { current, target } = progress;
     // Unseen (the hosting cluster cannot be used): the Pod's and the Node's conditions stay as
     // last seen.
     let conditions: Vec<DesiredCondition> = match &observed.state {
@@ -564,17 +686,19 @@ async fn apply(
     // Where the etcd data is, once the Pod is on a node: deletion removes it from there, even
     // when the Pod is gone by then.
     let etcd = observed.pod.as_ref().and_then(EtcdHostDir::of_pod);
+    let pod_namespace = observed
+        .pod
+        .as_ref()
+        .and_then(|p| p.metadata.namespace.as_deref());
+    let state = &observed.state;
     writes::status(
         api,
         &current,
-        &observed.state,
+        state,
         &conditions,
         failure_domain,
         etcd.as_ref(),
-        observed
-            .pod
-            .as_ref()
-            .and_then(|p| p.metadata.namespace.as_deref()),
+        pod_namespace,
     )
     .await?;
     if let (Some(pod), Some(gate), Some(there)) = (&observed.pod, &observed.gate, &target) {
@@ -583,6 +707,11 @@ async fn apply(
             warn!(error = %e, "cannot set the machine Pod's readiness gate");
         }
     }
+    next_action(&observed)
+}
+
+/// When to look at the machine again, from what the pipeline observed (pure).
+fn next_action(observed: &Observed) -> Result<Action> {
     if matches!(observed.state, MachineState::HostingUnavailable(_)) {
         // Recovery wakes this machine; this is a safety net.
         return Ok(Action::requeue(Duration::from_secs(60)));
@@ -599,8 +728,8 @@ async fn apply(
     }
     // A workload cluster that failed is tried again after the machine's back-off, not at once
     // at the next change of anything.
-    if let Some(gate) = observed.gate.filter(|g| g.failed) {
-        return Err(Error::WorkloadUnavailable(gate.message));
+    if let Some(gate) = observed.gate.as_ref().filter(|g| g.failed) {
+        return Err(Error::WorkloadUnavailable(gate.message.clone()));
     }
     Ok(Action::await_change())
 }
