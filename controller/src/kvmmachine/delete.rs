@@ -22,7 +22,7 @@ use kube::{
 use tracing::{info, warn};
 
 use super::{
-    etcd_cleanup::{self, Attempt, EtcdHostDir, RemovableDir},
+    etcd_cleanup::{self, Attempt, EtcdHostDir, Failed, Next, RemovableDir},
     names::MachineNames,
     status::{MachineState, has_ready_reason},
     writes,
@@ -155,143 +155,87 @@ async fn remove_etcd_data(
         return done;
     };
     let km = &fresh;
-    let annotated = EtcdHostDir::annotated(km);
-    let Some(recorded) = EtcdHostDir::recorded(km) else {
-        // Only the annotation, which the KVMMachine's author can write, names a directory:
-        // nothing is removed on its word.
-        if let Some(a) = annotated {
-            writes::forget_etcd_dir(api, km).await?;
-            let why = format!(
-                "only the annotation {} names it, not status.etcdHostDir (recorded by the \
-                 controller from the machine Pod), so nothing is removed",
-                etcd_cleanup::ETCD_HOST_DIR_ANNOTATION
-            );
-            give_up(ctx, km, &a.node, &a.dir, &why).await;
-        }
-        return done;
-    };
-    if let Some(a) = annotated.filter(|a| !a.same_place(&recorded)) {
-        writes::forget_etcd_dir(api, km).await?;
-        let why = format!(
-            "the annotation {} was changed to {:?} after the controller recorded the directory, \
-             so nothing is removed",
-            etcd_cleanup::ETCD_HOST_DIR_ANNOTATION,
-            a.annotation()
-        );
-        give_up(ctx, km, &recorded.node, &recorded.dir, &why).await;
-        return done;
-    }
     let allowed = &ctx.settings.tenant_policy.etcd_host_path_prefixes;
-    let dir = match recorded.removable(km, allowed) {
-        Ok(d) => d,
-        Err(why) => {
+    let dir = match etcd_cleanup::what_to_remove(km, allowed) {
+        Ok(Some(dir)) => dir,
+        Ok(None) => return done,
+        Err(left) => {
             writes::forget_etcd_dir(api, km).await?;
-            give_up(ctx, km, &recorded.node, &recorded.dir, &why).await;
+            give_up(ctx, km, &left.node, &left.dir, &left.why).await;
             return done;
         }
     };
     let pods: Api<Pod> = there.api();
     let (name, existing) = cleanup_pod_of(km, &pods, there).await?;
-    let phase = existing
-        .as_ref()
-        .and_then(|p| p.status.as_ref()?.phase.clone())
-        .unwrap_or_else(|| "Pending".into());
-    if existing.is_some() && phase == "Succeeded" {
-        objects::delete_if_present(&pods, "Pod", &name).await?;
-        writes::forget_etcd_dir(api, km).await?;
-        let note = format!("removed {} on node {}", dir.path(), dir.node);
-        info!(node = %dir.node, dir = %dir.path(), "etcd data removed");
-        report::publish(ctx, km, EventType::Normal, REASON_ETCD_DATA_REMOVED, note).await;
-        return done;
-    }
-    // The directory is not this machine's (its marker names another, or none): left as it
-    // is, for good; the deletion goes on.
-    if let Some(why) = existing
-        .as_ref()
-        .filter(|_| phase == "Failed")
-        .and_then(etcd_cleanup::refused)
-    {
-        objects::delete_if_present(&pods, "Pod", &name).await?;
-        writes::forget_etcd_dir(api, km).await?;
-        let note = format!(
-            "etcd data left on node {} in {}: the cleanup refused it: {why}; nothing was removed",
-            dir.node,
-            dir.path()
-        );
-        warn!(node = %dir.node, dir = %dir.path(), reason = %why, "etcd cleanup refused");
-        report::publish(
-            ctx,
-            km,
-            EventType::Warning,
-            REASON_ETCD_CLEANUP_REFUSED,
-            note,
-        )
-        .await;
-        return done;
-    }
-    let now = Timestamp::now();
-    let attempt = existing.as_ref().and_then(Attempt::of);
-    let why_not = if attempt.as_ref().is_some_and(|a| a.expired(now)) {
-        Some(format!(
-            "the cleanup Pod {name} did not succeed within {} minutes (phase {phase})",
-            etcd_cleanup::GIVE_UP_AFTER.as_secs() / 60
-        ))
-    } else if node_gone(&there.client, &dir.node).await {
-        Some(format!("node {} no longer exists", dir.node))
-    } else {
-        None
-    };
-    if let Some(why) = why_not {
-        objects::delete_if_present(&pods, "Pod", &name).await?;
-        writes::forget_etcd_dir(api, km).await?;
-        give_up(ctx, km, &dir.node, &dir.path(), &why).await;
-        return done;
-    }
-    let waiting = |message: String, retry: Duration| Error::EtcdCleanupPending { message, retry };
-    let next = match (&existing, attempt) {
-        (None, _) => Attempt::first(now),
-        (Some(p), attempt) if phase == "Failed" => {
-            let attempt = attempt.unwrap_or_else(|| Attempt::first(now));
-            let label = format!("attempt {}", attempt.number);
-            let msg = format!(
-                "{label} to remove {} on node {} failed: {}",
-                dir.path(),
-                dir.node,
-                etcd_cleanup::failure(p)
-            );
-            if !has_ready_reason(km, REASON_ETCD_CLEANUP_FAILED, &label) {
-                let reason = REASON_ETCD_CLEANUP_FAILED;
-                let note = format!("{msg}; retrying in {}s", attempt.backoff().as_secs());
-                report::publish(ctx, km, EventType::Warning, reason, note).await;
-                let state = MachineState::Deleting {
-                    reason,
-                    message: msg.clone(),
-                };
-                writes::status(api, km, &state, &[], None, None, None).await?;
-            }
-            let due = etcd_cleanup::finished_at(p).unwrap_or(now)
-                + k8s_openapi::jiff::SignedDuration::try_from(attempt.backoff())
-                    .unwrap_or_default();
-            if now < due {
-                let wait = now.duration_until(due).unsigned_abs();
-                return Err(waiting(msg, wait));
-            }
-            // A terminated Pod is deleted at once: its name is free again.
+    let node_gone = node_gone(&there.client, &dir.node).await;
+    let next = etcd_cleanup::next(&dir, &name, existing.as_ref(), node_gone, Timestamp::now());
+    match next {
+        Next::Removed => {
             objects::delete_if_present(&pods, "Pod", &name).await?;
-            let next = attempt.next();
-            return create_cleanup_pod(api, km, there, ctx, &dir, &next, Some(&msg)).await;
+            writes::forget_etcd_dir(api, km).await?;
+            let note = format!("removed {} on node {}", dir.path(), dir.node);
+            info!(node = %dir.node, dir = %dir.path(), "etcd data removed");
+            report::publish(ctx, km, EventType::Normal, REASON_ETCD_DATA_REMOVED, note).await;
+            done
         }
-        (Some(_), _) => {
-            let msg = format!(
-                "cleanup Pod {name} removes {} on node {} (phase {phase})",
-                dir.path(),
-                dir.node
+        Next::Refused(why) => {
+            objects::delete_if_present(&pods, "Pod", &name).await?;
+            writes::forget_etcd_dir(api, km).await?;
+            let (node, path) = (&dir.node, dir.path());
+            let note = format!(
+                "etcd data left on node {node} in {path}: the cleanup refused it: {why}; nothing \
+                 was removed"
             );
-            // Its changes wake us; the requeue is a safety net.
-            return Err(waiting(msg, Duration::from_secs(10)));
+            warn!(node = %node, dir = %path, reason = %why, "etcd cleanup refused");
+            let reason = REASON_ETCD_CLEANUP_REFUSED;
+            report::publish(ctx, km, EventType::Warning, reason, note).await;
+            done
         }
-    };
-    create_cleanup_pod(api, km, there, ctx, &dir, &next, None).await
+        Next::GiveUp(why) => {
+            objects::delete_if_present(&pods, "Pod", &name).await?;
+            writes::forget_etcd_dir(api, km).await?;
+            give_up(ctx, km, &dir.node, &dir.path(), &why).await;
+            done
+        }
+        Next::Running(message) => {
+            // Its changes wake us; the requeue is a safety net.
+            let retry = Duration::from_secs(10);
+            Err(Error::EtcdCleanupPending { message, retry })
+        }
+        Next::BackOff(failed) => {
+            report_failure(api, km, ctx, &failed).await?;
+            let (message, retry) = (failed.message, failed.wait);
+            Err(Error::EtcdCleanupPending { message, retry })
+        }
+        Next::Start(attempt, failed) => {
+            if let Some(failed) = &failed {
+                report_failure(api, km, ctx, failed).await?;
+                // A terminated Pod is deleted at once: its name is free again.
+                objects::delete_if_present(&pods, "Pod", &name).await?;
+            }
+            let previous = failed.as_ref().map(|f| f.message.as_str());
+            create_cleanup_pod(api, km, there, ctx, &dir, &attempt, previous).await
+        }
+    }
+}
+
+/// A failed cleanup Pod, reported once per attempt: a Warning Event and the `Ready` reason.
+async fn report_failure(
+    api: &Api<KVMMachine>,
+    km: &KVMMachine,
+    ctx: &Context,
+    failed: &Failed,
+) -> Result<()> {
+    let reason = REASON_ETCD_CLEANUP_FAILED;
+    if has_ready_reason(km, reason, &failed.label()) {
+        return Ok(());
+    }
+    let backoff = failed.attempt.backoff().as_secs();
+    let note = format!("{}; retrying in {backoff}s", failed.message);
+    report::publish(ctx, km, EventType::Warning, reason, note).await;
+    let message = failed.message.clone();
+    let state = MachineState::Deleting { reason, message };
+    writes::status(api, km, &state, &[], None, None, None).await
 }
 
 /// The machine's cleanup Pod in `there`, and its name: none yet while nothing of that name is

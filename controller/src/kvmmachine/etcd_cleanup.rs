@@ -27,7 +27,7 @@ use k8s_openapi::{
         Toleration, Volume,
     },
     apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::ObjectMeta},
-    jiff::Timestamp,
+    jiff::{SignedDuration, Timestamp},
 };
 use kube::ResourceExt;
 
@@ -493,6 +493,159 @@ pub fn finished_at(pod: &Pod) -> Option<Timestamp> {
         .or_else(|| pod.metadata.creation_timestamp.as_ref().map(|t| t.0))
 }
 
+/// A record the cleanup does not remove, and why: forgotten, with a Warning Event naming the
+/// directory left on its node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Left {
+    /// The node.
+    pub node: String,
+    /// The directory, as on the node.
+    pub dir: String,
+    /// Why it is left.
+    pub why: String,
+}
+
+/// What a deleted KVMMachine's record says may be removed (pure): `Ok(None)` when nothing is
+/// recorded, `Ok(Some(dir))` to go on, `Err(left)` when the record is given up. Only the record
+/// (`status.etcdHostDir`, which a tenant cannot write) names a directory: an annotation alone,
+/// or one that disagrees with the record, removes nothing; nor does a directory outside what
+/// the operator allows (`allowed`).
+pub fn what_to_remove(km: &KVMMachine, allowed: &[String]) -> Result<Option<RemovableDir>, Left> {
+    let annotated = EtcdHostDir::annotated(km);
+    let Some(recorded) = EtcdHostDir::recorded(km) else {
+        return match annotated {
+            None => Ok(None),
+            Some(a) => Err(Left {
+                node: a.node,
+                dir: a.dir,
+                why: format!(
+                    "only the annotation {ETCD_HOST_DIR_ANNOTATION} names it, not \
+                     status.etcdHostDir (recorded by the controller from the machine Pod), so \
+                     nothing is removed"
+                ),
+            }),
+        };
+    };
+    let left = |why: String| Left {
+        node: recorded.node.clone(),
+        dir: recorded.dir.clone(),
+        why,
+    };
+    if let Some(a) = annotated.filter(|a| !a.same_place(&recorded)) {
+        return Err(left(format!(
+            "the annotation {ETCD_HOST_DIR_ANNOTATION} was changed to {:?} after the controller \
+             recorded the directory, so nothing is removed",
+            a.annotation()
+        )));
+    }
+    recorded.removable(km, allowed).map(Some).map_err(left)
+}
+
+/// A cleanup Pod that failed: which attempt, what its message says, and when the next may start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failed {
+    /// The failed attempt.
+    pub attempt: Attempt,
+    /// `attempt N to remove <dir> on node <node> failed: <why>`.
+    pub message: String,
+    /// How long until the next attempt may start (zero: now).
+    pub wait: Duration,
+}
+
+impl Failed {
+    /// `attempt N`: what the `Ready` condition's message starts with, so it is reported once.
+    pub fn label(&self) -> String {
+        format!("attempt {}", self.attempt.number)
+    }
+}
+
+/// What the cleanup of `dir` does next (pure), from its cleanup Pod `pod` (named `name`; none
+/// yet), whether the node is known to be gone and the time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// The cleanup Pod succeeded: delete it, forget the record, a Normal Event.
+    Removed,
+    /// The cleanup Pod refused the directory (its marker names another machine, or none): left
+    /// as it is, for good; delete the Pod, forget the record, a Warning Event.
+    Refused(String),
+    /// Give up (tried for [`GIVE_UP_AFTER`], or the node is gone): delete the Pod, forget the
+    /// record, a Warning Event naming what is left.
+    GiveUp(String),
+    /// Make the cleanup Pod of this attempt: the first, or the next once a failed one's back-off
+    /// ran out (the failed Pod deleted first).
+    Start(Attempt, Option<Failed>),
+    /// A failed attempt waits out its back-off.
+    BackOff(Failed),
+    /// The cleanup Pod is at work.
+    Running(String),
+}
+
+/// What the cleanup does next ([`Next`]).
+pub fn next(
+    dir: &RemovableDir,
+    name: &str,
+    pod: Option<&Pod>,
+    node_gone: bool,
+    now: Timestamp,
+) -> Next {
+    let phase = pod
+        .and_then(|p| p.status.as_ref()?.phase.clone())
+        .unwrap_or_else(|| "Pending".into());
+    let Some(pod) = pod else {
+        return if node_gone {
+            Next::GiveUp(format!("node {} no longer exists", dir.node))
+        } else {
+            Next::Start(Attempt::first(now), None)
+        };
+    };
+    if phase == "Succeeded" {
+        return Next::Removed;
+    }
+    if let Some(why) = Some(pod).filter(|_| phase == "Failed").and_then(refused) {
+        return Next::Refused(why);
+    }
+    let attempt = Attempt::of(pod);
+    if attempt.as_ref().is_some_and(|a| a.expired(now)) {
+        return Next::GiveUp(format!(
+            "the cleanup Pod {name} did not succeed within {} minutes (phase {phase})",
+            GIVE_UP_AFTER.as_secs() / 60
+        ));
+    }
+    if node_gone {
+        return Next::GiveUp(format!("node {} no longer exists", dir.node));
+    }
+    if phase != "Failed" {
+        return Next::Running(format!(
+            "cleanup Pod {name} removes {} on node {} (phase {phase})",
+            dir.path(),
+            dir.node
+        ));
+    }
+    let attempt = attempt.unwrap_or_else(|| Attempt::first(now));
+    let due = finished_at(pod).unwrap_or(now)
+        + SignedDuration::try_from(attempt.backoff()).unwrap_or_default();
+    let failed = Failed {
+        message: format!(
+            "attempt {} to remove {} on node {} failed: {}",
+            attempt.number,
+            dir.path(),
+            dir.node,
+            failure(pod)
+        ),
+        wait: if now < due {
+            now.duration_until(due).unsigned_abs()
+        } else {
+            Duration::ZERO
+        },
+        attempt,
+    };
+    if failed.wait.is_zero() {
+        Next::Start(failed.attempt.next(), Some(failed))
+    } else {
+        Next::BackOff(failed)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -749,5 +902,126 @@ mod tests {
                        "message": "Pod was active on the node longer than the specified deadline"}}))
         .unwrap();
         assert!(failure(&deadline).starts_with("DeadlineExceeded: Pod was active"));
+    }
+
+    fn removable() -> RemovableDir {
+        RemovableDir {
+            node: "mc-node-1".into(),
+            parent: "/var/lib/capk/etcd/team-a".into(),
+            name: "demo-cp-x7k2p".into(),
+        }
+    }
+
+    /// A cleanup Pod of `attempt` (first made at `since`) in `phase`, its container ended with
+    /// `exit` at `finished`.
+    fn cleanup(attempt: u32, since: &str, phase: &str, exit: Option<(i32, &str)>) -> Pod {
+        let statuses = exit.map_or(json!([]), |(code, message)| {
+            json!([{"name": "remove", "ready": false, "restartCount": 0, "image": "i",
+                    "imageID": "", "state": {"terminated": {"exitCode": code,
+                    "message": message, "finishedAt": "2026-11-23T10:00:10Z"}}}])
+        });
+        serde_json::from_value(json!({
+            "metadata": {"name": "m-etcd-cleanup", "annotations": {
+                ATTEMPT_ANNOTATION: attempt.to_string(), SINCE_ANNOTATION: since}},
+            "status": {"phase": phase, "containerStatuses": statuses}}))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_record_alone_names_what_is_removed() {
+        let mut km = km();
+        let d = dir("mc-node-1", "/var/lib/capk/etcd/team-a/demo-cp-x7k2p");
+        assert_eq!(what_to_remove(&km, &shipped()), Ok(None));
+        let annotate = |km: &mut KVMMachine, d: &EtcdHostDir| {
+            km.metadata.annotations = Some(BTreeMap::from([(
+                ETCD_HOST_DIR_ANNOTATION.to_owned(),
+                d.annotation(),
+            )]));
+        };
+        // An annotation alone removes nothing and is given up, naming what it names.
+        annotate(&mut km, &d);
+        let left = what_to_remove(&km, &shipped()).unwrap_err();
+        assert_eq!(
+            (left.node.as_str(), left.dir.as_str()),
+            ("mc-node-1", d.dir.as_str())
+        );
+        assert!(left.why.starts_with("only the annotation"), "{}", left.why);
+        // Recorded and annotated alike: removable.
+        km.status = Some(capk_api::v1alpha1::KVMMachineStatus {
+            etcd_host_dir: Some(d.to_status()),
+            ..Default::default()
+        });
+        assert_eq!(what_to_remove(&km, &shipped()), Ok(Some(removable())));
+        // The annotation moved elsewhere after the record: nothing removed, the record named.
+        annotate(
+            &mut km,
+            &dir("mc-node-2", "/var/lib/capk/etcd/team-a/demo-cp-x7k2p"),
+        );
+        let left = what_to_remove(&km, &shipped()).unwrap_err();
+        assert_eq!(left.node, "mc-node-1");
+        assert!(left.why.contains("was changed to"), "{}", left.why);
+        // Outside what the operator allows: left.
+        annotate(&mut km, &d);
+        let left = what_to_remove(&km, &["/srv/etcd".into()]).unwrap_err();
+        assert_eq!(left.dir, d.dir);
+    }
+
+    #[test]
+    fn the_cleanup_starts_waits_retries_and_ends() {
+        let t0: Timestamp = "2026-11-23T10:00:00Z".parse().unwrap();
+        let at = |secs: i64| t0 + SignedDuration::from_secs(secs);
+        let since = "2026-11-23T10:00:00Z";
+        let dir = removable();
+        let next =
+            |pod: Option<&Pod>, gone: bool, now| next(&dir, "m-etcd-cleanup", pod, gone, now);
+        // No Pod yet: the first attempt, unless the node is gone.
+        assert_eq!(next(None, false, t0), Next::Start(Attempt::first(t0), None));
+        assert!(
+            matches!(next(None, true, t0), Next::GiveUp(w) if w == "node mc-node-1 no longer exists")
+        );
+        // At work.
+        let running = cleanup(1, since, "Running", None);
+        assert!(
+            matches!(next(Some(&running), false, at(5)), Next::Running(m) if m.contains("(phase Running)"))
+        );
+        assert!(matches!(next(Some(&running), true, at(5)), Next::GiveUp(_)));
+        // Done.
+        let done = cleanup(1, since, "Succeeded", Some((0, "")));
+        assert_eq!(next(Some(&done), true, at(5)), Next::Removed);
+        // Refused by the launcher: for good, whatever the time.
+        let code = capk_api::etcd_owner::CLEANUP_REFUSED_EXIT_CODE;
+        let refused = cleanup(
+            1,
+            since,
+            "Failed",
+            Some((code, "EtcdCleanupRefused: marker names team-b/x/u")),
+        );
+        assert_eq!(
+            next(Some(&refused), false, at(5)),
+            Next::Refused("marker names team-b/x/u".into())
+        );
+        // Failed: the back-off (5 s after the first) runs from when it ended (10 s), then the
+        // next attempt, the failed one's message carried along.
+        let failed = cleanup(1, since, "Failed", Some((1, "rm: busy")));
+        let Next::BackOff(f) = next(Some(&failed), false, at(12)) else {
+            panic!()
+        };
+        assert_eq!(
+            (f.attempt.number, f.wait, f.label()),
+            (1, Duration::from_secs(3), "attempt 1".into())
+        );
+        assert_eq!(
+            f.message,
+            "attempt 1 to remove /var/lib/capk/etcd/team-a/demo-cp-x7k2p on node mc-node-1 failed: rm exited with code 1: rm: busy"
+        );
+        let Next::Start(a, Some(f)) = next(Some(&failed), false, at(15)) else {
+            panic!()
+        };
+        assert_eq!((a.number, a.since, f.wait), (2, t0, Duration::ZERO));
+        // Tried for longer than the bound: given up.
+        let late = at(GIVE_UP_AFTER.as_secs() as i64 + 1);
+        assert!(
+            matches!(next(Some(&failed), false, late), Next::GiveUp(w) if w.contains("did not succeed within 10 minutes"))
+        );
     }
 }
