@@ -6,7 +6,7 @@ use std::{
 };
 
 use anyhow::Context;
-use capk_api::v1alpha1::ServiceType;
+use capk_api::{launch, v1alpha1::ServiceType};
 use capk_bootstrap::{BootstrapFormat, MachineFacts};
 use capk_controller::metrics::{
     rest_client::RequestsLayer,
@@ -109,7 +109,13 @@ struct Cli {
     /// TCG translation cache, MiB, of machines that may run emulated (`accel` auto or tcg): QEMU
     /// memory counted in the machine Pod's requests and limits. The default suits small guests;
     /// Kubernetes nodes under TCG need about 1024 (management clusters without KVM).
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(32..=4096))]
+    #[arg(
+        long,
+        default_value_t = launch::DEFAULT_TCG_TRANSLATION_CACHE_MIB,
+        value_parser = clap::value_parser!(u32).range(
+            i64::from(launch::MIN_TCG_TRANSLATION_CACHE_MIB)..=i64::from(launch::MAX_TCG_TRANSLATION_CACHE_MIB)
+        )
+    )]
     tcg_translation_cache_mib: u32,
     /// How emulated machines run their vCPUs: `multi`, a thread per vCPU (QEMU's default; a
     /// 2-vCPU control plane needs both cores to finish `kubeadm init` in time); `single`, one host

@@ -18,7 +18,7 @@ use k8s_openapi::{
         Affinity, Container, EmptyDirVolumeSource, ExecAction, NodeAffinity, NodeSelector,
         NodeSelectorRequirement, NodeSelectorTerm, PersistentVolumeClaimVolumeSource, Pod,
         PodAffinityTerm, PodAntiAffinity, PodReadinessGate, PodSpec, Probe, ResourceRequirements,
-        SecretVolumeSource, SecurityContext, Volume, WeightedPodAffinityTerm,
+        SecretVolumeSource, SecurityContext, Volume, VolumeMount, WeightedPodAffinityTerm,
     },
     apimachinery::pkg::{
         api::resource::Quantity,
@@ -47,7 +47,9 @@ use crate::{
 pub const GUEST_SHUTDOWN_SECONDS: i64 = 300;
 
 /// The machine Pod of a spec that passed [`validate`](super::validate::validate), made in
-/// `home` under `names` (with the Ignition Secret and etcd PVC of those names).
+/// `home` under `names` (with the Ignition Secret and etcd PVC of those names): the launcher
+/// container running the machine's [`Launch`] contract, the volumes that contract names, the
+/// VM's resources plus the overhead, and the node-image init containers.
 pub fn machine_pod(
     km: &KVMMachine,
     placement: &MachinePlacement,
@@ -57,62 +59,81 @@ pub fn machine_pod(
     defaults: &MachineDefaults,
 ) -> Pod {
     let spec = &km.spec;
-    let vcpus = u64::from(valid.vcpus);
-    let (memory, disk) = (valid.memory, valid.disk);
-    let (docker, kubelet) = (valid.docker_disk, valid.kubelet_disk);
-
-    // No hostPath volumes for /dev/kvm and /dev/net/tun: a privileged container sees the node's
-    // devices, and a node without /dev/kvm must still start the Pod (accel auto falls back to TCG).
-    let mut volumes = vec![
-        Volume {
-            name: "ignition".into(),
-            secret: Some(SecretVolumeSource {
-                secret_name: Some(names.ignition_secret.clone()),
-                default_mode: Some(0o400),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-        // The merged Ignition (bootstrap secrets, CA keys on a first control plane) lives here
-        // until QEMU has read it: memory, not the node's disk. Its at most 2 MiB are charged to
-        // the Pod's memory, within the fixed overhead (see overhead.rs).
-        Volume {
-            name: "secret".into(),
-            empty_dir: Some(EmptyDirVolumeSource {
-                medium: Some("Memory".into()),
-                size_limit: Some(Quantity(SECRET_VOLUME_SIZE.into())),
-            }),
-            ..Default::default()
-        },
-        Volume {
-            name: "state".into(),
-            empty_dir: Some(EmptyDirVolumeSource {
-                // qcow2 overlays grow up to their virtual size; the data disks are sparse files.
-                size_limit: Some(Quantity((disk + docker + kubelet).to_string())),
-                ..Default::default()
-            }),
-            ..Default::default()
-        },
-    ];
-    let mut mounts = vec![
-        mount("ignition", IGNITION_DIR, true),
-        mount("secret", SECRET_DIR, false),
-        mount("state", STATE_DIR, false),
-        mount("image", IMAGE_DIR, true),
-    ];
-
     let node_image = node_image::plan(km, defaults);
-    volumes.extend(node_image.volumes);
+    let mut launch = launch_contract(km, placement, valid, defaults, node_image.path);
+    let mut storage = base_storage(names, valid);
+    storage.volumes.extend(node_image.volumes);
+    if placement.control_plane {
+        etcd_storage(km, names, valid, &mut storage, &mut launch);
+    } else {
+        host_volumes(valid, &mut storage, &mut launch);
+    }
+    let accel = spec.accel.unwrap_or_default();
+    let tcg_cache_mib = overhead::tcg_cache_mib(accel, defaults.tcg_translation_cache_mib);
+    let resources = resources(&launch, defaults, tcg_cache_mib, storage.empty_dir_bytes);
+    let container = launcher_container(defaults, &launch, resources, storage.mounts);
+    // Init containers get the launcher's resources: the Pod keeps Guaranteed QoS, and its
+    // effective request (the larger of init and app containers) does not grow.
+    let mut init_containers = node_image.init_containers;
+    for c in &mut init_containers {
+        c.resources = container.resources.clone();
+    }
 
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(names.pod.clone()),
+            namespace: Some(home.namespace.clone()),
+            labels: Some(names::labels(km, placement)),
+            // `kubectl logs|exec POD` go to the launcher (the console, capk-launcher status)
+            // without `-c launcher` and without naming the init containers.
+            annotations: Some(BTreeMap::from([(
+                "kubectl.kubernetes.io/default-container".to_owned(),
+                "launcher".to_owned(),
+            )])),
+            owner_references: Owner::machine(km).owner_references(home),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            hostname: Some(hostname(km)),
+            init_containers: (!init_containers.is_empty()).then_some(init_containers),
+            containers: vec![container],
+            volumes: Some(storage.volumes),
+            restart_policy: Some("Always".into()),
+            termination_grace_period_seconds: Some(GUEST_SHUTDOWN_SECONDS + 30),
+            readiness_gates: Some(vec![PodReadinessGate {
+                condition_type: NODE_READY_GATE.into(),
+            }]),
+            // The launcher needs no access to the management cluster's API.
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            node_selector: spec.node_selector.clone().filter(|m| !m.is_empty()),
+            tolerations: spec.tolerations.clone().filter(|t| !t.is_empty()),
+            priority_class_name: spec.priority_class_name.clone(),
+            affinity: affinity(placement, defaults),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// What the launcher is asked to run (the volumes' parts come with the volumes).
+fn launch_contract(
+    km: &KVMMachine,
+    placement: &MachinePlacement,
+    valid: &ValidSpec,
+    defaults: &MachineDefaults,
+    image: String,
+) -> Launch {
+    let spec = &km.spec;
     let accel = spec.accel.unwrap_or_default();
     let tcg_cache_mib = overhead::tcg_cache_mib(accel, defaults.tcg_translation_cache_mib);
     let mut launch = Launch {
         vcpus: valid.vcpus,
-        memory: ByteSize(memory),
-        image: node_image.path.into(),
-        disk_size: ByteSize(disk),
-        docker_disk_size: ByteSize(docker),
-        kubelet_disk_size: ByteSize(kubelet),
+        memory: ByteSize(valid.memory),
+        image: image.into(),
+        disk_size: ByteSize(valid.disk),
+        docker_disk_size: ByteSize(valid.docker_disk),
+        kubelet_disk_size: ByteSize(valid.kubelet_disk),
         etcd_disk: None,
         etcd_disk_size: ByteSize(valid.etcd_disk),
         etcd_owner: None,
@@ -164,75 +185,158 @@ pub fn machine_pod(
             .filter_map(|s| s.0.parse().ok())
             .collect();
     }
+    launch
+}
 
-    // Disk-backed emptyDirs, counted in the Pod's ephemeral storage.
-    let mut empty_dir_bytes = disk + docker + kubelet;
-    if placement.control_plane {
-        let storage = spec.etcd_storage.as_ref();
-        let etcd_bytes = valid.etcd_disk;
-        let volume = match storage {
-            Some(s) if s.type_ == EtcdStorageType::PersistentVolume => Volume {
-                name: ETCD_VOLUME.into(),
-                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                    claim_name: names.etcd_claim.clone(),
-                    read_only: Some(false),
-                }),
+/// The Pod's volumes and the launcher's mounts, and the bytes of its disk-backed emptyDirs
+/// (counted in the Pod's ephemeral storage).
+struct Storage {
+    volumes: Vec<Volume>,
+    mounts: Vec<VolumeMount>,
+    empty_dir_bytes: u64,
+}
+
+/// The volumes every machine has: its Ignition Secret, the memory volume the merged Ignition is
+/// written to, the state volume of its disks and the node image.
+fn base_storage(names: &MachineNames, valid: &ValidSpec) -> Storage {
+    let (disk, docker, kubelet) = (valid.disk, valid.docker_disk, valid.kubelet_disk);
+    // No hostPath volumes for /dev/kvm and /dev/net/tun: a privileged container sees the node's
+    // devices, and a node without /dev/kvm must still start the Pod (accel auto falls back to TCG).
+    let volumes = vec![
+        Volume {
+            name: "ignition".into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(names.ignition_secret.clone()),
+                default_mode: Some(0o400),
                 ..Default::default()
-            },
-            Some(s) => {
-                // One directory per machine under the user's path.
-                let base = s.host_path.clone().unwrap_or_default();
-                let dir = format!(
-                    "{}/{}/{}",
-                    base.trim_end_matches('/'),
-                    km.meta().namespace.as_deref().unwrap_or("default"),
-                    names::etcd_dir_name(km)
-                );
-                host_path(ETCD_VOLUME, &dir, "DirectoryOrCreate")
-            }
-            // No storage configured: etcd lives next to the VM disks (lost with the Pod).
-            None => {
-                empty_dir_bytes += etcd_bytes;
-                Volume {
-                    name: ETCD_VOLUME.into(),
-                    empty_dir: Some(EmptyDirVolumeSource::default()),
-                    ..Default::default()
-                }
-            }
-        };
-        volumes.push(volume);
-        mounts.push(mount(ETCD_VOLUME, ETCD_DIR, false));
-        launch.etcd_disk = Some(format!("{ETCD_DIR}/{}", etcd_owner::DISK_FILE).into());
-        // The launcher marks the etcd directory as this KVMMachine's (by UID) and refuses one
-        // marked for another; the cleanup removes only a directory so marked.
-        launch.etcd_owner = Some(super::etcd_cleanup::owner_of(km));
-    } else {
-        for hv in &valid.host_volumes {
-            let name = format!("hostvol-{}", sanitize(&hv.mount_tag));
-            let mount_path = format!("/var/lib/capk/host-volumes/{}", hv.mount_tag);
-            // The share itself is the hostPath: the kubelet follows links in a hostPath, and the
-            // share's path is the operator's (a link a guest left in the share is a sub-path,
-            // which the launcher refuses to follow).
-            volumes.push(host_path(&name, &hv.share, "Directory"));
-            // Read-only twice: the Pod's mount (nothing in the Pod writes it) and the 9p export
-            // (the guest cannot, even through a QEMU that could).
-            mounts.push(mount(&name, &mount_path, hv.read_only));
-            let share = Share {
-                tag: hv.mount_tag.clone(),
-                path: if hv.sub_path.is_empty() {
-                    mount_path.into()
-                } else {
-                    format!("{mount_path}/{}", hv.sub_path).into()
-                },
-            };
-            if hv.read_only {
-                launch.host_volumes_readonly.push(share);
-            } else {
-                launch.host_volumes.push(share);
+            }),
+            ..Default::default()
+        },
+        // The merged Ignition (bootstrap secrets, CA keys on a first control plane) lives here
+        // until QEMU has read it: memory, not the node's disk. Its at most 2 MiB are charged to
+        // the Pod's memory, within the fixed overhead (see overhead.rs).
+        Volume {
+            name: "secret".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("Memory".into()),
+                size_limit: Some(Quantity(SECRET_VOLUME_SIZE.into())),
+            }),
+            ..Default::default()
+        },
+        Volume {
+            name: "state".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                // qcow2 overlays grow up to their virtual size; the data disks are sparse files.
+                size_limit: Some(Quantity((disk + docker + kubelet).to_string())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    ];
+    let mounts = vec![
+        mount("ignition", IGNITION_DIR, true),
+        mount("secret", SECRET_DIR, false),
+        mount("state", STATE_DIR, false),
+        mount("image", IMAGE_DIR, true),
+    ];
+    Storage {
+        volumes,
+        mounts,
+        empty_dir_bytes: disk + docker + kubelet,
+    }
+}
+
+/// A control plane's etcd volume: its PVC, a directory per machine under the spec's hostPath,
+/// or (no storage configured) an emptyDir next to the VM disks, lost with the Pod.
+fn etcd_storage(
+    km: &KVMMachine,
+    names: &MachineNames,
+    valid: &ValidSpec,
+    storage: &mut Storage,
+    launch: &mut Launch,
+) {
+    let spec = &km.spec;
+    let configured = spec.etcd_storage.as_ref();
+    let etcd_bytes = valid.etcd_disk;
+    let volume = match configured {
+        Some(s) if s.type_ == EtcdStorageType::PersistentVolume => Volume {
+            name: ETCD_VOLUME.into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: names.etcd_claim.clone(),
+                read_only: Some(false),
+            }),
+            ..Default::default()
+        },
+        Some(s) => {
+            // One directory per machine under the user's path.
+            let base = s.host_path.clone().unwrap_or_default();
+            let dir = format!(
+                "{}/{}/{}",
+                base.trim_end_matches('/'),
+                km.meta().namespace.as_deref().unwrap_or("default"),
+                names::etcd_dir_name(km)
+            );
+            host_path(ETCD_VOLUME, &dir, "DirectoryOrCreate")
+        }
+        // No storage configured: etcd lives next to the VM disks (lost with the Pod).
+        None => {
+            storage.empty_dir_bytes += etcd_bytes;
+            Volume {
+                name: ETCD_VOLUME.into(),
+                empty_dir: Some(EmptyDirVolumeSource::default()),
+                ..Default::default()
             }
         }
-    }
+    };
+    storage.volumes.push(volume);
+    storage.mounts.push(mount(ETCD_VOLUME, ETCD_DIR, false));
+    launch.etcd_disk = Some(format!("{ETCD_DIR}/{}", etcd_owner::DISK_FILE).into());
+    // The launcher marks the etcd directory as this KVMMachine's (by UID) and refuses one
+    // marked for another; the cleanup removes only a directory so marked.
+    launch.etcd_owner = Some(super::etcd_cleanup::owner_of(km));
+}
 
+/// A worker's host volumes: the tenant's whole share as a hostPath, the sub-path opened by the
+/// launcher inside it.
+fn host_volumes(valid: &ValidSpec, storage: &mut Storage, launch: &mut Launch) {
+    for hv in &valid.host_volumes {
+        let name = format!("hostvol-{}", sanitize(&hv.mount_tag));
+        let mount_path = format!("/var/lib/capk/host-volumes/{}", hv.mount_tag);
+        // The share itself is the hostPath: the kubelet follows links in a hostPath, and the
+        // share's path is the operator's (a link a guest left in the share is a sub-path,
+        // which the launcher refuses to follow).
+        storage
+            .volumes
+            .push(host_path(&name, &hv.share, "Directory"));
+        // Read-only twice: the Pod's mount (nothing in the Pod writes it) and the 9p export
+        // (the guest cannot, even through a QEMU that could).
+        storage.mounts.push(mount(&name, &mount_path, hv.read_only));
+        let share = Share {
+            tag: hv.mount_tag.clone(),
+            path: if hv.sub_path.is_empty() {
+                mount_path.into()
+            } else {
+                format!("{mount_path}/{}", hv.sub_path).into()
+            },
+        };
+        if hv.read_only {
+            launch.host_volumes_readonly.push(share);
+        } else {
+            launch.host_volumes.push(share);
+        }
+    }
+}
+
+/// The VM's vCPUs and memory plus the launcher's and QEMU's overhead, and the ephemeral storage
+/// of its disks.
+fn resources(
+    launch: &Launch,
+    defaults: &MachineDefaults,
+    tcg_cache_mib: u64,
+    empty_dir_bytes: u64,
+) -> ResourceRequirements {
+    let vcpus = u64::from(launch.vcpus);
+    let memory = launch.memory.0;
     let overhead_bytes = overhead::memory_bytes(vcpus, memory, tcg_cache_mib);
     // One whole core per vCPU by default (Guaranteed QoS: requests = limits). With an allocation
     // ratio N > 1 the Pod requests 1/N of that (vCPUs and overhead alike: requests are then the
@@ -258,7 +362,20 @@ pub fn machine_pod(
     if ratio == 1 {
         limits.insert("cpu".to_owned(), requests["cpu"].clone());
     }
+    ResourceRequirements {
+        requests: Some(requests),
+        limits: Some(limits),
+        ..Default::default()
+    }
+}
 
+/// The launcher container: PID 1 running `launch`, privileged, with exec probes.
+fn launcher_container(
+    defaults: &MachineDefaults,
+    launch: &Launch,
+    resources: ResourceRequirements,
+    mounts: Vec<VolumeMount>,
+) -> Container {
     let probe = |kind: &str, initial: i32, period: i32, failures: i32| Probe {
         exec: Some(ExecAction {
             command: Some(vec!["capk-launcher".into(), "probe".into(), kind.into()]),
@@ -270,7 +387,7 @@ pub fn machine_pod(
         ..Default::default()
     };
 
-    let container = Container {
+    Container {
         name: "launcher".into(),
         image: Some(defaults.launcher_image.clone()),
         image_pull_policy: Some("IfNotPresent".into()),
@@ -284,11 +401,7 @@ pub fn machine_pod(
             privileged: Some(true),
             ..Default::default()
         }),
-        resources: Some(ResourceRequirements {
-            requests: Some(requests),
-            limits: Some(limits),
-            ..Default::default()
-        }),
+        resources: Some(resources),
         volume_mounts: Some(mounts),
         // Until the guest first reports bootstrap success, the readiness check every second, so
         // the Machine is provisioned within a second of its guest (not up to a probe period
@@ -301,49 +414,6 @@ pub fn machine_pod(
         readiness_probe: Some(probe("readiness", 0, 10, 3)),
         termination_message_policy: Some("FallbackToLogsOnError".into()),
         ..Default::default()
-    };
-
-    // Init containers get the launcher's resources: the Pod keeps Guaranteed QoS, and its
-    // effective request (the larger of init and app containers) does not grow.
-    let mut init_containers = node_image.init_containers;
-    for c in &mut init_containers {
-        c.resources = container.resources.clone();
-    }
-
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(names.pod.clone()),
-            namespace: Some(home.namespace.clone()),
-            labels: Some(names::labels(km, placement)),
-            // `kubectl logs|exec POD` go to the launcher (the console, capk-launcher status)
-            // without `-c launcher` and without naming the init containers.
-            annotations: Some(BTreeMap::from([(
-                "kubectl.kubernetes.io/default-container".to_owned(),
-                "launcher".to_owned(),
-            )])),
-            owner_references: Owner::machine(km).owner_references(home),
-            ..Default::default()
-        },
-        spec: Some(PodSpec {
-            hostname: Some(hostname(km)),
-            init_containers: (!init_containers.is_empty()).then_some(init_containers),
-            containers: vec![container],
-            volumes: Some(volumes),
-            restart_policy: Some("Always".into()),
-            termination_grace_period_seconds: Some(GUEST_SHUTDOWN_SECONDS + 30),
-            readiness_gates: Some(vec![PodReadinessGate {
-                condition_type: NODE_READY_GATE.into(),
-            }]),
-            // The launcher needs no access to the management cluster's API.
-            automount_service_account_token: Some(false),
-            enable_service_links: Some(false),
-            node_selector: spec.node_selector.clone().filter(|m| !m.is_empty()),
-            tolerations: spec.tolerations.clone().filter(|t| !t.is_empty()),
-            priority_class_name: spec.priority_class_name.clone(),
-            affinity: affinity(placement, defaults),
-            ..Default::default()
-        }),
-        status: None,
     }
 }
 

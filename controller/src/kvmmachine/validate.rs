@@ -5,7 +5,10 @@
 
 use std::net::Ipv4Addr;
 
-use capk_api::{quantity::SizeQuantity, v1alpha1::KVMMachine};
+use capk_api::{
+    quantity::SizeQuantity,
+    v1alpha1::{KVMMachine, KVMMachineSpec},
+};
 use kube::ResourceExt;
 
 use super::{node_image::HOST_IMAGE_CACHE, overhead, placement::MachinePlacement};
@@ -81,8 +84,29 @@ pub fn validate(
 ) -> Result<ValidSpec, SpecErrors> {
     let spec = &km.spec;
     let mut errors = Vec::new();
-    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
+    let mut valid = resources(spec, placement, defaults, &mut errors);
+    sums_fit(spec, defaults, &valid, &mut errors);
+    dns(spec, &mut errors);
+    valid.host_volumes = host_volumes(km, policy, &mut errors);
+    etcd_host_path(spec, placement, policy, &mut errors);
+    node_image(spec, &mut errors);
+    node_selector(spec, policy, &mut errors);
+    tolerations(spec, policy, &mut errors);
+    priority_class(spec, policy, &mut errors);
+    if !errors.is_empty() {
+        return Err(SpecErrors(errors));
+    }
+    Ok(valid)
+}
 
+/// The sizes (defaults filled in, each at least its bound) and the vCPUs.
+fn resources(
+    spec: &KVMMachineSpec,
+    placement: &MachinePlacement,
+    defaults: &MachineDefaults,
+    errors: &mut Vec<FieldError>,
+) -> ValidSpec {
+    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
     let vcpus = match u32::try_from(spec.resources.cpu) {
         Ok(n @ MIN_VCPUS..=MAX_VCPUS) => n,
         _ => {
@@ -144,7 +168,34 @@ pub fn validate(
         ),
         _ => defaults.etcd_volume_bytes,
     };
-    // The disks share the Pod's state volume; the Pod's memory is the guest's and the overhead.
+    ValidSpec {
+        vcpus,
+        memory,
+        disk,
+        docker_disk,
+        kubelet_disk,
+        etcd_disk,
+        host_volumes: Vec::new(),
+    }
+}
+
+/// The disks share the Pod's state volume, and the Pod's memory is the guest's and the
+/// overhead: each sum must fit in 64 bits.
+fn sums_fit(
+    spec: &KVMMachineSpec,
+    defaults: &MachineDefaults,
+    valid: &ValidSpec,
+    errors: &mut Vec<FieldError>,
+) {
+    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
+    let ValidSpec {
+        vcpus,
+        memory,
+        disk,
+        docker_disk,
+        kubelet_disk,
+        ..
+    } = *valid;
     if disk
         .checked_add(docker_disk)
         .and_then(|s| s.checked_add(kubelet_disk))
@@ -172,7 +223,11 @@ pub fn validate(
             "with the machine Pod's overhead it is more bytes than 64 bits hold".into(),
         );
     }
+}
 
+/// DNS servers the guest can be given by DHCPv4, search domains that are DNS names.
+fn dns(spec: &KVMMachineSpec, errors: &mut Vec<FieldError>) {
+    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
     if let Some(dns) = &spec.dns {
         for (i, s) in dns.servers.iter().enumerate() {
             if s.0.parse::<Ipv4Addr>().is_err() {
@@ -194,6 +249,16 @@ pub fn validate(
             }
         }
     }
+}
+
+/// Each host volume inside its namespace's share of a directory the operator allows.
+fn host_volumes(
+    km: &KVMMachine,
+    policy: &TenantPolicy,
+    errors: &mut Vec<FieldError>,
+) -> Vec<ValidHostVolume> {
+    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
+    let spec = &km.spec;
     let namespace = km.namespace().unwrap_or_else(|| "default".into());
     let mut host_volumes = Vec::new();
     for (i, v) in spec.host_volumes.iter().flatten().enumerate() {
@@ -218,6 +283,17 @@ pub fn validate(
             Err(reason) => fail(field, format!("{:?} {reason}", v.host_path)),
         }
     }
+    host_volumes
+}
+
+/// A control plane's etcd hostPath in a directory the operator allows etcd data in.
+fn etcd_host_path(
+    spec: &KVMMachineSpec,
+    placement: &MachinePlacement,
+    policy: &TenantPolicy,
+    errors: &mut Vec<FieldError>,
+) {
+    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
     if let Some(path) = spec
         .etcd_storage
         .as_ref()
@@ -244,9 +320,13 @@ pub fn validate(
             ),
         );
     }
-    // What the machine Pod's fetch-image init container is given: a pinned release, a URL it
-    // can hand to curl. (The CRD refuses `current` too; objects admitted under an older CRD
-    // may still name it.)
+}
+
+/// What the machine Pod's fetch-image init container is given: a pinned release, a URL it can
+/// hand to curl. (The CRD refuses `current` too; objects admitted under an older CRD may still
+/// name it.)
+fn node_image(spec: &KVMMachineSpec, errors: &mut Vec<FieldError>) {
+    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
     if let Some(f) = spec.image.as_ref().and_then(|i| i.flatcar.as_ref())
         && !crate::settings::is_flatcar_release(&f.version)
     {
@@ -284,6 +364,11 @@ pub fn validate(
             );
         }
     }
+}
+
+/// Label selectors Kubernetes takes, on keys the operator leaves to tenants.
+fn node_selector(spec: &KVMMachineSpec, policy: &TenantPolicy, errors: &mut Vec<FieldError>) {
+    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
     for (k, v) in spec.node_selector.iter().flatten() {
         if !is_qualified_name(k) {
             fail(
@@ -310,6 +395,11 @@ pub fn validate(
             );
         }
     }
+}
+
+/// Tolerations Kubernetes takes, of taints the operator lets machines tolerate.
+fn tolerations(spec: &KVMMachineSpec, policy: &TenantPolicy, errors: &mut Vec<FieldError>) {
+    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
     for (i, t) in spec.tolerations.iter().flatten().enumerate() {
         let at = |f: &str| format!("spec.tolerations[{i}].{f}");
         let key = t.key.as_deref().unwrap_or_default();
@@ -369,6 +459,11 @@ pub fn validate(
             );
         }
     }
+}
+
+/// A PriorityClass the operator lets machines use.
+fn priority_class(spec: &KVMMachineSpec, policy: &TenantPolicy, errors: &mut Vec<FieldError>) {
+    let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
     if let Some(p) = &spec.priority_class_name {
         if !is_dns_subdomain(p) {
             fail(
@@ -388,19 +483,6 @@ pub fn validate(
             );
         }
     }
-
-    if !errors.is_empty() {
-        return Err(SpecErrors(errors));
-    }
-    Ok(ValidSpec {
-        vcpus,
-        memory,
-        disk,
-        docker_disk,
-        kubelet_disk,
-        etcd_disk,
-        host_volumes,
-    })
 }
 
 /// The share of `namespace` that holds `path` (`<allowed directory>/<namespace>`, the longest
