@@ -576,9 +576,30 @@ fn prefix<'a>(
 
 fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
     let mut out = v3::empty_config();
+    ignition_section(&mut out, c.ignition)?;
+    // storage
+    let storage = c.storage.unwrap_or(Storage {
+        directories: None,
+        disks: None,
+        files: None,
+        filesystems: None,
+        links: None,
+        raid: None,
+    });
+    let fs_paths = filesystems(&mut out, storage.filesystems)?;
+    disks(&mut out, storage.disks)?;
+    raid(&mut out, storage.raid)?;
+    files(&mut out, storage.files, &fs_paths)?;
+    directories_and_links(&mut out, storage.directories, storage.links, &fs_paths)?;
+    networkd_units(&mut out, c.networkd)?;
+    systemd_units(&mut out, c.systemd)?;
+    passwd(&mut out, c.passwd)?;
+    Ok(out)
+}
 
-    // ignition
-    if let Some(cfg) = c.ignition.config {
+/// `ignition`: merged and replacing configs, CAs, timeouts, the proxy.
+fn ignition_section(out: &mut v3t::Config, ignition: Ignition) -> Result<(), ConvertError> {
+    if let Some(cfg) = ignition.config {
         let merge: Vec<_> = cfg.append.into_iter().flatten().map(resource).collect();
         let replace = cfg.replace.map(resource);
         if !merge.is_empty() || replace.is_some() {
@@ -588,7 +609,7 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
             });
         }
     }
-    if let Some(sec) = c.ignition.security {
+    if let Some(sec) = ignition.security {
         let cas: Vec<_> = sec
             .tls
             .and_then(|t| t.certificate_authorities)
@@ -604,7 +625,7 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
             });
         }
     }
-    if let Some(t) = c.ignition.timeouts
+    if let Some(t) = ignition.timeouts
         && (t.http_response_headers.is_some() || t.http_total.is_some())
     {
         out.ignition.timeouts = Some(v3t::Timeouts {
@@ -612,25 +633,23 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
             http_total: t.http_total,
         });
     }
-    if let Some(p) = c.ignition.proxy {
+    if let Some(p) = ignition.proxy {
         out.ignition.proxy = Some(v3t::Proxy {
             http_proxy: p.http_proxy,
             https_proxy: p.https_proxy,
             no_proxy: p.no_proxy,
         });
     }
+    Ok(())
+}
 
-    // storage
-    let storage = c.storage.unwrap_or(Storage {
-        directories: None,
-        disks: None,
-        files: None,
-        filesystems: None,
-        links: None,
-        raid: None,
-    });
+/// `storage.filesystems`; returns each named filesystem's path, which prefixes file paths.
+fn filesystems(
+    out: &mut v3t::Config,
+    filesystems: Option<Vec<Filesystem>>,
+) -> Result<Vec<(String, Option<String>)>, ConvertError> {
     let mut fs_paths: Vec<(String, Option<String>)> = Vec::new();
-    for (i, fs) in storage.filesystems.into_iter().flatten().enumerate() {
+    for (i, fs) in filesystems.into_iter().flatten().enumerate() {
         let at = KeyPath::from("storage.filesystems").index(i);
         if let Some(name) = &fs.name {
             fs_paths.push((name.clone(), fs.path.clone()));
@@ -662,7 +681,7 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
             wipe = create.force;
             options = create.options;
         }
-        v3::filesystems(&mut out).push(v3t::Filesystem {
+        v3::filesystems(out).push(v3t::Filesystem {
             device: m.device,
             format: Some(m.format),
             label: m.label,
@@ -673,7 +692,12 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
             wipe_filesystem: wipe,
         });
     }
-    for (i, d) in storage.disks.into_iter().flatten().enumerate() {
+    Ok(fs_paths)
+}
+
+/// `storage.disks` and their partitions.
+fn disks(out: &mut v3t::Config, disks: Option<Vec<Disk>>) -> Result<(), ConvertError> {
+    for (i, d) in disks.into_iter().flatten().enumerate() {
         let at = KeyPath::from("storage.disks").index(i);
         let mut parts = Vec::new();
         let partitions = d.partitions.unwrap_or_default();
@@ -707,14 +731,19 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
                 wipe_partition_entry: p.wipe_partition_entry,
             });
         }
-        v3::disks(&mut out).push(v3t::Disk {
+        v3::disks(out).push(v3t::Disk {
             device: d.device,
             partitions: (!parts.is_empty()).then_some(parts),
             wipe_table: d.wipe_table,
         });
     }
-    for r in storage.raid.into_iter().flatten() {
-        v3::storage(&mut out)
+    Ok(())
+}
+
+/// `storage.raid`.
+fn raid(out: &mut v3t::Config, raid: Option<Vec<Raid>>) -> Result<(), ConvertError> {
+    for r in raid.into_iter().flatten() {
+        v3::storage(out)
             .raid
             .get_or_insert_with(Vec::new)
             .push(v3t::Raid {
@@ -725,9 +754,18 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
                 spares: r.spares,
             });
     }
-    for (i, f) in storage.files.into_iter().flatten().enumerate() {
+    Ok(())
+}
+
+/// `storage.files`, folded into one entry per path as spec 2 writes them in order.
+fn files(
+    out: &mut v3t::Config,
+    files: Option<Vec<File>>,
+    fs_paths: &[(String, Option<String>)],
+) -> Result<(), ConvertError> {
+    for (i, f) in files.into_iter().flatten().enumerate() {
         let at = KeyPath::from("storage.files").index(i);
-        let pre = prefix(f.filesystem.as_deref(), &fs_paths, &at.field("filesystem"))?;
+        let pre = prefix(f.filesystem.as_deref(), fs_paths, &at.field("filesystem"))?;
         let append = f.append.unwrap_or(false);
         let mut contents = f.contents.map(resource).unwrap_or_default();
         // Spec 2 writes an empty file when there is no source; spec 3 needs one to overwrite.
@@ -747,7 +785,7 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
         // Spec 2 writes files in order, so a later entry for a path replaces an earlier one
         // (or appends to it); spec 3 wants one entry per path. Fold them the same way. (CABPK's
         // CLC template emits both entries of a `write_files` pair with `append`.)
-        let files = v3::files(&mut out);
+        let files = v3::files(out);
         if let Some(earlier) = files.iter_mut().find(|e| e.path == file.path) {
             if append {
                 earlier.append.get_or_insert_with(Vec::new).push(contents);
@@ -770,10 +808,20 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
         }
         files.push(file);
     }
-    for (i, d) in storage.directories.into_iter().flatten().enumerate() {
+    Ok(())
+}
+
+/// `storage.directories` and `storage.links`.
+fn directories_and_links(
+    out: &mut v3t::Config,
+    directories: Option<Vec<Directory>>,
+    links: Option<Vec<Link>>,
+    fs_paths: &[(String, Option<String>)],
+) -> Result<(), ConvertError> {
+    for (i, d) in directories.into_iter().flatten().enumerate() {
         let at = KeyPath::from("storage.directories").index(i);
-        let pre = prefix(d.filesystem.as_deref(), &fs_paths, &at.field("filesystem"))?;
-        v3::directories(&mut out).push(v3t::Directory {
+        let pre = prefix(d.filesystem.as_deref(), fs_paths, &at.field("filesystem"))?;
+        v3::directories(out).push(v3t::Directory {
             group: node_group(d.group),
             mode: d.mode,
             overwrite: d.overwrite,
@@ -781,10 +829,10 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
             user: node_user(d.user),
         });
     }
-    for (i, l) in storage.links.into_iter().flatten().enumerate() {
+    for (i, l) in links.into_iter().flatten().enumerate() {
         let at = KeyPath::from("storage.links").index(i);
-        let pre = prefix(l.filesystem.as_deref(), &fs_paths, &at.field("filesystem"))?;
-        v3::storage(&mut out)
+        let pre = prefix(l.filesystem.as_deref(), fs_paths, &at.field("filesystem"))?;
+        v3::storage(out)
             .links
             .get_or_insert_with(Vec::new)
             .push(v3t::Link {
@@ -796,10 +844,12 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
                 user: node_user(l.user),
             });
     }
+    Ok(())
+}
 
-    // networkd units become files: Ignition 3 has no networkd section.
-    for (i, u) in c
-        .networkd
+/// `networkd` units become files: Ignition 3 has no networkd section.
+fn networkd_units(out: &mut v3t::Config, networkd: Option<Networkd>) -> Result<(), ConvertError> {
+    for (i, u) in networkd
         .and_then(|n| n.units)
         .into_iter()
         .flatten()
@@ -814,7 +864,7 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
         }
         let dir = "/etc/systemd/network";
         if let Some(text) = &u.contents {
-            v3::files(&mut out).push(v3::file(
+            v3::files(out).push(v3::file(
                 &format!("{dir}/{}", u.name),
                 content::text_resource(text),
                 0o644,
@@ -828,16 +878,19 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
                 ));
             }
             let text = d.contents.unwrap_or_default();
-            v3::files(&mut out).push(v3::file(
+            v3::files(out).push(v3::file(
                 &format!("{dir}/{}.d/{}", u.name, d.name),
                 content::text_resource(&text),
                 0o644,
             ));
         }
     }
+    Ok(())
+}
 
-    // systemd
-    for u in c.systemd.and_then(|s| s.units).into_iter().flatten() {
+/// `systemd` units and their drop-ins, one entry per unit.
+fn systemd_units(out: &mut v3t::Config, systemd: Option<Systemd>) -> Result<(), ConvertError> {
+    for u in systemd.and_then(|s| s.units).into_iter().flatten() {
         let enabled = match (u.enabled, u.enable) {
             (Some(e), _) => Some(e),
             (None, Some(true)) => Some(true),
@@ -852,7 +905,7 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
                 name: d.name,
             })
             .collect();
-        let units = v3::units(&mut out);
+        let units = v3::units(out);
         // Spec 2 applies unit entries in order (CABPK's additionalConfig is appended this way:
         // Flatcar templates add a drop-in to kubeadm.service); spec 3 wants one entry per unit.
         if let Some(earlier) = units.iter_mut().find(|e| e.name == u.name) {
@@ -883,9 +936,12 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
             name: u.name,
         });
     }
+    Ok(())
+}
 
-    // passwd
-    if let Some(p) = c.passwd {
+/// `passwd` groups and users (the deprecated `create` folded in).
+fn passwd(out: &mut v3t::Config, passwd: Option<Passwd>) -> Result<(), ConvertError> {
+    if let Some(p) = passwd {
         for g in p.groups.into_iter().flatten() {
             out.passwd
                 .get_or_insert_with(Default::default)
@@ -927,8 +983,8 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
                 user.system = user.system.or(cr.system);
                 user.uid = user.uid.or(cr.uid);
             }
-            v3::users(&mut out).push(user);
+            v3::users(out).push(user);
         }
     }
-    Ok(out)
+    Ok(())
 }
