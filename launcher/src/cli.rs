@@ -226,8 +226,7 @@ pub struct RunArgs {
     pub image_format: String,
     /// User QEMU runs as (never root; KubeVirt's qemu user by default). QEMU gets no
     /// capabilities and no_new_privs; the launcher gives it its disks, Ignition file and a
-    /// runtime directory, and the tap and the node image as descriptors. --kernel and --initrd
-    /// must be readable by it.
+    /// runtime directory, and the tap, the node image, --kernel and --initrd as descriptors.
     #[arg(long, env = "CAPK_QEMU_UID", default_value_t = crate::qemu::privilege::DEFAULT_QEMU_ID)]
     pub qemu_uid: u32,
     /// Group QEMU runs as (never root). The group of /dev/kvm, when it exists, is added.
