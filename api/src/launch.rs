@@ -394,7 +394,7 @@ impl Launch {
             }
         }
         if let Some(h) = &self.hostname
-            && !valid_hostname(h)
+            && !crate::dns::is_subdomain(h)
         {
             return Err(invalid(
                 "hostname",
@@ -433,20 +433,6 @@ impl Launch {
         let rw = self.host_volumes.iter().map(|s| (s, false));
         rw.chain(self.host_volumes_readonly.iter().map(|s| (s, true)))
     }
-}
-
-/// A DNS name of lower-case labels, as a guest's hostname must be.
-fn valid_hostname(h: &str) -> bool {
-    !h.is_empty()
-        && h.len() <= 253
-        && h.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && l.chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        })
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ pub mod capi;
 pub mod constants;
 #[cfg(feature = "kube")]
 pub mod crd;
+pub mod dns;
 pub mod etcd_owner;
 pub mod launch;
 pub mod limits;

@@ -241,7 +241,7 @@ fn dns(spec: &KVMMachineSpec, errors: &mut Vec<FieldError>) {
             }
         }
         for (i, s) in dns.searches.iter().enumerate() {
-            if !is_dns_name(s.0.trim_end_matches('.')) {
+            if !capk_api::dns::is_name(s.0.trim_end_matches('.')) {
                 fail(
                     format!("spec.dns.searches[{i}]"),
                     format!("{:?} is not a DNS domain name", s.0),
@@ -465,7 +465,7 @@ fn tolerations(spec: &KVMMachineSpec, policy: &TenantPolicy, errors: &mut Vec<Fi
 fn priority_class(spec: &KVMMachineSpec, policy: &TenantPolicy, errors: &mut Vec<FieldError>) {
     let mut fail = |field: String, reason: String| errors.push(FieldError { field, reason });
     if let Some(p) = &spec.priority_class_name {
-        if !is_dns_subdomain(p) {
+        if !capk_api::dns::is_subdomain(p) {
             fail(
                 "spec.priorityClassName".into(),
                 format!("{p:?} is not a PriorityClass name (a DNS subdomain)"),
@@ -550,32 +550,6 @@ fn has_dot_dot(path: &str) -> bool {
     path.split('/').any(|e| e == "..")
 }
 
-/// A DNS label as Kubernetes and resolvers take it: 1-63 of `[a-z0-9-]` (any case), not
-/// starting or ending with `-`.
-fn is_dns_label(s: &str, lowercase: bool) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.chars().all(|c| {
-            c.is_ascii_digit()
-                || c == '-'
-                || if lowercase {
-                    c.is_ascii_lowercase()
-                } else {
-                    c.is_ascii_alphabetic()
-                }
-        })
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-fn is_dns_name(s: &str) -> bool {
-    s.len() <= 253 && s.split('.').all(|l| is_dns_label(l, false))
-}
-
-fn is_dns_subdomain(s: &str) -> bool {
-    s.len() <= 253 && s.split('.').all(|l| is_dns_label(l, true))
-}
-
 /// A label value: empty, or 1-63 of `[A-Za-z0-9-_.]` starting and ending with a letter or
 /// digit.
 fn is_label_value(s: &str) -> bool {
@@ -593,7 +567,7 @@ fn is_qualified_name(s: &str) -> bool {
         Some((p, n)) => (Some(p), n),
         None => (None, s),
     };
-    prefix.is_none_or(is_dns_subdomain) && !name.is_empty() && is_label_value(name)
+    prefix.is_none_or(capk_api::dns::is_subdomain) && !name.is_empty() && is_label_value(name)
 }
 
 #[cfg(test)]
