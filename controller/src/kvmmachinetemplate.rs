@@ -25,10 +25,11 @@ use kube::{
 use tracing::instrument;
 
 use crate::{
-    caches::{api, cached, strip_kvm_machine_template},
-    context::Context,
-    error::{Error, Result},
-    objects, report,
+    k8s::caches::{api, cached, strip_kvm_machine_template},
+    k8s::objects,
+    runtime::context::Context,
+    runtime::error::{Error, Result},
+    runtime::outcome,
 };
 
 /// The CPU architecture of every VM: the launcher runs `qemu-system-x86_64`.
@@ -77,7 +78,7 @@ pub async fn reconcile(template: Arc<KVMMachineTemplate>, ctx: Arc<Context>) -> 
 
 /// Requeue after a failed status write, with the template's back-off.
 pub fn error_policy(template: Arc<KVMMachineTemplate>, error: &Error, ctx: Arc<Context>) -> Action {
-    report::requeue_after(&ctx, "KVMMachineTemplate", &*template, error)
+    outcome::requeue_after(&ctx, "KVMMachineTemplate", &*template, error)
 }
 
 /// Runs the KVMMachineTemplate controller until `stopped`: only a template's own spec matters
@@ -99,7 +100,7 @@ pub async fn run(
         .graceful_shutdown_on(stopped)
         .run(reconcile, error_policy, ctx)
         .for_each(move |res| {
-            report::finished(&backoff, &metrics, "KVMMachineTemplate", res);
+            outcome::finished(&backoff, &metrics, "KVMMachineTemplate", res);
             futures::future::ready(())
         })
         .await

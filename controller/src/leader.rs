@@ -27,7 +27,7 @@ pub async fn lease_manager(
         .with_identity(identity)
         .with_duration(15)
         .with_grace(5)
-        .with_field_manager(crate::objects::FIELD_MANAGER)
+        .with_field_manager(crate::k8s::objects::FIELD_MANAGER)
         .build()
         .await
 }

@@ -1,33 +1,20 @@
 //! `capk-controller`: reconciles KVMCluster (control-plane Service, endpoint), KVMMachine
 //! (machine Pods) and KVMMachineTemplate (capacity) for the Cluster API v1beta2 contract.
 //!
-//! [`run_with_metrics`] starts the management cluster's watches ([`caches`]), the links to
-//! workload and hosting clusters ([`workload`], [`hosting`]) and one controller per kind; each
+//! [`run_with_metrics`] starts the management cluster's watches ([`k8s::caches`]), the links to
+//! workload and hosting clusters ([`remote::workload`], [`remote::hosting`]) and one controller per kind; each
 //! reconciler's folder says what wakes it (`kvmmachine/watches.rs`, `kvmcluster/watches.rs`).
 #![forbid(unsafe_code)]
 
-pub mod apiserver_health;
-pub mod backoff;
-pub mod caches;
-pub mod conditions;
-pub mod context;
-pub mod error;
-pub mod hosting;
-pub mod inline_kubeconfig;
+pub mod k8s;
 pub mod kvmcluster;
 pub mod kvmmachine;
 pub mod kvmmachinetemplate;
 pub mod leader;
 pub mod metrics;
-pub mod objects;
-pub mod ownership;
-pub mod redact;
 pub mod remote;
-pub mod remote_limits;
-pub mod report;
+pub mod runtime;
 pub mod settings;
-pub mod wake;
-pub mod workload;
 
 use std::sync::Arc;
 
@@ -35,8 +22,8 @@ use capk_api::v1alpha1::{KVMCluster, KVMMachine};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Client, runtime::controller::Config as ControllerConfig};
 
-pub use caches::Caches;
-pub use context::{Context, Settings};
+pub use k8s::caches::Caches;
+pub use runtime::context::{Context, Settings};
 
 /// Runs the reconcilers until `shutdown` resolves.
 pub async fn run(
@@ -73,15 +60,15 @@ pub async fn run_with_metrics(
     let (machine_wake, machine_wakes) = kvmmachine::watches::Wake::<KVMMachine>::new();
     let events = cluster_wake.on(events, &caches);
     let limits = &settings.remote_limits;
-    let workloads = workload::Links::new(machine_wake.on_nodes(&caches), limits);
+    let workloads = remote::workload::Links::new(machine_wake.on_nodes(&caches), limits);
     let hosting = {
         let (machines, clusters) = (
             machine_wake.on_hosting(&caches),
             cluster_wake.on_hosting(&caches),
         );
-        hosting::Links::new(
+        remote::hosting::Links::new(
             Arc::new(
-                move |key: &hosting::HostingKey, meta: Option<&ObjectMeta>| {
+                move |key: &remote::hosting::HostingKey, meta: Option<&ObjectMeta>| {
                     machines(key, meta);
                     clusters(key, meta);
                 },

@@ -13,7 +13,7 @@ use capk_controller::metrics::{
     serve::{self, Serving},
 };
 use capk_controller::{
-    remote_limits::RemoteLimits,
+    remote::limits::RemoteLimits,
     settings::{MachineDefaults, MachineNamespace, NodeImageSource, TenantPolicy},
 };
 use clap::{
@@ -219,7 +219,7 @@ struct Cli {
     #[arg(
         long,
         env = "CAPK_REMOTE_LIST_PAGE_SIZE",
-        default_value_t = capk_controller::remote_limits::DEFAULT_LIST_PAGE_SIZE,
+        default_value_t = capk_controller::remote::limits::DEFAULT_LIST_PAGE_SIZE,
         value_parser = clap::value_parser!(u32).range(1..=500)
     )]
     remote_list_page_size: u32,
@@ -228,7 +228,7 @@ struct Cli {
     #[arg(
         long,
         env = "CAPK_REMOTE_MAX_IN_FLIGHT",
-        default_value_t = capk_controller::remote_limits::DEFAULT_MAX_IN_FLIGHT as u16,
+        default_value_t = capk_controller::remote::limits::DEFAULT_MAX_IN_FLIGHT as u16,
         value_parser = clap::value_parser!(u16).range(1..=64)
     )]
     remote_max_in_flight: u16,
@@ -237,7 +237,7 @@ struct Cli {
     #[arg(
         long,
         env = "CAPK_REMOTE_REQUEST_TIMEOUT_SECONDS",
-        default_value_t = capk_controller::remote_limits::DEFAULT_REQUEST_TIMEOUT.as_secs() as u16,
+        default_value_t = capk_controller::remote::limits::DEFAULT_REQUEST_TIMEOUT.as_secs() as u16,
         value_parser = clap::value_parser!(u16).range(1..=50)
     )]
     remote_request_timeout_seconds: u16,

@@ -18,7 +18,7 @@ pub struct Settings {
     /// What a KVMMachine's author may reach past their namespace.
     pub tenant_policy: TenantPolicy,
     /// What one workload or hosting cluster may cost the controller.
-    pub remote_limits: crate::remote_limits::RemoteLimits,
+    pub remote_limits: crate::remote::limits::RemoteLimits,
     /// Where new clusters' machine Pods live in the management cluster.
     pub machine_namespace: MachineNamespace,
 }

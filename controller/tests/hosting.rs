@@ -274,7 +274,7 @@ async fn run_pod(pods: &Api<Pod>, name: &str, ip: &str) -> Result<()> {
 
 /// The name the controller gives an object of an owner in management namespace `owner_ns`
 /// in a hosting namespace of another name: `<base>-<hash of owner_ns><suffix>`
-/// (controller/src/ownership.rs, `Home::name_for`; short names are not cut).
+/// (controller/src/k8s/ownership.rs, `Home::name_for`; short names are not cut).
 fn qualified(base: &str, owner_ns: &str, suffix: &str) -> String {
     format!(
         "{base}-{}{suffix}",

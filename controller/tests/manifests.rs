@@ -1736,7 +1736,7 @@ async fn control_plane_service_variables_make_an_endpoint_outside_the_management
             .await
             .with_context(|| flavor.to_owned())?;
         let kc: KVMCluster = serde_json::from_value(kc.clone())?;
-        let home = capk_controller::ownership::Home {
+        let home = capk_controller::k8s::ownership::Home {
             namespace: FLAVOR_NS.to_owned(),
             management: true,
         };
@@ -1773,7 +1773,7 @@ async fn control_plane_service_variables_make_an_endpoint_outside_the_management
         .context("KVMCluster")?;
     assert_eq!(kc["spec"]["controlPlaneService"]["type"], "ClusterIP");
     let kc: KVMCluster = serde_json::from_value(kc.clone())?;
-    let home = capk_controller::ownership::Home {
+    let home = capk_controller::k8s::ownership::Home {
         namespace: FLAVOR_NS.to_owned(),
         management: true,
     };

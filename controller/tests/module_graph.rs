@@ -1,6 +1,6 @@
 //! The controller's module graph, read from its sources (test modules excluded), so a new cycle
 //! or a clap type in a domain module fails here, not in review: no cycles between the top-level
-//! modules, no module using an item of `lib.rs` (which only declares the modules and starts the
+//! modules and the modules of the groups of shared machinery (`runtime`, `k8s`, `remote`), no module using an item of `lib.rs` (which only declares the modules and starts the
 //! controllers), none between the KVMMachine pipeline's steps (`kvmmachine/*.rs`), and the
 //! command line (clap) only in `main.rs`.
 
@@ -59,7 +59,102 @@ fn segments_after(code: &str, prefix: &str) -> BTreeSet<String> {
     out
 }
 
-/// Top-level module → the top-level modules its non-test code names (`crate::<module>`).
+/// Every path that starts with `prefix`, its use-trees expanded (`prefix{a::{b, c}, d}` gives
+/// `a::b`, `a::c` and `d`), as its segments.
+fn paths_after(code: &str, prefix: &str) -> Vec<Vec<String>> {
+    fn tree(s: &[char], i: &mut usize) -> Vec<Vec<String>> {
+        let skip = |i: &mut usize| {
+            while *i < s.len() && s[*i].is_whitespace() {
+                *i += 1;
+            }
+        };
+        skip(i);
+        if *i < s.len() && s[*i] == '{' {
+            *i += 1;
+            let mut out = Vec::new();
+            loop {
+                skip(i);
+                match s.get(*i) {
+                    None => return out,
+                    Some('}') => {
+                        *i += 1;
+                        return out;
+                    }
+                    Some(',') => *i += 1,
+                    Some(_) => {
+                        let before = *i;
+                        out.extend(tree(s, i));
+                        // Skip what a path does not describe (`as x`) up to its separator.
+                        while *i < s.len() && !matches!(s[*i], ',' | '}') {
+                            *i += 1;
+                        }
+                        if *i == before {
+                            *i += 1;
+                        }
+                    }
+                }
+            }
+        }
+        let start = *i;
+        while *i < s.len() && (s[*i].is_alphanumeric() || s[*i] == '_') {
+            *i += 1;
+        }
+        let ident: String = s[start..*i].iter().collect();
+        if ident.is_empty() {
+            return Vec::new();
+        }
+        if s.get(*i) == Some(&':') && s.get(*i + 1) == Some(&':') {
+            *i += 2;
+            let subs = tree(s, i);
+            if subs.is_empty() {
+                return vec![vec![ident]];
+            }
+            return subs
+                .into_iter()
+                .map(|mut p| {
+                    p.insert(0, ident.clone());
+                    p
+                })
+                .collect();
+        }
+        vec![vec![ident]]
+    }
+    let chars: Vec<char> = code.chars().collect();
+    let prefix: Vec<char> = prefix.chars().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i + prefix.len() <= chars.len() {
+        if chars[i..i + prefix.len()] == prefix[..] {
+            let mut j = i + prefix.len();
+            out.extend(tree(&chars, &mut j));
+            i = j.max(i + 1);
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The folders that group shared machinery (`runtime`, `k8s`, `remote`): each of their modules
+/// is a node of the graph of its own (`k8s::caches`), so that the groups may use each other
+/// while their modules do not go round in circles.
+const GROUPS: [&str; 3] = ["runtime", "k8s", "remote"];
+
+/// The graph's node for a path below `crate::`: `group::module` for a module of a group, else
+/// the top-level module (the group itself for an item of its `mod.rs`).
+fn node_of(path: &[String]) -> Option<String> {
+    let top = path.first()?.clone();
+    if GROUPS.contains(&top.as_str())
+        && let Some(sub) = path.get(1)
+        && src().join(&top).join(format!("{sub}.rs")).exists()
+    {
+        return Some(format!("{top}::{sub}"));
+    }
+    (top != "self").then_some(top)
+}
+
+/// Module → the modules its non-test code names (`crate::<module>`, and `super::<module>` inside
+/// a group): top-level modules, and each module of a group on its own (see [`GROUPS`]).
 fn top_level() -> Graph {
     let mut graph = Graph::new();
     let mut files = Vec::new();
@@ -78,19 +173,36 @@ fn top_level() -> Graph {
             continue;
         }
         let rel = path.strip_prefix(src()).unwrap();
-        let top = rel
+        let parts: Vec<String> = rel
             .components()
-            .next()
-            .unwrap()
-            .as_os_str()
-            .to_string_lossy();
-        let top = top.trim_end_matches(".rs").to_owned();
+            .map(|c| {
+                c.as_os_str()
+                    .to_string_lossy()
+                    .trim_end_matches(".rs")
+                    .to_owned()
+            })
+            .collect();
+        let top = parts[0].clone();
         if top == "lib" || top == "main" {
             continue;
         }
-        let deps = graph.entry(top.clone()).or_default();
-        for d in segments_after(&code(&path), "crate::") {
-            if d != top {
+        let group = GROUPS.contains(&top.as_str()).then(|| top.clone());
+        let name = match (&group, parts.get(1)) {
+            (Some(g), Some(m)) if m != "mod" => format!("{g}::{m}"),
+            _ => top.clone(),
+        };
+        let code = code(&path);
+        let mut paths = paths_after(&code, "crate::");
+        if let Some(g) = &group {
+            let inner = if name == *g { "self::" } else { "super::" };
+            paths.extend(paths_after(&code, inner).into_iter().map(|mut p| {
+                p.insert(0, g.clone());
+                p
+            }));
+        }
+        let deps = graph.entry(name.clone()).or_default();
+        for d in paths.iter().filter_map(|p| node_of(p)) {
+            if d != name {
                 deps.insert(d);
             }
         }
@@ -167,14 +279,14 @@ fn cycles(graph: &Graph) -> BTreeSet<BTreeSet<String>> {
 fn top_level_modules_have_no_cycles() {
     let g = top_level();
     assert!(
-        g.contains_key("workload") && g.contains_key("context"),
+        g.contains_key("remote::workload") && g.contains_key("runtime::context"),
         "{g:?}"
     );
     for (a, b) in [
-        ("context", "workload"),
-        ("workload", "kvmmachine"),
-        ("context", "kvmmachine"),
-        ("context", "kvmcluster"),
+        ("runtime::context", "remote::workload"),
+        ("remote::workload", "kvmmachine"),
+        ("runtime::context", "kvmmachine"),
+        ("runtime::context", "kvmcluster"),
     ] {
         assert!(
             !(reaches(&g, a, b) && reaches(&g, b, a)),
@@ -191,7 +303,7 @@ fn top_level_modules_have_no_cycles() {
 #[test]
 fn no_module_reaches_back_into_lib_rs() {
     // lib.rs declares the modules and starts the controllers; everything a module uses of
-    // another is named by that module's path (`crate::caches::cached`, not `crate::cached`).
+    // another is named by that module's path (`crate::k8s::caches::cached`, not `crate::cached`).
     let modules: BTreeSet<String> = std::fs::read_dir(src())
         .unwrap()
         .map(|e| e.unwrap().path())

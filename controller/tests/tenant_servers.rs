@@ -575,7 +575,7 @@ async fn a_server_that_holds_every_patch_holds_up_no_other_tenant() -> Result<()
         "the other tenant's machine Pod took {took:?}"
     );
     assert!(
-        most <= capk_controller::remote_limits::DEFAULT_MAX_IN_FLIGHT,
+        most <= capk_controller::remote::limits::DEFAULT_MAX_IN_FLIGHT,
         "{most} PATCHes were held at once"
     );
     Ok(())

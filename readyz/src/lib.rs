@@ -1,6 +1,6 @@
 //! `capk-readyz`: the one client for a Kubernetes apiserver's `/readyz`, used by the controller
 //! (whether a control-plane machine takes the control-plane Service's traffic,
-//! `capk_controller::apiserver_health`) and by the launcher (part of a control-plane machine's
+//! `capk_controller::remote::apiserver_health`) and by the launcher (part of a control-plane machine's
 //! readiness, `capk_launcher::apiserver`). Each says in its own words why a probe failed; this
 //! crate says what happened ([`ReadyzError`]).
 //!

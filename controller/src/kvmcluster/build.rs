@@ -18,8 +18,8 @@ use k8s_openapi::{
 use kube::{Resource, ResourceExt};
 
 use crate::{
-    conditions::{self, DesiredCondition},
-    ownership::{Home, Owner},
+    k8s::conditions::{self, DesiredCondition},
+    k8s::ownership::{Home, Owner},
     settings::{KeyPatterns, TenantPolicy},
 };
 
@@ -51,9 +51,7 @@ pub fn service_name_in(kc: &KVMCluster, cluster: &str, home: &Home) -> String {
 /// address ready while its apiserver answers `/readyz`. A selector would make Kubernetes decide
 /// from the Pod's readiness, which comes long after the first control-plane VM needs its own
 /// apiserver through this Service during `kubeadm init`; publishing not-ready addresses instead
-/// (what this Service did before) sends traffic to dead control planes too. Applying this
-/// Service removes both fields from a Service made that way. It is `name` ([`service_name`]) in
-/// `home`.
+/// would send traffic to dead control planes too. It is `name` ([`service_name_in`]) in `home`.
 pub fn control_plane_service(kc: &KVMCluster, cluster: &str, name: &str, home: &Home) -> Service {
     let svc_spec = kc.spec.control_plane_service.clone().unwrap_or_default();
     let service_type = svc_spec.type_.unwrap_or_default();

@@ -4,7 +4,7 @@
 //! The Service has no selector: Kubernetes' EndpointSlice controller would mark an endpoint
 //! ready from the Pod's readiness, which for a control-plane machine comes only after its
 //! workload Node is Ready, long after `kubeadm init` needs its own apiserver through the Service.
-//! Instead an endpoint is ready while its apiserver answers `/readyz` ([`crate::apiserver_health`]).
+//! Instead an endpoint is ready while its apiserver answers `/readyz` ([`crate::remote::apiserver_health`]).
 
 use std::net::Ipv4Addr;
 
@@ -26,9 +26,9 @@ use kube::{Resource, ResourceExt};
 
 use super::build::owned_labels;
 use crate::{
-    apiserver_health::{EndpointHealth, ProbeError},
-    conditions::DesiredCondition,
-    ownership::{Home, Owner},
+    k8s::conditions::DesiredCondition,
+    k8s::ownership::{Home, Owner},
+    remote::apiserver_health::{EndpointHealth, ProbeError},
 };
 
 /// `kubernetes.io/service-name`: which Service an EndpointSlice belongs to.

@@ -1,5 +1,5 @@
 //! KVMCluster reconciler: fetch → probe the control-plane apiservers
-//! ([`crate::apiserver_health`]) → build (pure, in [`build`] and [`endpoints`]) → apply → status.
+//! ([`crate::remote::apiserver_health`]) → build (pure, in [`build`] and [`endpoints`]) → apply → status.
 //! What wakes it, and the controller that runs it: [`watches`].
 
 pub mod build;
@@ -41,27 +41,22 @@ use self::{
     endpoints::{ControlPlaneMember, SERVICE_NAME_LABEL},
 };
 use crate::{
-    apiserver_health::{self, EndpointHealth},
-    conditions::DesiredCondition,
-    context::Context,
-    error::{Error, Result},
-    hosting::{HostingKey, REASON_CONNECTING, Target, Unavailable},
-    objects::{self, read_error},
-    ownership::{Claim, Owner},
-    report,
+    k8s::conditions::DesiredCondition,
+    k8s::objects::{self, read_error},
+    k8s::ownership::{self, Claim, Owner},
+    remote::apiserver_health::{self, EndpointHealth},
+    remote::hosting::{HostingKey, REASON_CONNECTING, Target, Unavailable},
+    runtime::context::Context,
+    runtime::error::{Error, Result},
+    runtime::outcome,
 };
-
-/// The owning Cluster's name, from the owner reference Cluster API sets.
-pub fn owner_cluster_name(kc: &KVMCluster) -> Option<String> {
-    report::capi_owner(kc, "Cluster")
-}
 
 /// Reconciles one KVMCluster; publishes a Warning Event when a step fails.
 #[instrument(skip_all, fields(kvmcluster = %kc.name_any(), namespace = kc.namespace().unwrap_or_default()))]
 pub async fn reconcile(kc: Arc<KVMCluster>, ctx: Arc<Context>) -> Result<Action> {
     let _timer = ctx.metrics.start("KVMCluster");
-    let result = report::within_deadline(reconcile_inner(kc.clone(), &ctx)).await;
-    report::outcome(&ctx, "KVMCluster", &*kc, result).await
+    let result = outcome::within_deadline(reconcile_inner(kc.clone(), &ctx)).await;
+    outcome::outcome(&ctx, "KVMCluster", &*kc, result).await
 }
 
 async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
@@ -69,7 +64,7 @@ async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
     let api: Api<KVMCluster> = Api::namespaced(ctx.client.clone(), &ns);
     // A Cluster that is gone (deleted without its dependents) is no owner: the KVMCluster
     // waits for one, and can be deleted.
-    let owner = owner_cluster_name(&kc);
+    let owner = ownership::capi_owner(&*kc, "Cluster");
     let cluster = match &owner {
         Some(name) => get_cluster(ctx, &ns, name).await?,
         None => None,
@@ -134,7 +129,7 @@ async fn report_unavailable(ctx: &Context, kc: &KVMCluster, u: &Unavailable) {
         .status
         .as_ref()
         .and_then(|s| s.conditions.as_deref())
-        .and_then(|cs| crate::conditions::find(cs, CONDITION_HOSTING_CLUSTER_AVAILABLE))
+        .and_then(|cs| crate::k8s::conditions::find(cs, CONDITION_HOSTING_CLUSTER_AVAILABLE))
         .is_some_and(|c| c.status == "False" && c.reason == u.reason);
     if !shown {
         let kind = if u.reason == REASON_CONNECTING {
@@ -142,7 +137,7 @@ async fn report_unavailable(ctx: &Context, kc: &KVMCluster, u: &Unavailable) {
         } else {
             EventType::Warning
         };
-        report::publish(ctx, kc, kind, u.reason, u.message.clone()).await;
+        outcome::publish(ctx, kc, kind, u.reason, u.message.clone()).await;
     }
 }
 
@@ -165,11 +160,11 @@ async fn apply(
             .status
             .as_ref()
             .and_then(|s| s.conditions.as_deref())
-            .and_then(|cs| crate::conditions::find(cs, refused.type_))
+            .and_then(|cs| crate::k8s::conditions::find(cs, refused.type_))
             .is_some_and(|c| c.reason == refused.reason && c.message == refused.message);
         if !shown {
             let note = refused.message.clone();
-            report::publish(
+            outcome::publish(
                 ctx,
                 kc,
                 EventType::Warning,
@@ -257,7 +252,7 @@ async fn record_machine_namespace(
     cluster: &str,
     ctx: &Context,
 ) -> Result<std::result::Result<Option<KVMCluster>, Unavailable>> {
-    if crate::hosting::machine_namespace(kc).is_some() {
+    if crate::remote::hosting::machine_namespace(kc).is_some() {
         return Ok(Ok(None));
     }
     let ns = kc.namespace().ok_or(Error::MissingNamespace)?;
@@ -314,7 +309,7 @@ async fn record_machine_namespace(
     let note = format!(
         "machines live in namespace {chosen} of the management cluster when no hosting cluster is named"
     );
-    report::publish(
+    outcome::publish(
         ctx,
         kc,
         EventType::Normal,
@@ -416,7 +411,7 @@ fn retain_hosting_links(ctx: &Context, leaving: Option<&str>) {
 /// not exist), or why it cannot be read. The Secret carries clusterctl's move label, which
 /// the controller puts on it when it lacks it ([`objects::labelled_secret`]): `clusterctl move`
 /// then takes it along with the cluster, so the moved KVMCluster still reaches its machines,
-/// and the controller's watch of hosting kubeconfigs ([`crate::caches::hosting_kubeconfigs`])
+/// and the controller's watch of hosting kubeconfigs ([`crate::k8s::caches::hosting_kubeconfigs`])
 /// sees it, a user's hand-made Secret too.
 pub async fn hosting_kubeconfig(
     ctx: &Context,
@@ -434,7 +429,7 @@ pub async fn hosting_kubeconfig(
     )
     .await
     .map_err(|e| Unavailable {
-        reason: crate::hosting::REASON_KUBECONFIG_INVALID,
+        reason: crate::remote::hosting::REASON_KUBECONFIG_INVALID,
         message: e.to_string(),
     })?;
     Ok(secret.map(|s| s.resource_version().unwrap_or_default()))
@@ -453,7 +448,7 @@ async fn refuse_foreign_service(kc: &KVMCluster, target: &Target, name: &str) ->
             .map_err(read_error("Service", name))?
             .map(|m| m.metadata),
     };
-    match meta.map(|m| crate::ownership::claim(&m, &Owner::cluster(kc), &target.home)) {
+    match meta.map(|m| ownership::claim(&m, &Owner::cluster(kc), &target.home)) {
         Some(Claim::Foreign) => Err(Error::Foreign {
             kind: "Service",
             name: name.to_owned(),
@@ -553,7 +548,7 @@ async fn sync_endpoints(
             } else {
                 EventType::Warning
             };
-            report::publish(
+            outcome::publish(
                 ctx,
                 kc,
                 type_,
@@ -588,7 +583,7 @@ async fn cleanup(
     // Machines elsewhere than beside the KVMCluster (a hosting cluster, a machine namespace)
     // have no owner references to it: they go first, while it still says where they are.
     let beside = HostingKey::of(kc).is_none()
-        && crate::hosting::machine_namespace(kc).is_none_or(|m| m == ns);
+        && crate::remote::hosting::machine_namespace(kc).is_none_or(|m| m == ns);
     if !beside && let Some(name) = &cluster_name {
         let machines = ctx
             .caches
@@ -606,7 +601,8 @@ async fn cleanup(
     }
     // One that never chose a machine namespace made nothing since this release; before it,
     // everything was beside it.
-    let unchosen = HostingKey::of(kc).is_none() && crate::hosting::machine_namespace(kc).is_none();
+    let unchosen =
+        HostingKey::of(kc).is_none() && crate::remote::hosting::machine_namespace(kc).is_none();
     let chosen = if unchosen {
         Ok(Target::management(
             &ctx.client,
@@ -659,5 +655,5 @@ async fn write_status(api: &Api<KVMCluster>, kc: &KVMCluster, state: &ClusterSta
 /// Requeue after a failure, after the cluster's back-off (which grows while it keeps failing);
 /// the next watch event may come sooner.
 pub fn error_policy(kc: Arc<KVMCluster>, error: &Error, ctx: Arc<Context>) -> Action {
-    report::requeue_after(&ctx, "KVMCluster", &*kc, error)
+    outcome::requeue_after(&ctx, "KVMCluster", &*kc, error)
 }

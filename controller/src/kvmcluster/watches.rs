@@ -33,17 +33,13 @@ use kube::{
     },
 };
 
+use crate::k8s::ownership::cluster_of;
 use crate::{
-    caches::{Caches, Changes, Events, api, cached, named_by_label, strip_kvm_cluster},
-    context::Context,
-    hosting::{HostingKey, OnChange},
-    report,
+    k8s::caches::{Caches, Changes, Events, api, cached, named_by_label, strip_kvm_cluster},
+    remote::hosting::{HostingKey, OnChange},
+    runtime::context::Context,
+    runtime::outcome,
 };
-
-/// The Cluster a KVMCluster belongs to: its owner, else its cluster-name label.
-pub fn cluster_of(kc: &KVMCluster) -> Option<String> {
-    super::owner_cluster_name(kc).or_else(|| kc.labels().get(CLUSTER_NAME_LABEL).cloned())
-}
 
 /// The KVMCluster a Cluster's infrastructureRef names.
 pub fn kvmcluster_of_cluster(cluster: Cluster) -> Option<ObjectRef<KVMCluster>> {
@@ -78,11 +74,11 @@ pub fn kvmclusters_of_deleted_machine(
     if km.metadata.deletion_timestamp.is_none() {
         return Vec::new();
     }
-    let cluster = km.labels().get(CLUSTER_NAME_LABEL);
+    let cluster = cluster_of(km);
     kvm_clusters
         .state()
         .into_iter()
-        .filter(|kc| kc.namespace() == km.namespace() && cluster_of(kc).as_ref() == cluster)
+        .filter(|kc| kc.namespace() == km.namespace() && cluster_of(&**kc) == cluster)
         .map(|kc| ObjectRef::from(&*kc))
         .collect()
 }
@@ -169,7 +165,7 @@ pub fn kvmclusters_of_hosting(
         .collect()
 }
 
-pub use crate::wake::Wake;
+pub use crate::k8s::wake::Wake;
 
 impl Wake<KVMCluster> {
     /// The management cluster's changes, passed on unchanged, waking the KVMClusters that
@@ -251,7 +247,7 @@ pub async fn run(
         .graceful_shutdown_on(stopped)
         .run(super::reconcile, super::error_policy, ctx)
         .for_each(move |res| {
-            report::finished(&backoff, &metrics, "KVMCluster", res);
+            outcome::finished(&backoff, &metrics, "KVMCluster", res);
             futures::future::ready(())
         })
         .await
@@ -262,7 +258,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::caches::testing::store;
+    use crate::k8s::caches::testing::store;
 
     fn kvm_cluster(name: &str, labels: serde_json::Value, spec: serde_json::Value) -> KVMCluster {
         serde_json::from_value(json!({

@@ -6,10 +6,7 @@
 
 use std::time::Duration;
 
-use capk_api::{
-    constants::{CLUSTER_NAME_LABEL, CONDITION_HOSTING_CLUSTER_AVAILABLE},
-    v1alpha1::KVMMachine,
-};
+use capk_api::{constants::CONDITION_HOSTING_CLUSTER_AVAILABLE, v1alpha1::KVMMachine};
 use k8s_openapi::{
     api::core::v1::{Node, PersistentVolumeClaim, Pod, Secret},
     jiff::Timestamp,
@@ -28,12 +25,12 @@ use super::{
     writes,
 };
 use crate::{
-    context::Context,
-    error::{Error, Result},
-    hosting::{Target, Unavailable},
-    objects::{self, read_error},
-    ownership::Owner,
-    report,
+    k8s::objects::{self, read_error},
+    k8s::ownership::{self, Owner},
+    remote::hosting::{Target, Unavailable},
+    runtime::context::Context,
+    runtime::error::{Error, Result},
+    runtime::outcome,
 };
 
 /// Deletes the Pod (the launcher shuts the guest down by ACPI), then the Secret and the etcd
@@ -175,7 +172,7 @@ async fn remove_etcd_data(
             writes::forget_etcd_dir(api, km).await?;
             let note = format!("removed {} on node {}", dir.path(), dir.node);
             info!(node = %dir.node, dir = %dir.path(), "etcd data removed");
-            report::publish(ctx, km, EventType::Normal, REASON_ETCD_DATA_REMOVED, note).await;
+            outcome::publish(ctx, km, EventType::Normal, REASON_ETCD_DATA_REMOVED, note).await;
             done
         }
         Next::Refused(why) => {
@@ -188,7 +185,7 @@ async fn remove_etcd_data(
             );
             warn!(node = %node, dir = %path, reason = %why, "etcd cleanup refused");
             let reason = REASON_ETCD_CLEANUP_REFUSED;
-            report::publish(ctx, km, EventType::Warning, reason, note).await;
+            outcome::publish(ctx, km, EventType::Warning, reason, note).await;
             done
         }
         Next::GiveUp(why) => {
@@ -232,7 +229,7 @@ async fn report_failure(
     }
     let backoff = failed.attempt.backoff().as_secs();
     let note = format!("{}; retrying in {backoff}s", failed.message);
-    report::publish(ctx, km, EventType::Warning, reason, note).await;
+    outcome::publish(ctx, km, EventType::Warning, reason, note).await;
     let message = failed.message.clone();
     let state = MachineState::Deleting { reason, message };
     writes::status(api, km, &state, &[], None, None, None).await
@@ -273,11 +270,7 @@ async fn create_cleanup_pod(
     attempt: &Attempt,
     previous_failure: Option<&str>,
 ) -> Result<Action> {
-    let cluster = km
-        .labels()
-        .get(CLUSTER_NAME_LABEL)
-        .cloned()
-        .unwrap_or_default();
+    let cluster = ownership::cluster_of(km).unwrap_or_default();
     let image = &ctx.settings.machine_defaults.launcher_image;
     let pod = etcd_cleanup::cleanup_pod(km, &cluster, &there.home, dir, image, attempt);
     let name = pod.name_any();
@@ -344,5 +337,5 @@ async fn give_up(ctx: &Context, km: &KVMMachine, node: &str, dir: &str, why: &st
         "etcd data left on node {node} in {dir}: {why}; remove that directory on the node by hand"
     );
     warn!(node, dir, reason = why, "etcd data left on the node");
-    report::publish(ctx, km, EventType::Warning, REASON_ETCD_DATA_LEFT, note).await;
+    outcome::publish(ctx, km, EventType::Warning, REASON_ETCD_DATA_LEFT, note).await;
 }

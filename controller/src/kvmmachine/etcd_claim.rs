@@ -12,7 +12,7 @@ use super::{
     names::{self, MachineNames},
     placement::MachinePlacement,
 };
-use crate::ownership::{Home, Owner};
+use crate::k8s::ownership::{Home, Owner};
 
 /// The etcd PVC of a control-plane machine with `etcdStorage.type: persistentVolume`, made in
 /// `home` under `names` (next to the machine Pod that mounts it).

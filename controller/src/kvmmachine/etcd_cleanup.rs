@@ -36,8 +36,8 @@ use super::{
     pod_layout::mount,
 };
 use crate::{
+    k8s::ownership::{Home, Owner},
     kvmcluster::build::owned_labels,
-    ownership::{Home, Owner},
 };
 
 // The annotations are defined with the others, where the controller's caches keep them.
@@ -260,7 +260,11 @@ impl Attempt {
     /// How long to wait after this attempt failed before the next: 5 s, doubled each time, at
     /// most 80 s.
     pub fn backoff(&self) -> Duration {
-        crate::backoff::doubling(Duration::from_secs(5), Duration::from_secs(80), self.number)
+        crate::runtime::backoff::doubling(
+            Duration::from_secs(5),
+            Duration::from_secs(80),
+            self.number,
+        )
     }
 }
 
@@ -406,7 +410,7 @@ pub fn refused(pod: &Pod) -> Option<String> {
         .filter(|(r, _)| *r == capk_api::etcd_owner::REASON_CLEANUP_REFUSED)
         .map(|(_, m)| m)
         .unwrap_or(line);
-    Some(crate::redact::untrusted_message(why))
+    Some(crate::remote::redact::untrusted_message(why))
 }
 
 /// Why the apiserver refused a cleanup Pod for good, if it did: the namespace is being deleted
@@ -427,7 +431,7 @@ pub fn refusal(status: &kube::core::Status, namespace: &str) -> Option<String> {
         return Some(format!(
             "the cleanup Pod was refused (HTTP {}): {}",
             status.code,
-            crate::redact::untrusted_message(&status.message)
+            crate::remote::redact::untrusted_message(&status.message)
         ));
     }
     None

@@ -14,7 +14,7 @@ use super::{
     names::{self, MachineNames, hostname},
     placement::MachinePlacement,
 };
-use crate::ownership::{Home, Owner};
+use crate::k8s::ownership::{Home, Owner};
 
 /// Key of the Ignition config in the machine's Ignition Secret.
 pub const IGNITION_KEY: &str = "config.ign";
@@ -62,7 +62,7 @@ pub fn desired(
 /// The machine's Ignition config (compact JSON) from its bootstrap data and the Secret's
 /// `format`. The error is in words safe to show in a condition and an Event: the converter
 /// quotes the values it rejects, and bootstrap data holds join tokens and keys, so quoted values
-/// and token-shaped words are replaced and the message is bounded ([`crate::redact`]).
+/// and token-shaped words are replaced and the message is bounded ([`crate::remote::redact`]).
 pub fn render(km: &KVMMachine, format: Option<&str>, data: &[u8]) -> Result<Vec<u8>, String> {
     let facts = capk_bootstrap::MachineFacts {
         hostname: hostname(km),
@@ -74,7 +74,7 @@ pub fn render(km: &KVMMachine, format: Option<&str>, data: &[u8]) -> Result<Vec<
     capk_bootstrap::BootstrapFormat::from_secret(format)
         .and_then(|f| capk_bootstrap::render_ignition(f, data, &facts, None))
         .map(|r| r.json)
-        .map_err(|e| crate::redact::untrusted_message(&e.to_string()))
+        .map_err(|e| crate::remote::redact::untrusted_message(&e.to_string()))
 }
 
 #[cfg(test)]
@@ -125,7 +125,7 @@ mod tests {
             let msg = render(&km, format, data.as_bytes()).unwrap_err();
             assert!(!msg.contains(token) && !msg.contains(key), "{msg}");
             assert!(
-                msg.len() <= crate::redact::MAX_MESSAGE_BYTES,
+                msg.len() <= crate::remote::redact::MAX_MESSAGE_BYTES,
                 "{}",
                 msg.len()
             );

@@ -4,11 +4,11 @@
 //!
 //! [`apply`] is the pipeline, read top to bottom: fetch the owner Machine → validate the spec
 //! ([`validate`], pure) → fetch the Cluster's infrastructure, where the objects live
-//! ([`crate::hosting`]) and the bootstrap data → build the desired objects (pure, one module
+//! ([`crate::remote::hosting`]) and the bootstrap data → build the desired objects (pure, one module
 //! each: [`ignition_secret`], [`etcd_claim`], [`pod`] with [`node_image`]) → ensure them
-//! ([`crate::objects`]: the rendered Secret applied, the PVC and Pod made once or adopted) →
+//! ([`crate::k8s::objects`]: the rendered Secret applied, the PVC and Pod made once or adopted) →
 //! the workload Node's gate
-//! ([`crate::workload`]) → one status write ([`status`] builds it, [`writes`] writes it).
+//! ([`crate::remote::workload`]) → one status write ([`status`] builds it, [`writes`] writes it).
 //! [`delete`] stops the machine Pod, deletes what was made for it and removes its etcd data
 //! from the MC node ([`etcd_cleanup`]). What wakes a reconcile, and the controller: [`watches`].
 
@@ -52,37 +52,32 @@ use tracing::{info, instrument, warn};
 pub use self::placement::MachinePlacement;
 use self::{etcd_cleanup::EtcdHostDir, names::MachineNames, status::MachineState};
 use crate::{
-    conditions::DesiredCondition,
-    context::Context,
-    error::{Error, Result},
-    hosting::{HostingKey, Target, Unavailable, machine_namespace},
-    objects::{self, Ensured, read_error},
-    ownership::{Claim, Owner},
-    report,
-    workload::{
+    k8s::conditions::DesiredCondition,
+    k8s::objects::{self, Ensured, read_error},
+    k8s::ownership::{self, Claim, Owner},
+    remote::hosting::{HostingKey, Target, Unavailable, machine_namespace},
+    remote::workload::{
         Gate, NodeFacts, PodNode, REASON_KUBECONFIG_INVALID, REASON_KUBECONFIG_MISSING,
         REASON_KUBECONFIG_REFUSED, kubeconfig_secret_name, set_gate,
     },
+    runtime::context::Context,
+    runtime::error::{Error, Result},
+    runtime::outcome,
 };
-
-/// The owning Machine's name, from the owner reference Cluster API sets.
-pub fn owner_machine_name(km: &KVMMachine) -> Option<String> {
-    report::capi_owner(km, "Machine")
-}
 
 /// Reconciles one KVMMachine; publishes a Warning Event when a step fails.
 #[instrument(skip_all, fields(kvmmachine = %km.name_any(), namespace = km.namespace().unwrap_or_default()))]
 pub async fn reconcile(km: Arc<KVMMachine>, ctx: Arc<Context>) -> Result<Action> {
     let _timer = ctx.metrics.start("KVMMachine");
-    let result = report::within_deadline(reconcile_inner(km.clone(), &ctx)).await;
-    report::outcome(&ctx, "KVMMachine", &*km, result).await
+    let result = outcome::within_deadline(reconcile_inner(km.clone(), &ctx)).await;
+    outcome::outcome(&ctx, "KVMMachine", &*km, result).await
 }
 
 async fn reconcile_inner(km: Arc<KVMMachine>, ctx: &Context) -> Result<Action> {
     let ns = km.namespace().ok_or(Error::MissingNamespace)?;
     ctx.caches.ready().await;
     let api: Api<KVMMachine> = Api::namespaced(ctx.client.clone(), &ns);
-    let machine = owner_machine_name(&km)
+    let machine = ownership::capi_owner(&*km, "Machine")
         .and_then(|name| ctx.caches.machines.get(&ObjectRef::new(&name).within(&ns)));
     let cluster = match &machine {
         Some(m) if !m.spec.cluster_name.is_empty() => ctx
@@ -154,14 +149,13 @@ async fn kvm_cluster_of(
     let Some(name) = machine
         .map(|m| m.spec.cluster_name.clone())
         .filter(|n| !n.is_empty())
-        .or_else(|| km.labels().get(CLUSTER_NAME_LABEL).cloned())
+        .or_else(|| ownership::cluster_of(km))
     else {
         return Ok(None);
     };
     Ok(ctx.caches.kvm_clusters.state().into_iter().find(|kc| {
         kc.namespace().as_deref() == Some(ns)
-            && (crate::kvmcluster::owner_cluster_name(kc).as_ref() == Some(&name)
-                || kc.labels().get(CLUSTER_NAME_LABEL) == Some(&name))
+            && ownership::cluster_of(&**kc).as_ref() == Some(&name)
     }))
 }
 
@@ -494,7 +488,7 @@ async fn ensure_ignition_secret(
     if let Some(meta) = existing {
         // A new rendering's apply sets labels and owner references itself; only a foreign
         // Secret must stop it.
-        let foreign = crate::ownership::claim(&meta, &owner, &there.home) == Claim::Foreign;
+        let foreign = ownership::claim(&meta, &owner, &there.home) == Claim::Foreign;
         if ignition.is_none() || foreign {
             objects::adopt(&secrets, "Secret", &meta, &owner, there).await?;
         }
@@ -570,7 +564,7 @@ async fn ensure_pod(
         );
         if !status::has_ready_reason(km, status::REASON_MACHINE_POD_MISSING, "") {
             let reason = status::REASON_MACHINE_POD_MISSING;
-            report::publish(ctx, km, EventType::Warning, reason, msg).await;
+            outcome::publish(ctx, km, EventType::Warning, reason, msg).await;
         }
         return Ok(ControlFlow::Break(Observed {
             state: MachineState::PodMissing,
@@ -602,7 +596,7 @@ async fn ensure_pod(
     };
     if let Some((reason, verb)) = event {
         let note = format!("{verb} machine Pod {pod_name} in {}", there.describe());
-        report::publish(ctx, km, EventType::Normal, reason, note).await;
+        outcome::publish(ctx, km, EventType::Normal, reason, note).await;
     }
     Ok(ControlFlow::Continue(pod))
 }
@@ -645,7 +639,7 @@ async fn observe_node(
         && !status::has_condition(km, &status::node_condition(Some(&gate)))
     {
         let msg = gate.message.clone();
-        report::publish(ctx, km, EventType::Warning, gate.reason, msg).await;
+        outcome::publish(ctx, km, EventType::Warning, gate.reason, msg).await;
     }
     let state = status::pod_state(&pod);
     if let MachineState::NodeImageFailed {
@@ -742,7 +736,7 @@ pub const UNLABELLED_SECRET_RECHECK: Duration = Duration::from_secs(60);
 /// `Ready` condition already reports it (the Event went out with it).
 async fn warn_once(ctx: &Context, km: &KVMMachine, reason: &str, msg: &str) {
     if !status::has_ready_reason(km, reason, msg) {
-        report::publish(ctx, km, EventType::Warning, reason, msg.to_owned()).await;
+        outcome::publish(ctx, km, EventType::Warning, reason, msg.to_owned()).await;
     }
 }
 
@@ -759,7 +753,7 @@ fn pod_node<'a>(pod: &'a Pod, there: &'a Target) -> Option<PodNode<'a>> {
 /// Requeue after a failure: when the step says (a Pod still terminating, an etcd cleanup), else
 /// after the machine's back-off, which grows while it keeps failing.
 pub fn error_policy(km: Arc<KVMMachine>, error: &Error, ctx: Arc<Context>) -> Action {
-    report::requeue_after(&ctx, "KVMMachine", &*km, error)
+    outcome::requeue_after(&ctx, "KVMMachine", &*km, error)
 }
 
 #[cfg(test)]
@@ -781,8 +775,8 @@ pub(crate) mod testing {
     }
 
     /// The management cluster, namespace `team-a`: where objects were always made.
-    pub fn management() -> crate::ownership::Home {
-        crate::ownership::Home {
+    pub fn management() -> crate::k8s::ownership::Home {
+        crate::k8s::ownership::Home {
             namespace: "team-a".into(),
             management: true,
         }

@@ -15,8 +15,8 @@ use kube::ResourceExt;
 
 use super::placement::MachinePlacement;
 use crate::{
+    k8s::ownership::{Home, Owner},
     kvmcluster::build::owned_labels,
-    ownership::{Home, Owner},
 };
 
 /// Label on machine Pods and Secrets naming their KVMMachine ([`label_value`]).

@@ -39,7 +39,7 @@ use super::{
     validate::ValidSpec,
 };
 use crate::{
-    ownership::{Home, Owner},
+    k8s::ownership::{Home, Owner},
     settings::MachineDefaults,
 };
 

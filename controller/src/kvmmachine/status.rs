@@ -65,7 +65,7 @@ pub enum MachineState {
     /// The cluster where the machine's objects live cannot be used now (the
     /// `HostingClusterAvailable` condition says why). What was last seen stands: a provisioned
     /// machine stays provisioned and Ready, its VM runs on untouched.
-    HostingUnavailable(crate::conditions::DesiredCondition),
+    HostingUnavailable(crate::k8s::conditions::DesiredCondition),
     /// The KVMMachine is being deleted and waits for what the reason and message say (its etcd
     /// data being removed from the MC node).
     Deleting {
@@ -92,8 +92,8 @@ fn reason_or(reason: Option<&str>, fallback: &'static str) -> std::borrow::Cow<'
 /// The conditions that follow the machine Pod: `PodScheduled` (the management cluster found it
 /// a node), `VMRunning` (the launcher container runs; it exits when QEMU dies) and
 /// `BootstrapCompleted` (the launcher's readiness probe: the guest reported bootstrap success).
-pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::conditions::DesiredCondition> {
-    use crate::conditions::DesiredCondition as C;
+pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::k8s::conditions::DesiredCondition> {
+    use crate::k8s::conditions::DesiredCondition as C;
     use capk_api::constants::{
         CONDITION_BOOTSTRAP_COMPLETED, CONDITION_POD_SCHEDULED, CONDITION_VM_RUNNING,
     };
@@ -227,8 +227,10 @@ pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::conditions::DesiredCondit
 
 /// The `NodeReady` condition: what the machine Pod's readiness gate says about the workload
 /// cluster's Node, or that there is no machine Pod to gate.
-pub fn node_condition(gate: Option<&crate::workload::Gate>) -> crate::conditions::DesiredCondition {
-    use crate::conditions::DesiredCondition as C;
+pub fn node_condition(
+    gate: Option<&crate::remote::workload::Gate>,
+) -> crate::k8s::conditions::DesiredCondition {
+    use crate::k8s::conditions::DesiredCondition as C;
     use capk_api::constants::CONDITION_NODE_READY;
     match gate {
         Some(g) if g.ready => C::truthy(CONDITION_NODE_READY, g.reason, g.message.clone()),
@@ -319,11 +321,11 @@ pub fn pod_state(pod: &Pod) -> MachineState {
 pub fn status(
     km: &KVMMachine,
     state: &MachineState,
-    pod: &[crate::conditions::DesiredCondition],
+    pod: &[crate::k8s::conditions::DesiredCondition],
     failure_domain: Option<&str>,
     now: k8s_openapi::jiff::Timestamp,
 ) -> capk_api::v1alpha1::KVMMachineStatus {
-    use crate::conditions::{self, DesiredCondition as C};
+    use crate::k8s::conditions::{self, DesiredCondition as C};
     use capk_api::constants::{CONDITION_PAUSED, CONDITION_READY};
     use capk_api::v1alpha1::{Initialization, MachineAddress, MachineAddressType};
 
@@ -464,17 +466,17 @@ pub fn has_ready_reason(km: &KVMMachine, reason: &str, detail: &str) -> bool {
     km.status
         .as_ref()
         .and_then(|s| s.conditions.as_deref())
-        .and_then(|cs| crate::conditions::find(cs, "Ready"))
+        .and_then(|cs| crate::k8s::conditions::find(cs, "Ready"))
         .is_some_and(|c| c.reason == reason && c.message.contains(detail))
 }
 
 /// Whether the KVMMachine already shows condition `c` (same status, reason and message).
-pub fn has_condition(km: &KVMMachine, c: &crate::conditions::DesiredCondition) -> bool {
+pub fn has_condition(km: &KVMMachine, c: &crate::k8s::conditions::DesiredCondition) -> bool {
     let status = if c.status { "True" } else { "False" };
     km.status
         .as_ref()
         .and_then(|s| s.conditions.as_deref())
-        .and_then(|cs| crate::conditions::find(cs, c.type_))
+        .and_then(|cs| crate::k8s::conditions::find(cs, c.type_))
         .is_some_and(|cur| {
             cur.status == status && cur.reason == c.reason && cur.message == c.message
         })
@@ -530,7 +532,7 @@ mod tests {
         .unwrap()
     }
 
-    fn summary(cs: &[crate::conditions::DesiredCondition]) -> Vec<(&str, bool, String)> {
+    fn summary(cs: &[crate::k8s::conditions::DesiredCondition]) -> Vec<(&str, bool, String)> {
         cs.iter()
             .map(|c| (c.type_, c.status, c.reason.to_string()))
             .collect()

@@ -14,7 +14,7 @@ use std::{
 
 use capk_api::{
     capi::{Cluster, Machine},
-    constants::{CLUSTER_NAME_LABEL, GROUP, KVMMACHINE_LABEL, OWNER_NAMESPACE_LABEL},
+    constants::{GROUP, KVMMACHINE_LABEL, OWNER_NAMESPACE_LABEL},
     v1alpha1::{KVMCluster, KVMMachine},
 };
 use futures::{StreamExt, channel::mpsc::UnboundedReceiver};
@@ -32,13 +32,13 @@ use kube::{
     },
 };
 
+use crate::k8s::ownership::cluster_of;
 use crate::{
-    caches::{Caches, Events, named_by_label},
-    context::Context,
-    hosting::{HostingKey, OnChange},
-    kvmcluster::watches::cluster_of,
-    report,
-    workload::OnNodeChange,
+    k8s::caches::{Caches, Events, named_by_label},
+    remote::hosting::{HostingKey, OnChange},
+    remote::workload::OnNodeChange,
+    runtime::context::Context,
+    runtime::outcome,
 };
 
 /// The KVMMachines that belong to Cluster `cluster` in `ns` (by their cluster-name label).
@@ -51,8 +51,7 @@ pub fn kvmmachines_of_cluster_named(
         .state()
         .into_iter()
         .filter(|km| {
-            km.namespace().as_deref() == ns
-                && km.labels().get(CLUSTER_NAME_LABEL).map(String::as_str) == Some(cluster)
+            km.namespace().as_deref() == ns && cluster_of(&**km).as_deref() == Some(cluster)
         })
         .map(|km| ObjectRef::from(&*km))
         .collect()
@@ -138,7 +137,7 @@ pub fn kvmmachines_of_secret(
     let kvm_clusters = &caches.kvm_clusters;
     for kc in crate::kvmcluster::watches::kvmclusters_of_hosting_secret(s, kvm_clusters) {
         if let Some(kc) = kvm_clusters.get(&kc)
-            && let Some(cluster) = cluster_of(&kc)
+            && let Some(cluster) = cluster_of(&*kc)
         {
             refs.extend(kvmmachines_of_cluster_named(
                 &caches.kvm_machines,
@@ -163,7 +162,7 @@ pub fn kvmmachines_of_node(
         .into_iter()
         .filter(|km| {
             km.namespace().as_deref() == Some(ns)
-                && km.labels().get(CLUSTER_NAME_LABEL).map(String::as_str) == Some(cluster)
+                && cluster_of(&**km).as_deref() == Some(cluster)
                 && node.is_none_or(|n| super::names::hostname(km) == n)
         })
         .map(|km| ObjectRef::from(&*km))
@@ -191,7 +190,7 @@ pub fn kvmmachines_of_hosting(
         .into_iter()
         .filter_map(|kc| kvm_clusters.get(&kc))
         .filter_map(|kc| {
-            let cluster = cluster_of(&kc)?;
+            let cluster = cluster_of(&*kc)?;
             Some(kvmmachines_of_cluster_named(
                 kvm_machines,
                 kc.namespace().as_deref(),
@@ -224,7 +223,7 @@ impl HostingMoves {
     ) -> Vec<ObjectRef<KVMMachine>> {
         let key = (
             HostingKey::of(kc),
-            crate::hosting::machine_namespace(kc).map(str::to_owned),
+            crate::remote::hosting::machine_namespace(kc).map(str::to_owned),
         );
         let uid = kc.uid().unwrap_or_default();
         let moved = self
@@ -242,7 +241,7 @@ impl HostingMoves {
     }
 }
 
-pub use crate::wake::Wake;
+pub use crate::k8s::wake::Wake;
 
 impl Wake<KVMMachine> {
     /// What a workload cluster's Node watch reports: a Node changed ([`kvmmachines_of_node`]).
@@ -316,7 +315,7 @@ pub async fn run(
         .graceful_shutdown_on(stopped)
         .run(super::reconcile, super::error_policy, ctx)
         .for_each(move |res| {
-            report::finished(&backoff, &metrics, "KVMMachine", res);
+            outcome::finished(&backoff, &metrics, "KVMMachine", res);
             futures::future::ready(())
         })
         .await
@@ -324,11 +323,11 @@ pub async fn run(
 
 #[cfg(test)]
 mod tests {
-    use capk_api::constants::{MAX_LABEL_LEN, bounded_name};
+    use capk_api::constants::{CLUSTER_NAME_LABEL, MAX_LABEL_LEN, bounded_name};
     use serde_json::{Value, json};
 
     use super::*;
-    use crate::{caches::testing::store, kvmmachine::testing::kvm_machine};
+    use crate::{k8s::caches::testing::store, kvmmachine::testing::kvm_machine};
 
     fn km(name: &str, cluster: &str) -> KVMMachine {
         let mut km = kvm_machine(

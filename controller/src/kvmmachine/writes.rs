@@ -17,9 +17,9 @@ use super::{
     status::{self, MachineState},
 };
 use crate::{
-    conditions::DesiredCondition,
-    error::{Error, Result},
-    objects,
+    k8s::conditions::DesiredCondition,
+    k8s::objects,
+    runtime::error::{Error, Result},
 };
 
 /// The one status write: `state` with the Pod's conditions, and where the machine Pod keeps

@@ -37,7 +37,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::error::Error;
+use crate::runtime::error::Error;
 
 /// The controllers' names, as controller-runtime names its own (the kind, lowercase): the
 /// `controller` label of the reconcile metrics and the `name` of the work-queue metrics.
@@ -101,7 +101,7 @@ pub struct ObjectLabels {
 pub struct ErrorLabels {
     /// `KVMCluster` or `KVMMachine`.
     pub kind: &'static str,
-    /// The error's category ([`crate::error::Error::category`]).
+    /// The error's category ([`crate::runtime::error::Error::category`]).
     pub category: &'static str,
 }
 

@@ -33,7 +33,7 @@ use super::{
 const HOSTING_SECRET: &str = "e2e-hosting";
 /// MC1's apiserver as every Pod of both clusters reaches it (its serving certificate names it).
 const MC1_APISERVER: &str = "https://10.240.0.1:6443";
-/// `HostingClusterAvailable`'s reason for a hosting cluster in use (controller/src/hosting.rs,
+/// `HostingClusterAvailable`'s reason for a hosting cluster in use (controller/src/remote/hosting.rs,
 /// `REASON_CONNECTED`).
 const CONNECTED: &str = "HostingClusterConnected";
 /// The Normal Events the controller publishes on a KVMMachine when it takes over an existing

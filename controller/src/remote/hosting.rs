@@ -10,7 +10,7 @@
 //! Services, selected by label), whose caches the reconcilers read exactly as they read the
 //! management cluster's. A link is started when a reconcile first needs it, rebuilt when the
 //! Secret's kubeconfig changes and dropped when no KVMCluster names it. Its watch events wake the KVMMachine or KVMCluster that the
-//! object's labels name ([`crate::ownership`]).
+//! object's labels name ([`crate::k8s::ownership`]).
 //!
 //! Reachability: a failing watch makes the link unavailable at once; while it is, the link lists
 //! each watched kind every [`PROBE_INTERVAL`] (the watches themselves resume silently), and the
@@ -48,12 +48,12 @@ use tracing::{debug, info, warn};
 
 pub use crate::remote::Unavailable;
 use crate::{
-    caches::{ObjectCaches, cached, owned, strip_object, strip_pod, strip_secret},
-    conditions::DesiredCondition,
-    inline_kubeconfig::KubeconfigError,
-    ownership::Home,
+    k8s::caches::{ObjectCaches, cached, owned, strip_object, strip_pod, strip_secret},
+    k8s::conditions::DesiredCondition,
+    k8s::ownership::Home,
+    remote::kubeconfig::KubeconfigError,
+    remote::limits::{LimitError, RemoteLimits, describe},
     remote::{self, KubeconfigSecret, LinkState},
-    remote_limits::{LimitError, RemoteLimits, describe},
 };
 
 /// Reason: the objects live in the management cluster (no hosting cluster is named).
@@ -414,7 +414,7 @@ impl Links {
         info!(hosting = %key, "watching the hosting cluster");
         let ns = key.namespace.as_str();
         let config = owned()
-            .timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS)
+            .timeout(crate::remote::kubeconfig::WATCH_TIMEOUT_SECONDS)
             .page_size(self.limits.list_page_size);
         let (pods, pod_events) = cached(
             Api::<Pod>::namespaced(client.clone(), ns),
@@ -561,7 +561,7 @@ fn request_failure(e: &kube::Error) -> Unavailable {
             message: format!(
                 "the hosting cluster refuses the credential of the kubeconfig Secret (HTTP {}): {}; grant it manifests/hosting (hosting-rbac.yaml) in the hosting namespace",
                 s.code,
-                crate::redact::untrusted_message(&s.message)
+                crate::remote::redact::untrusted_message(&s.message)
             ),
         },
         other if LimitError::of(other).is_some_and(LimitError::is_too_large) => Unavailable {

@@ -166,7 +166,7 @@ impl LimitError {
 pub fn describe(e: &kube::Error) -> String {
     match LimitError::of(e) {
         Some(l) => l.to_string(),
-        None => crate::redact::untrusted_message(&e.to_string()),
+        None => crate::remote::redact::untrusted_message(&e.to_string()),
     }
 }
 
@@ -208,7 +208,8 @@ impl Shared {
         let now = Instant::now();
         if health.until.is_none_or(|u| u <= now) {
             health.failures = health.failures.saturating_add(1);
-            let wait = crate::backoff::doubling(BACKOFF_FIRST, BACKOFF_MAX, health.failures);
+            let wait =
+                crate::runtime::backoff::doubling(BACKOFF_FIRST, BACKOFF_MAX, health.failures);
             health.until = Some(now + wait);
         }
         health.last = Some(e.clone());

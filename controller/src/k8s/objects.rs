@@ -1,7 +1,7 @@
 //! The verbs both reconcilers use on objects, all as the controller's field manager
 //! ([`FIELD_MANAGER`], with its patch parameters from [`params`]): server-side apply of a desired
 //! object, create once, adopt what exists under the name the controller would give it (whose it
-//! is, [`crate::ownership`] decides), a merge patch, the status write, deletion (only of what
+//! is, [`crate::k8s::ownership`] decides), a merge patch, the status write, deletion (only of what
 //! the owner owns; already gone is done), and the label that lets a watch see a Secret the
 //! controller reads ([`labelled_secret`]). Each failure is the [`Error`] naming the verb, the
 //! kind and the name.
@@ -20,9 +20,9 @@ use serde_json::json;
 use tracing::info;
 
 use crate::{
-    error::{Error, Result},
-    hosting::Target,
-    ownership::{Claim, Owner},
+    k8s::ownership::{Claim, Owner},
+    remote::hosting::Target,
+    runtime::error::{Error, Result},
 };
 
 /// Field manager of every write this controller makes (server-side apply, patches): its name.
@@ -136,9 +136,9 @@ fn adopted(patched: bool) -> Ensured {
 
 /// Makes `meta` (an existing object of the name the controller would give it) `owner`'s:
 /// nothing when it already is; its labels and owner references patched when it is the owner's
-/// by its labels or an owner reference ([`crate::ownership`]); an error when it is someone
+/// by its labels or an owner reference ([`crate::k8s::ownership`]); an error when it is someone
 /// else's. Returns whether it was patched. `meta` may come from a cache, which keeps only the
-/// owner references of our kinds ([`crate::caches`]): the patch, which rewrites the whole list,
+/// owner references of our kinds ([`crate::k8s::caches`]): the patch, which rewrites the whole list,
 /// is made from the object as stored.
 pub async fn adopt<K>(
     api: &Api<K>,
@@ -156,7 +156,7 @@ where
         name: name.clone(),
         place: target.describe(),
     };
-    match crate::ownership::claim(meta, owner, &target.home) {
+    match crate::k8s::ownership::claim(meta, owner, &target.home) {
         Claim::Current => return Ok(false),
         Claim::Foreign => return Err(foreign()),
         Claim::Adopt(_) => {}
@@ -168,7 +168,7 @@ where
     else {
         return Ok(false);
     };
-    let patch = match crate::ownership::claim(&stored.metadata, owner, &target.home) {
+    let patch = match crate::k8s::ownership::claim(&stored.metadata, owner, &target.home) {
         Claim::Current => return Ok(false),
         Claim::Foreign => return Err(foreign()),
         Claim::Adopt(patch) => patch,
@@ -228,7 +228,7 @@ pub async fn labelled_secret(
                 source,
             })?;
     }
-    crate::caches::strip_secret(&mut stored);
+    crate::k8s::caches::strip_secret(&mut stored);
     Ok(Some(Arc::new(stored)))
 }
 

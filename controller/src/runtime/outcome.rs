@@ -1,6 +1,5 @@
-//! What both reconcilers do the same way around a reconcile: find their CAPI owner, publish
-//! Events, bound a reconcile's time, and turn its outcome into a metric, a log line, a Warning
-//! Event and the wait before the next one. (Their writes are in [`crate::objects`].)
+//! What both reconcilers do the same way around a reconcile: publish Events, bound a reconcile's time, and turn its outcome into a metric, a log line, a Warning
+//! Event and the wait before the next one. (Their writes are in [`crate::k8s::objects`].)
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{
@@ -14,19 +13,11 @@ use kube::{
 use tracing::{debug, info, warn};
 
 use crate::{
-    backoff::ReconcileBackoff,
-    context::Context,
-    error::{Error, Result},
     metrics::Metrics,
+    runtime::backoff::ReconcileBackoff,
+    runtime::context::Context,
+    runtime::error::{Error, Result},
 };
-
-/// The name of the Cluster API object of `kind` (`Cluster`, `Machine`) that owns `obj`.
-pub fn capi_owner<K: Resource>(obj: &K, kind: &str) -> Option<String> {
-    obj.owner_references()
-        .iter()
-        .find(|o| o.kind == kind && crate::ownership::is_capi(o))
-        .map(|o| o.name.clone())
-}
 
 /// The longest Event note the apiserver accepts, in bytes.
 pub const MAX_EVENT_NOTE_BYTES: usize = 1024;
@@ -40,7 +31,7 @@ where
     let ev = Event {
         type_,
         reason: reason.into(),
-        note: Some(crate::redact::cap(&note, MAX_EVENT_NOTE_BYTES)),
+        note: Some(crate::remote::redact::cap(&note, MAX_EVENT_NOTE_BYTES)),
         action: "Reconcile".into(),
         secondary: None,
     };
@@ -79,9 +70,9 @@ where
             // server: the Event shows them like other untrusted text.
             let text = e.to_string();
             let note = if e.is_own_words() {
-                crate::redact::cap(&text, crate::redact::MAX_MESSAGE_BYTES)
+                crate::remote::redact::cap(&text, crate::remote::redact::MAX_MESSAGE_BYTES)
             } else {
-                crate::redact::untrusted_message(&text)
+                crate::remote::redact::untrusted_message(&text)
             };
             publish(ctx, obj, EventType::Warning, e.category(), note).await;
         }
@@ -89,19 +80,19 @@ where
     result
 }
 
-/// Runs `reconcile` within [`crate::backoff::RECONCILE_DEADLINE`]; one that takes longer is
+/// Runs `reconcile` within [`crate::runtime::backoff::RECONCILE_DEADLINE`]; one that takes longer is
 /// abandoned as [`Error::Deadline`] (and retried with back-off).
 pub async fn within_deadline<T>(
     reconcile: impl std::future::Future<Output = Result<T>>,
 ) -> Result<T> {
-    let deadline = crate::backoff::RECONCILE_DEADLINE;
+    let deadline = crate::runtime::backoff::RECONCILE_DEADLINE;
     tokio::time::timeout(deadline, reconcile)
         .await
         .unwrap_or(Err(Error::Deadline(deadline)))
 }
 
 /// The wait before the next reconcile of `obj` after `error`: what the step asked for, else
-/// the object's back-off ([`crate::backoff`]).
+/// the object's back-off ([`crate::runtime::backoff`]).
 pub fn requeue_after<K: Resource>(
     ctx: &Context,
     kind: &str,
@@ -109,7 +100,8 @@ pub fn requeue_after<K: Resource>(
     error: &Error,
 ) -> kube::runtime::controller::Action {
     let after = error.retry_after().unwrap_or_else(|| {
-        let key = crate::backoff::key(kind, obj.meta().namespace.as_deref(), &obj.name_any());
+        let key =
+            crate::runtime::backoff::key(kind, obj.meta().namespace.as_deref(), &obj.name_any());
         ctx.backoff.failed(&key)
     });
     kube::runtime::controller::Action::requeue(after)
@@ -136,7 +128,9 @@ pub fn finished<K, ReconcileErr, QueueErr>(
     ReconcileErr: std::error::Error + 'static,
     QueueErr: std::error::Error + 'static,
 {
-    let key = |obj: &ObjectRef<_>| crate::backoff::key(kind, obj.namespace.as_deref(), &obj.name);
+    let key = |obj: &ObjectRef<_>| {
+        crate::runtime::backoff::key(kind, obj.namespace.as_deref(), &obj.name)
+    };
     match result {
         Ok((obj, _)) => {
             debug!(kind, object = %obj, "reconciled");
@@ -162,7 +156,7 @@ mod tests {
     use kube::runtime::{controller::Action, watcher};
 
     use super::*;
-    use crate::backoff::{FIRST, key};
+    use crate::runtime::backoff::{FIRST, key};
 
     type Outcome = std::result::Result<
         (ObjectRef<KVMMachine>, Action),

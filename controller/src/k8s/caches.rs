@@ -36,7 +36,7 @@ use kube::{
 };
 use serde::de::DeserializeOwned;
 
-use crate::ownership::{is_capi, is_ours};
+use crate::k8s::ownership::{is_capi, is_ours};
 
 /// The changed objects of one watch, as they come: each wakes the reconciles it concerns.
 pub type Changes<K> = BoxStream<'static, Result<K, watcher::Error>>;

@@ -1,5 +1,5 @@
 //! What every reconcile gets: the client, settings, the Event recorder, metrics, the watch
-//! caches the reconcilers read instead of asking the apiserver ([`crate::caches`]) and the
+//! caches the reconcilers read instead of asking the apiserver ([`crate::k8s::caches`]) and the
 //! links to other clusters.
 
 use kube::{
@@ -7,7 +7,7 @@ use kube::{
     runtime::events::{Recorder, Reporter},
 };
 
-pub use crate::{caches::Caches, settings::Settings};
+pub use crate::{k8s::caches::Caches, settings::Settings};
 
 /// Shared state of the reconcilers.
 #[derive(Clone)]
@@ -23,13 +23,13 @@ pub struct Context {
     /// Watch caches.
     pub caches: Caches,
     /// Node watches in workload clusters.
-    pub workloads: std::sync::Arc<crate::workload::Links>,
+    pub workloads: std::sync::Arc<crate::remote::workload::Links>,
     /// Clients and watches of hosting clusters.
-    pub hosting: std::sync::Arc<crate::hosting::Links>,
+    pub hosting: std::sync::Arc<crate::remote::hosting::Links>,
     /// What the health check knows of the control-plane apiservers, between reconciles.
-    pub apiserver_health: std::sync::Arc<crate::apiserver_health::HealthMonitor>,
+    pub apiserver_health: std::sync::Arc<crate::remote::apiserver_health::HealthMonitor>,
     /// Consecutive failures of each object, for the wait before its next reconcile.
-    pub backoff: std::sync::Arc<crate::backoff::ReconcileBackoff>,
+    pub backoff: std::sync::Arc<crate::runtime::backoff::ReconcileBackoff>,
 }
 
 impl Context {
@@ -39,11 +39,11 @@ impl Context {
         settings: Settings,
         metrics: std::sync::Arc<crate::metrics::Metrics>,
         caches: Caches,
-        workloads: std::sync::Arc<crate::workload::Links>,
-        hosting: std::sync::Arc<crate::hosting::Links>,
+        workloads: std::sync::Arc<crate::remote::workload::Links>,
+        hosting: std::sync::Arc<crate::remote::hosting::Links>,
     ) -> Self {
         let reporter = Reporter {
-            controller: crate::objects::FIELD_MANAGER.into(),
+            controller: crate::k8s::objects::FIELD_MANAGER.into(),
             instance: std::env::var("POD_NAME").ok(),
         };
         Self {

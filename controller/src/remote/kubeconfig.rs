@@ -17,7 +17,7 @@
 //! accepts connections and never answers ([`CONNECT_TIMEOUT`], [`READ_TIMEOUT`]; watches through
 //! it end before the read timeout, [`WATCH_TIMEOUT_SECONDS`]). What the client reads, how many
 //! requests it has in flight, how long each may take and how soon it asks again after a failure
-//! are bounded by the operator's [`RemoteLimits`] ([`crate::remote_limits`]), so one tenant's
+//! are bounded by the operator's [`RemoteLimits`] ([`crate::remote::limits`]), so one tenant's
 //! cluster can neither exhaust the controller's memory nor hold its work for everyone. The
 //! client does not retry by itself either: when a server's `Retry-After` would be obeyed is the
 //! controller's decision.
@@ -28,7 +28,7 @@ use kube::{
     config::{KubeConfigOptions, Kubeconfig},
 };
 
-use crate::remote_limits::{LimitsLayer, RemoteLimits};
+use crate::remote::limits::{LimitsLayer, RemoteLimits};
 
 /// How long connecting to a remote apiserver may take.
 pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -117,7 +117,7 @@ impl InlineKubeconfig {
     /// A client for the kubeconfig's current context, held to `limits`.
     pub async fn client(self, limits: &RemoteLimits) -> Result<Client, KubeconfigError> {
         let shown = |e: &dyn std::fmt::Display| {
-            KubeconfigError::Config(crate::redact::untrusted_message(&e.to_string()))
+            KubeconfigError::Config(crate::remote::redact::untrusted_message(&e.to_string()))
         };
         let mut config = Config::from_custom_kubeconfig(self.0, &KubeConfigOptions::default())
             .await

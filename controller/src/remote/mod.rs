@@ -8,7 +8,19 @@
 //! The kubeconfig is data, never instructions: [`KubeconfigSecret::client`] refuses one that
 //! would run a command or read a file of the controller before any client exists, and the client
 //! is held to the operator's limits on what it reads and how long it waits
-//! ([`crate::remote_limits`]).
+//! ([`limits`]).
+//!
+//! Its submodules are the links themselves and what keeps them safe: [`hosting`] and
+//! [`workload`] clusters, the probe of workload apiservers ([`apiserver_health`]), the operator's
+//! [`limits`], kubeconfigs read as data ([`kubeconfig`]) and untrusted text made safe to show
+//! ([`redact`]).
+
+pub mod apiserver_health;
+pub mod hosting;
+pub mod kubeconfig;
+pub mod limits;
+pub mod redact;
+pub mod workload;
 
 use std::{
     collections::HashMap,
@@ -23,9 +35,9 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, Client, ResourceExt};
 
 use crate::{
-    conditions::DesiredCondition,
-    inline_kubeconfig::{InlineKubeconfig, KubeconfigError},
-    remote_limits::RemoteLimits,
+    k8s::conditions::DesiredCondition,
+    remote::kubeconfig::{InlineKubeconfig, KubeconfigError},
+    remote::limits::RemoteLimits,
 };
 
 /// Why a remote cluster cannot be used now. The message never quotes the kubeconfig.

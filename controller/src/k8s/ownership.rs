@@ -1,5 +1,6 @@
-//! Pure: which KVMMachine or KVMCluster an object the controller made belongs to, and how an
-//! object that already exists under the name the controller would give it is adopted.
+//! Pure: which Cluster API object owns an object ([`capi_owner`], [`cluster_of`]), which KVMMachine
+//! or KVMCluster an object the controller made belongs to, and how an object that already exists
+//! under the name the controller would give it is adopted.
 //!
 //! In the management cluster an object carries an owner reference to its KVMMachine or
 //! KVMCluster (the garbage collector's safety net) and labels naming it. In a hosting cluster it
@@ -18,14 +19,29 @@ use std::collections::BTreeMap;
 
 use capk_api::{
     constants::{
-        GROUP, KVMCLUSTER_LABEL, KVMMACHINE_LABEL, MAX_LABEL_LEN, OWNER_NAMESPACE_LABEL,
-        OWNER_UID_LABEL, bounded_name, name_hash,
+        CLUSTER_NAME_LABEL, GROUP, KVMCLUSTER_LABEL, KVMMACHINE_LABEL, MAX_LABEL_LEN,
+        OWNER_NAMESPACE_LABEL, OWNER_UID_LABEL, bounded_name, name_hash,
     },
     v1alpha1::{KVMCluster, KVMMachine},
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
 use serde_json::{Value, json};
+
+/// The name of the Cluster API object of `kind` (`Cluster`, `Machine`) that owns `obj`.
+pub fn capi_owner<K: Resource>(obj: &K, kind: &str) -> Option<String> {
+    obj.owner_references()
+        .iter()
+        .find(|o| o.kind == kind && is_capi(o))
+        .map(|o| o.name.clone())
+}
+
+/// The Cluster API Cluster that `obj` (a KVMCluster, a KVMMachine, an object the controller made
+/// for one) belongs to: the Cluster that owns it, else its `cluster.x-k8s.io/cluster-name` label
+/// (which Cluster API sets on the machines it makes, and the controller on what it makes).
+pub fn cluster_of<K: Resource>(obj: &K) -> Option<String> {
+    capi_owner(obj, "Cluster").or_else(|| obj.labels().get(CLUSTER_NAME_LABEL).cloned())
+}
 
 /// Where the controller makes a cluster's objects.
 #[derive(Clone, Debug, PartialEq, Eq)]

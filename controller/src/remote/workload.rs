@@ -33,10 +33,10 @@ use serde_json::json;
 use tracing::{debug, info};
 
 use crate::{
-    inline_kubeconfig::KubeconfigError,
-    objects,
+    k8s::objects,
+    remote::kubeconfig::KubeconfigError,
+    remote::limits::{LimitError, RemoteLimits, describe},
     remote::{self, KubeconfigSecret, Unavailable},
-    remote_limits::{LimitError, RemoteLimits, describe},
 };
 
 /// The well-known labels that say where a Node is, copied from the management-cluster node a
@@ -290,7 +290,7 @@ impl Links {
             watcher(
                 Api::<Node>::all(wc),
                 watcher::Config::default()
-                    .timeout(crate::inline_kubeconfig::WATCH_TIMEOUT_SECONDS)
+                    .timeout(crate::remote::kubeconfig::WATCH_TIMEOUT_SECONDS)
                     .page_size(self.limits.list_page_size),
             )
             .modify(strip_node),
@@ -412,7 +412,7 @@ fn strip_node(n: &mut Node) {
                 .into_iter()
                 .flatten()
             {
-                *text = crate::redact::cap(text, MAX_NODE_MESSAGE_BYTES);
+                *text = crate::remote::redact::cap(text, MAX_NODE_MESSAGE_BYTES);
             }
             c
         })
