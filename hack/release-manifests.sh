@@ -7,7 +7,7 @@
 # infrastructure-components-namespaced.yaml = `kubectl kustomize manifests/namespaced`, the same
 # for a controller that watches one namespace, with watch-namespace-rbac.yaml applied beside it.
 # _output/release/clusterctl.yaml is the `providers:` entry that makes it the provider `kvm`
-# (README "The user journey", docs/installing.md; controller/tests/manifests.rs runs clusterctl
+# (README "The user journey", docs/installing.md; controller/tests/components.rs runs clusterctl
 # through it), and
 # clusterctl-namespaced.yaml the entry for the namespaced components (clusterctl reads the
 # components file the URL names). Their version `latest` is the newest version directory, as

@@ -3,7 +3,10 @@
 //! create.
 #![allow(dead_code)]
 
+pub mod node_boot;
+pub mod release;
 pub mod scrape;
+pub mod topology;
 
 use std::time::Duration;
 
