@@ -137,25 +137,10 @@ fn node_port_host(e: &E2e) -> Result<String> {
 /// Step 1: the Cluster from `clusterctl generate cluster --flavor topology`, one control plane
 /// and one worker, both up. Returns their KVMMachines.
 fn create_topology_cluster(e: &E2e, node_ip: &str) -> Result<(String, String)> {
-    let version = capk_tests::pinned_version("KUBERNETES_VERSION");
-    let manifest = e.clusterctl(
-        &[
-            "generate",
-            "cluster",
-            CLUSTER,
-            "--infrastructure",
-            "kvm",
-            "--flavor",
-            "topology",
-            "--target-namespace",
-            ns(),
-            "--kubernetes-version",
-            &version,
-            "--control-plane-machine-count",
-            "1",
-            "--worker-machine-count",
-            "1",
-        ],
+    let manifest = e.generate_cluster(
+        "topology",
+        1,
+        1,
         &[
             ("CONTROL_PLANE_MACHINE_CPUS", "1"),
             ("CONTROL_PLANE_MACHINE_MEMORY", MEMORY),

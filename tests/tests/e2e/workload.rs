@@ -299,27 +299,12 @@ pub(super) fn apply_workload_cluster(
     node_image: &str,
     mut worker: impl FnMut(&mut serde_yaml_ng::Value) -> Result<()>,
 ) -> Result<(String, Instant)> {
-    let version = capk_tests::pinned_version("KUBERNETES_VERSION");
-    let manifest = e.clusterctl(
-        &[
-            "generate",
-            "cluster",
-            CLUSTER,
-            "--infrastructure",
-            "kvm",
-            "--flavor",
-            "node-image",
-            "--target-namespace",
-            ns(),
-            "--kubernetes-version",
-            &version,
-            "--control-plane-machine-count",
-            "1",
-            // The worker comes once kubeadm init is done: two emulated VMs on this 2-core machine
-            // starve the control plane, and kubeadm's 10 s API calls at its end then time out.
-            "--worker-machine-count",
-            "0",
-        ],
+    // The worker comes once kubeadm init is done: two emulated VMs on this 2-core machine
+    // starve the control plane, and kubeadm's 10 s API calls at its end then time out.
+    let manifest = e.generate_cluster(
+        "node-image",
+        1,
+        0,
         &[
             ("KVM_NODE_IMAGE", node_image),
             // One vCPU: an idle emulated control plane with two took 60-70 % of a host core, with
