@@ -108,6 +108,9 @@ fi
 AGGREGATOR_ROUTING=
 ((MC == 1)) || AGGREGATOR_ROUTING=1
 
+# Every daemon below runs under capk-supervise.
+build_supervisor
+
 # --- etcd and the control plane -----------------------------------------------------------------
 start_etcd() {
   start_daemon etcd "$DEV/etcd" "$BIN/etcd" --name=capk-dev --data-dir="$DEV/etcd" \

@@ -90,7 +90,23 @@ pid_alive() {
   tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$(<"$RUN/$1.cmd")"
 }
 
-# start_daemon NAME MATCH BINARY ARGS...: a supervised background process (hack/dev/supervise.sh:
+# SUPERVISOR: the daemons' supervisor (capk-supervise, hack/dev/supervise), which build_supervisor
+# builds at the start of dev-up and copies out of Cargo's target directory: a daemon started later
+# never waits for a cargo build that holds that directory.
+SUPERVISOR=$DEV/bin/capk-supervise
+
+build_supervisor() {
+  local target
+  require cargo jq
+  target=$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps --locked | jq -r .target_directory)
+  (cd "$ROOT" && cargo build -q --locked -p capk-supervise) || die "cargo build -p capk-supervise failed"
+  mkdir -p "${SUPERVISOR%/*}"
+  # A new file moved over the old one: supervisors that run keep theirs.
+  install -m 0755 "$target/debug/capk-supervise" "$SUPERVISOR.new"
+  mv -f "$SUPERVISOR.new" "$SUPERVISOR"
+}
+
+# start_daemon NAME MATCH BINARY ARGS...: a supervised background process (capk-supervise:
 # restarted with back-off whenever it exits, like systemd's Restart=always) with a pid file and a
 # log file, unless it already runs. MATCH is a string its command line contains (checked on later
 # runs). The pid file names the supervisor, which leads a process group of its own.
@@ -106,7 +122,8 @@ start_daemon() {
   rm -f "$RUN/$name.child"
   # setsid: own session and process group, so a Ctrl-C in the calling shell does not reach it and
   # stop_daemon can signal the supervisor and its run together.
-  CAPK_DEV_RUN=$RUN setsid bash "$ROOT/hack/dev/supervise.sh" "$name" "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
+  [[ -x $SUPERVISOR ]] || die "$SUPERVISOR missing: hack/dev-up.sh builds it (make dev-up)"
+  CAPK_DEV_RUN=$RUN setsid "$SUPERVISOR" "$name" "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
   local pid=$!
   echo "$pid" >"$RUN/$name.pid"
   sleep 0.5
