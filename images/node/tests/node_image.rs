@@ -16,6 +16,9 @@
 //! `qemu-system-x86_64`, `qemu-img`, `_output/node-image/node.qcow2` and `_output/bin/kubeadm`
 //! (`make node-image`); under `CI` a missing piece fails the test.
 
+// Built and run as a test of the launcher package (it boots the real `capk-launcher`), which
+// lends its test support.
+#[path = "../../../launcher/tests/support/mod.rs"]
 mod support;
 
 use std::ops::{Deref, DerefMut};
