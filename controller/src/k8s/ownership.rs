@@ -128,7 +128,7 @@ impl Owner {
     }
 
     /// Whether `meta` belongs to this owner: its labels name it (namespace and name), or it has
-    /// an owner reference to it (objects made before the labels were).
+    /// an owner reference to it by UID (its labels edited away: adopting puts them back).
     pub fn owns(&self, meta: &ObjectMeta) -> bool {
         let labels = meta.labels.as_ref();
         let label = |k: &str| labels.and_then(|l| l.get(k)).map(String::as_str);
