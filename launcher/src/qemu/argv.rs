@@ -191,22 +191,53 @@ fn p(path: &std::path::Path) -> String {
 
 /// Plans QEMU's argv for `spec`.
 pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
-    let mut a: Vec<String> = Vec::new();
-    let push = |a: &mut Vec<String>, k: &str, v: String| {
-        a.push(k.to_string());
-        a.push(v);
-    };
-    push(
-        &mut a,
+    let mut a = Argv::default();
+    machine(&mut a, spec);
+    process_behaviour(&mut a);
+    console_and_qmp(&mut a, spec);
+    sandbox(&mut a);
+    nic(&mut a, spec);
+    for (i, d) in spec.disks.iter().enumerate() {
+        disk(&mut a, spec, i, d);
+    }
+    entropy_and_panic_devices(&mut a);
+    heartbeat_port(&mut a, spec);
+    for v in &spec.host_volumes {
+        host_volume(&mut a, v);
+    }
+    ignition(&mut a, spec);
+    direct_kernel(&mut a, spec);
+    QemuArgs(a.0)
+}
+
+/// QEMU's argv as it is built: options in the order they are added.
+#[derive(Default)]
+struct Argv(Vec<String>);
+
+impl Argv {
+    /// An option and its value.
+    fn opt(&mut self, option: &str, value: impl Into<String>) {
+        self.0.push(option.to_owned());
+        self.0.push(value.into());
+    }
+
+    /// An option without a value.
+    fn flag(&mut self, option: &str) {
+        self.0.push(option.to_owned());
+    }
+}
+
+/// Name, machine type, accelerator, CPU model, vCPUs and memory.
+fn machine(a: &mut Argv, spec: &VmSpec) {
+    a.opt(
         "-name",
         format!("guest={},debug-threads=on", spec.name.replace(',', ",,")),
     );
-    push(&mut a, "-machine", "q35".into());
+    a.opt("-machine", "q35");
     // TCG's translation cache defaults to 1 GiB and grows into the Pod's memory as the guest
     // runs new code; the bound (the controller's `--tcg-translation-cache-mib`, counted in the
     // Pod's memory overhead) keeps QEMU inside the machine Pod's allowance.
-    push(
-        &mut a,
+    a.opt(
         "-accel",
         match spec.accel {
             Accel::Tcg => format!(
@@ -218,173 +249,181 @@ pub fn qemu_args(spec: &VmSpec) -> QemuArgs {
         },
     );
     if spec.accel == Accel::Kvm {
-        push(&mut a, "-cpu", "host,pmu=off".into());
+        a.opt("-cpu", "host,pmu=off");
     } else {
-        push(&mut a, "-cpu", "max".into());
+        a.opt("-cpu", "max");
     }
-    push(&mut a, "-smp", spec.vcpus.to_string());
-    push(&mut a, "-m", format!("{}M", spec.memory_mib));
+    a.opt("-smp", spec.vcpus.to_string());
+    a.opt("-m", format!("{}M", spec.memory_mib));
+}
+
+/// How QEMU behaves as a process: exit status, no default devices or user config, no display.
+fn process_behaviour(a: &mut Argv) {
     // A guest panic or QEMU-level failure ends the process with a failure status.
-    push(&mut a, "-action", "panic=exit-failure".into());
-    a.push("-nodefaults".into());
-    a.push("-no-user-config".into());
-    push(&mut a, "-display", "none".into());
-    push(&mut a, "-msg", "timestamp=on".into());
+    a.opt("-action", "panic=exit-failure");
+    a.flag("-nodefaults");
+    a.flag("-no-user-config");
+    a.opt("-display", "none");
+    a.opt("-msg", "timestamp=on");
+}
+
+/// The serial console on stdout and the QMP monitor socket.
+fn console_and_qmp(a: &mut Argv, spec: &VmSpec) {
     // Serial console on QEMU's stdout, a pipe to the launcher: it copies it to its own stdout
     // (kubectl logs) and to a size-capped file (`console`). QEMU's `logfile=` would only append.
-    push(&mut a, "-chardev", "stdio,id=console,signal=off".into());
-    push(&mut a, "-serial", "chardev:console".into());
-    push(
-        &mut a,
+    a.opt("-chardev", "stdio,id=console,signal=off");
+    a.opt("-serial", "chardev:console");
+    a.opt(
         "-chardev",
         format!(
             "socket,id=qmp,path={},server=on,wait=off",
             p(&spec.qmp_socket)
         ),
     );
-    push(&mut a, "-mon", "chardev=qmp,mode=control".into());
+    a.opt("-mon", "chardev=qmp,mode=control");
+}
 
-    // QEMU's seccomp filter: no exec or fork, no set*id or capability changes, no obsolete
-    // system calls, no scheduler/affinity changes. QEMU starts without privileges (see
-    // `qemu::privilege`); this keeps a compromised QEMU from doing more with the rest.
-    push(
-        &mut a,
+/// QEMU's seccomp filter: no exec or fork, no set*id or capability changes, no obsolete
+/// system calls, no scheduler/affinity changes. QEMU starts without privileges (see
+/// `qemu::privilege`); this keeps a compromised QEMU from doing more with the rest.
+fn sandbox(a: &mut Argv) {
+    a.opt(
         "-sandbox",
-        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
     );
+}
 
-    // The tap (and vhost-net) as descriptors: QEMU cannot open /dev/net/tun itself.
+/// The virtio NIC on the tap (and vhost-net), both as descriptors: QEMU cannot open
+/// /dev/net/tun itself.
+fn nic(a: &mut Argv, spec: &VmSpec) {
     let vhost = match (spec.accel, spec.vhost_fd) {
         (Accel::Kvm, Some(fd)) => format!(",vhost=on,vhostfd={fd}"),
         _ => String::new(),
     };
-    push(
-        &mut a,
-        "-netdev",
-        format!("tap,id=net0,fd={}{vhost}", spec.tap_fd),
-    );
-    push(
-        &mut a,
+    a.opt("-netdev", format!("tap,id=net0,fd={}{vhost}", spec.tap_fd));
+    a.opt(
         "-device",
         format!(
             "virtio-net-pci,netdev=net0,mac={},host_mtu={}",
             spec.mac, spec.mtu
         ),
     );
+}
 
-    for (i, d) in spec.disks.iter().enumerate() {
-        let id = format!("disk-{}", d.serial);
-        let backing = match &d.base {
-            Some(b) => {
-                let base = format!("base-{}", d.serial);
-                if let Some(fd) = spec.image_fd {
-                    push(&mut a, "-add-fd", format!("fd={fd},set={fd}"));
-                }
-                push(&mut a, "-blockdev", base_blockdev(&base, b, spec.image_fd));
-                format!(",backing={base}")
+/// The `index`th disk: its base (if any), its own node, and its virtio-blk device; the first
+/// disk boots unless a kernel is booted directly.
+fn disk(a: &mut Argv, spec: &VmSpec, index: usize, d: &DiskAttachment) {
+    let id = format!("disk-{}", d.serial);
+    let backing = match &d.base {
+        Some(b) => {
+            let base = format!("base-{}", d.serial);
+            if let Some(fd) = spec.image_fd {
+                a.opt("-add-fd", format!("fd={fd},set={fd}"));
             }
-            None => String::new(),
-        };
-        push(
-            &mut a,
-            "-blockdev",
-            format!(
-                "driver={},node-name={id},discard=unmap,file.driver=file,file.filename={}{backing}",
-                d.format.as_str(),
-                p(&d.path)
-            ),
-        );
-        let boot = if i == 0 && spec.direct_kernel.is_none() {
-            ",bootindex=0"
-        } else {
-            ""
-        };
-        push(
-            &mut a,
-            "-device",
-            format!(
-                "virtio-blk-pci,drive={id},num-queues=1,serial={}{boot}",
-                d.serial
-            ),
-        );
-    }
-
-    push(
-        &mut a,
-        "-object",
-        "rng-random,id=rng0,filename=/dev/urandom".into(),
+            a.opt("-blockdev", base_blockdev(&base, b, spec.image_fd));
+            format!(",backing={base}")
+        }
+        None => String::new(),
+    };
+    a.opt(
+        "-blockdev",
+        format!(
+            "driver={},node-name={id},discard=unmap,file.driver=file,file.filename={}{backing}",
+            d.format.as_str(),
+            p(&d.path)
+        ),
     );
-    push(&mut a, "-device", "virtio-rng-pci,rng=rng0".into());
-    push(&mut a, "-device", "pvpanic-pci".into());
+    let boot = if index == 0 && spec.direct_kernel.is_none() {
+        ",bootindex=0"
+    } else {
+        ""
+    };
+    a.opt(
+        "-device",
+        format!(
+            "virtio-blk-pci,drive={id},num-queues=1,serial={}{boot}",
+            d.serial
+        ),
+    );
+}
 
+/// The guest's entropy source and the pvpanic device.
+fn entropy_and_panic_devices(a: &mut Argv) {
+    a.opt("-object", "rng-random,id=rng0,filename=/dev/urandom");
+    a.opt("-device", "virtio-rng-pci,rng=rng0");
+    a.opt("-device", "pvpanic-pci");
+}
+
+/// The virtio-serial port the guest's heartbeat unit writes to, on a socket QEMU listens on.
+fn heartbeat_port(a: &mut Argv, spec: &VmSpec) {
     // QEMU's main loop polls the notifier of every virtqueue each time it wakes (and under TCG
     // every guest timer interrupt wakes it: thousands of times a second on a busy node), so the
     // devices get only the queues they use: one per disk (no iothreads here, so more queues are
     // processed by the same thread anyway), and a virtio-serial bus with room for the heartbeat
     // port only (port 0 is reserved for a console; QEMU's default of 31 ports is 64 queues, two
     // thirds of all the notifiers a node had).
-    push(
-        &mut a,
-        "-device",
-        "virtio-serial-pci,id=vser0,max_ports=2".into(),
-    );
-    push(
-        &mut a,
+    a.opt("-device", "virtio-serial-pci,id=vser0,max_ports=2");
+    a.opt(
         "-chardev",
         format!(
             "socket,id=heartbeat,path={},server=on,wait=off",
             p(&spec.heartbeat_socket)
         ),
     );
-    push(
-        &mut a,
+    a.opt(
         "-device",
         format!("virtserialport,bus=vser0.0,chardev=heartbeat,name={HEARTBEAT_PORT}"),
     );
+}
 
-    // security_model=mapped-xattr: whatever the guest makes is a plain file or directory of
-    // QEMU's (unprivileged) user on the host, mode 0600 or 0700; the owners, modes and kinds
-    // the guest asked for live in `user.virtfs.*` extended attributes, which the guest can
-    // neither read nor set. So a guest's symlink is a file holding the target's name, not a
-    // link the kubelet, the launcher or anything else on the node could follow, and a guest
-    // makes no device nodes, FIFOs or set-id files there. Files made on the host keep their
-    // owners and modes; the guest sees those, and QEMU's user is what the host enforces.
-    for v in &spec.host_volumes {
-        let ro = if v.read_only { ",readonly=on" } else { "" };
-        let path =
-            v.fd.map(crate::host_volume::qemu_path)
-                .unwrap_or_else(|| v.path.clone());
-        push(
-            &mut a,
-            "-fsdev",
-            format!(
-                "local,id=fs-{0},path={1},security_model=mapped-xattr{ro}",
-                v.tag,
-                p(&path)
-            ),
-        );
-        push(
-            &mut a,
-            "-device",
-            format!("virtio-9p-pci,fsdev=fs-{0},mount_tag={0}", v.tag),
-        );
-    }
+/// One 9p share.
+///
+/// security_model=mapped-xattr: whatever the guest makes is a plain file or directory of
+/// QEMU's (unprivileged) user on the host, mode 0600 or 0700; the owners, modes and kinds
+/// the guest asked for live in `user.virtfs.*` extended attributes, which the guest can
+/// neither read nor set. So a guest's symlink is a file holding the target's name, not a
+/// link the kubelet, the launcher or anything else on the node could follow, and a guest
+/// makes no device nodes, FIFOs or set-id files there. Files made on the host keep their
+/// owners and modes; the guest sees those, and QEMU's user is what the host enforces.
+fn host_volume(a: &mut Argv, v: &HostVolume) {
+    let ro = if v.read_only { ",readonly=on" } else { "" };
+    let path =
+        v.fd.map(crate::host_volume::qemu_path)
+            .unwrap_or_else(|| v.path.clone());
+    a.opt(
+        "-fsdev",
+        format!(
+            "local,id=fs-{0},path={1},security_model=mapped-xattr{ro}",
+            v.tag,
+            p(&path)
+        ),
+    );
+    a.opt(
+        "-device",
+        format!("virtio-9p-pci,fsdev=fs-{0},mount_tag={0}", v.tag),
+    );
+}
 
+/// The Ignition config over fw_cfg, under each of [`IGNITION_FW_CFG_NAMES`].
+fn ignition(a: &mut Argv, spec: &VmSpec) {
     if let Some(ign) = &spec.ignition {
         for name in IGNITION_FW_CFG_NAMES {
-            push(&mut a, "-fw_cfg", format!("name={name},file={}", p(ign)));
+            a.opt("-fw_cfg", format!("name={name},file={}", p(ign)));
         }
     }
+}
+
+/// Kernel, initramfs and command line of a direct kernel boot.
+fn direct_kernel(a: &mut Argv, spec: &VmSpec) {
     if let Some(k) = &spec.direct_kernel {
-        push(&mut a, "-kernel", k.kernel.display().to_string());
+        a.opt("-kernel", k.kernel.display().to_string());
         if let Some(i) = &k.initrd {
-            push(&mut a, "-initrd", i.display().to_string());
+            a.opt("-initrd", i.display().to_string());
         }
         if let Some(c) = &k.cmdline {
-            push(&mut a, "-append", c.clone());
+            a.opt("-append", c.clone());
         }
     }
-    QemuArgs(a)
 }
 
 #[cfg(test)]
