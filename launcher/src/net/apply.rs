@@ -3,7 +3,9 @@
 use std::net::IpAddr;
 
 use futures::TryStreamExt;
+use ipnet::Ipv4Net;
 use rtnetlink::packet_route::AddressFamily;
+use rtnetlink::packet_route::link::LinkMessage;
 use rtnetlink::packet_route::route::{RouteProtocol, RouteScope, RouteType};
 use rtnetlink::{
     Handle, LinkBridge, LinkBridgePort, LinkDummy, LinkUnspec, LinkVeth, RouteMessageBuilder,
@@ -100,7 +102,51 @@ async fn apply_steps(
     // Tap first: it is the step most likely to fail (no /dev/net/tun), before eth0 is touched.
     tap::create_persistent_tap(&plan.tap)?;
     applied.steps.push(Step::CreatedLink(plan.tap.clone()));
+    create_bridge(handle, plan).await?;
+    applied.steps.push(Step::CreatedLink(plan.bridge.clone()));
+    let br = address_bridge(handle, plan).await?;
+    let pod = index_of(handle, &plan.pod_interface).await?;
+    applied.steps.push(Step::ChangedPodInterface);
+    enslave_pod_interface(handle, plan, pod, br).await?;
+    let tap = enslave_tap(handle, plan, br).await?;
+    bring_up_bridge(handle, [pod, tap], br).await?;
+    create_dummy(handle, &plan.dummy).await?;
+    applied.steps.push(Step::CreatedLink(plan.dummy.clone()));
+    let dummy = keep_pod_addresses_on_dummy(handle, plan).await?;
+    route_pod_addresses_to_vm(handle, plan, dummy, br).await
+}
 
+/// Sets what `message` says about a link.
+async fn set_link(
+    handle: &Handle,
+    message: LinkMessage,
+    action: impl Into<String>,
+) -> Result<(), NetlinkError> {
+    handle
+        .link()
+        .set(message)
+        .execute()
+        .await
+        .map_err(req(action))
+}
+
+/// Adds the IPv4 address `address` to link `index`.
+async fn add_address(
+    handle: &Handle,
+    index: u32,
+    address: Ipv4Net,
+    action: impl Into<String>,
+) -> Result<(), NetlinkError> {
+    handle
+        .address()
+        .add(index, IpAddr::V4(address.addr()), address.prefix_len())
+        .execute()
+        .await
+        .map_err(req(action))
+}
+
+/// Creates the bridge, without learning (ageing time 0), at the plan's MTU.
+async fn create_bridge(handle: &Handle, plan: &NetworkPlan) -> Result<(), NetlinkError> {
     handle
         .link()
         .add(
@@ -111,30 +157,35 @@ async fn apply_steps(
         )
         .execute()
         .await
-        .map_err(req(format!("create bridge {}", plan.bridge)))?;
-    applied.steps.push(Step::CreatedLink(plan.bridge.clone()));
+        .map_err(req(format!("create bridge {}", plan.bridge)))
+}
+
+/// Gives the bridge its link-local DHCP address; returns its index.
+async fn address_bridge(handle: &Handle, plan: &NetworkPlan) -> Result<u32, NetlinkError> {
     let br = index_of(handle, &plan.bridge).await?;
     // The bridge only answers for its own link-local DHCP address. It accepts packets from the
     // Pod IP although the dummy holds that address too: they are the VM's answers to the
     // launcher (apiserver /readyz); without this the kernel drops them as martians.
     write_sysctl(&plan.bridge, "arp_ignore", "1")?;
     write_sysctl(&plan.bridge, "accept_local", "1")?;
-    handle
-        .address()
-        .add(
-            br,
-            IpAddr::V4(plan.bridge_address.addr()),
-            plan.bridge_address.prefix_len(),
-        )
-        .execute()
-        .await
-        .map_err(req(format!(
-            "add {} to {}",
-            plan.bridge_address, plan.bridge
-        )))?;
+    add_address(
+        handle,
+        br,
+        plan.bridge_address,
+        format!("add {} to {}", plan.bridge_address, plan.bridge),
+    )
+    .await?;
+    Ok(br)
+}
 
-    let pod = index_of(handle, &plan.pod_interface).await?;
-    applied.steps.push(Step::ChangedPodInterface);
+/// Takes the Pod interface's IPv4 addresses away, gives it the plan's new MAC (the VM gets the
+/// original) and makes it a port of the bridge.
+async fn enslave_pod_interface(
+    handle: &Handle,
+    plan: &NetworkPlan,
+    pod: u32,
+    br: u32,
+) -> Result<(), NetlinkError> {
     let addrs: Vec<_> = handle
         .address()
         .get()
@@ -157,40 +208,30 @@ async fn apply_steps(
                 plan.pod_interface
             )))?;
     }
-    handle
-        .link()
-        .set(LinkUnspec::new_with_index(pod).down().build())
-        .execute()
-        .await
-        .map_err(req(format!("set {} down", plan.pod_interface)))?;
-    handle
-        .link()
-        .set(
-            LinkUnspec::new_with_index(pod)
-                .address(plan.pod_interface_new_mac.0.to_vec())
-                .controller(br)
-                .build(),
-        )
-        .execute()
-        .await
-        .map_err(req(format!(
-            "swap MAC of {} and enslave it",
-            plan.pod_interface
-        )))?;
+    let down = LinkUnspec::new_with_index(pod).down().build();
+    set_link(handle, down, format!("set {} down", plan.pod_interface)).await?;
+    let swapped = LinkUnspec::new_with_index(pod)
+        .address(plan.pod_interface_new_mac.0.to_vec())
+        .controller(br)
+        .build();
+    let action = format!("swap MAC of {} and enslave it", plan.pod_interface);
+    set_link(handle, swapped, action).await
+}
 
+/// Makes the tap a port of the bridge at the plan's MTU; returns its index.
+async fn enslave_tap(handle: &Handle, plan: &NetworkPlan, br: u32) -> Result<u32, NetlinkError> {
     let tap = index_of(handle, &plan.tap).await?;
-    handle
-        .link()
-        .set(
-            LinkUnspec::new_with_index(tap)
-                .mtu(plan.mtu)
-                .controller(br)
-                .build(),
-        )
-        .execute()
-        .await
-        .map_err(req(format!("enslave {}", plan.tap)))?;
-    for port in [pod, tap] {
+    let enslaved = LinkUnspec::new_with_index(tap)
+        .mtu(plan.mtu)
+        .controller(br)
+        .build();
+    set_link(handle, enslaved, format!("enslave {}", plan.tap)).await?;
+    Ok(tap)
+}
+
+/// Turns learning off on the bridge's `ports` and sets them and the bridge up.
+async fn bring_up_bridge(handle: &Handle, ports: [u32; 2], br: u32) -> Result<(), NetlinkError> {
+    for port in ports {
         handle
             .link()
             .set_port(LinkBridgePort::new(port).learning(false).build())
@@ -198,37 +239,38 @@ async fn apply_steps(
             .await
             .map_err(req("turn bridge port learning off"))?;
     }
-    for link in [pod, tap, br] {
-        handle
-            .link()
-            .set(LinkUnspec::new_with_index(link).up().build())
-            .execute()
-            .await
-            .map_err(req("set links up"))?;
+    for link in ports.into_iter().chain([br]) {
+        let up = LinkUnspec::new_with_index(link).up().build();
+        set_link(handle, up, "set links up").await?;
     }
+    Ok(())
+}
 
-    create_dummy(handle, &plan.dummy).await?;
-    applied.steps.push(Step::CreatedLink(plan.dummy.clone()));
+/// Puts the Pod's addresses on the dummy (which answers no ARP for them) and sets it up;
+/// returns its index.
+async fn keep_pod_addresses_on_dummy(
+    handle: &Handle,
+    plan: &NetworkPlan,
+) -> Result<u32, NetlinkError> {
     let dummy = index_of(handle, &plan.dummy).await?;
     write_sysctl(&plan.dummy, "arp_ignore", "1")?;
     for a in &plan.pod_addresses {
-        handle
-            .address()
-            .add(dummy, IpAddr::V4(a.addr()), a.prefix_len())
-            .execute()
-            .await
-            .map_err(req(format!("keep {a} on {}", plan.dummy)))?;
+        add_address(handle, dummy, *a, format!("keep {a} on {}", plan.dummy)).await?;
     }
-    handle
-        .link()
-        .set(LinkUnspec::new_with_index(dummy).up().build())
-        .execute()
-        .await
-        .map_err(req(format!("set {} up", plan.dummy)))?;
+    let up = LinkUnspec::new_with_index(dummy).up().build();
+    set_link(handle, up, format!("set {} up", plan.dummy)).await?;
+    Ok(dummy)
+}
 
-    // The dummy keeps the Pod IP for the CNI, but the VM owns it: the launcher's own traffic to
-    // it (apiserver /readyz) must leave through the bridge, from the bridge's link-local address
-    // (the guest has an on-link route back to it), instead of being delivered locally.
+/// The dummy keeps the Pod IP for the CNI, but the VM owns it: the launcher's own traffic to
+/// it (apiserver /readyz) must leave through the bridge, from the bridge's link-local address
+/// (the guest has an on-link route back to it), instead of being delivered locally.
+async fn route_pod_addresses_to_vm(
+    handle: &Handle,
+    plan: &NetworkPlan,
+    dummy: u32,
+    br: u32,
+) -> Result<(), NetlinkError> {
     for a in &plan.pod_addresses {
         let local = RouteMessageBuilder::<std::net::Ipv4Addr>::new()
             .table_id(RT_TABLE_LOCAL)
@@ -323,25 +365,15 @@ async fn delete_link(handle: &Handle, name: &str) -> Result<(), NetlinkError> {
 
 async fn restore_pod(handle: &Handle, pod: &PodInterface) -> Result<(), NetlinkError> {
     let i = index_of(handle, &pod.name).await?;
-    handle
-        .link()
-        .set(
-            LinkUnspec::new_with_index(i)
-                .nocontroller()
-                .address(pod.mac.0.to_vec())
-                .up()
-                .build(),
-        )
-        .execute()
-        .await
-        .map_err(req(format!("restore {}", pod.name)))?;
+    let restored = LinkUnspec::new_with_index(i)
+        .nocontroller()
+        .address(pod.mac.0.to_vec())
+        .up()
+        .build();
+    set_link(handle, restored, format!("restore {}", pod.name)).await?;
     for a in &pod.addresses {
         // Already present is fine: the failure may have happened before removal.
-        let _ = handle
-            .address()
-            .add(i, IpAddr::V4(a.addr()), a.prefix_len())
-            .execute()
-            .await;
+        let _ = add_address(handle, i, *a, "restore an address").await;
     }
     // On-link routes first so gateways are reachable when the default route comes back.
     let mut routes = pod.routes.clone();
