@@ -4,7 +4,10 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use capk_launcher::cli::{Cli, Command, FetchImageArgs, LogFormat, RemoveEtcdDataArgs};
+use capk_launcher::cli::{
+    Cli, Command, FetchImageArgs, LogFormat, ProbeArgs, QmpCommandArg, RemoveEtcdDataArgs,
+    SocketArgs,
+};
 use capk_launcher::control::{self, ProbeKind, Request};
 use capk_launcher::{accel, run};
 use clap::Parser;
@@ -89,10 +92,7 @@ fn fetch_image(args: &FetchImageArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let line = format!("{}: {}", e.reason(), one_line(&e));
-            eprintln!("capk-launcher: {line}");
-            // The kubelet shows it in the container's terminated state, where the controller
-            // reads it; outside a Pod there is no such file, and stderr has said it.
-            let _ = std::fs::write(&args.termination_log, format!("{line}\n"));
+            tell_the_controller(&args.termination_log, &line);
             ExitCode::FAILURE
         }
     }
@@ -125,10 +125,16 @@ fn remove_etcd_data(args: &RemoveEtcdDataArgs) -> ExitCode {
         ),
         Err(e) => (one_line(&e), ExitCode::FAILURE),
     };
-    eprintln!("capk-launcher: {line}");
-    // The kubelet shows it in the container's terminated state, where the controller reads it.
-    let _ = std::fs::write(&args.termination_log, format!("{line}\n"));
+    tell_the_controller(&args.termination_log, &line);
     code
+}
+
+/// Prints `line` on stderr and writes it to the termination log: the kubelet shows it in the
+/// container's terminated state, where the controller reads it. Outside a Pod there is no such
+/// file, and stderr has said it.
+fn tell_the_controller(termination_log: &std::path::Path, line: &str) {
+    eprintln!("capk-launcher: {line}");
+    let _ = std::fs::write(termination_log, format!("{line}\n"));
 }
 
 /// The source and cache settings `fetch-image` was given.
@@ -210,91 +216,105 @@ fn main() -> ExitCode {
             init_tracing(cli.log_format);
             match rt.block_on(run::run(*args)) {
                 Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("capk-launcher: {}", one_line(&e));
-                    ExitCode::FAILURE
-                }
+                Err(e) => failed(&e),
             }
         }
-        Command::Probe(p) => {
-            let kind = ProbeKind::from(p.kind);
-            let req = Request::Probe { kind };
-            match rt.block_on(control::call(&p.socket.runtime_dir, &req)) {
-                Ok(v) => {
-                    let ok = v["ok"].as_bool().unwrap_or(false);
-                    let reason = v["reason"].as_str().unwrap_or("no reason given");
-                    println!("{}: {reason}", kind.as_str());
-                    if ok {
-                        ExitCode::SUCCESS
-                    } else {
-                        ExitCode::FAILURE
-                    }
-                }
-                Err(e) => {
-                    println!("capk-launcher: {}", one_line(&e));
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Command::Status(s) => match rt.block_on(control::call(&s.runtime_dir, &Request::Status)) {
-            Ok(v) => {
-                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("capk-launcher: {}", one_line(&e));
-                ExitCode::FAILURE
-            }
-        },
-        Command::Console { socket, no_follow } => {
-            match follow_console(&socket.runtime_dir.join(run::CONSOLE_LOG), !no_follow) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!(
-                        "capk-launcher: console {}: {e}",
-                        socket.runtime_dir.display()
-                    );
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Command::Qmp { command, socket } => {
-            match rt.block_on(control::call(
-                &socket.runtime_dir,
-                &Request::Qmp {
-                    command: command.into(),
-                },
-            )) {
-                Ok(v) => {
-                    println!("{v}");
-                    if v.get("error").is_some() {
-                        ExitCode::FAILURE
-                    } else {
-                        ExitCode::SUCCESS
-                    }
-                }
-                Err(e) => {
-                    eprintln!("capk-launcher: {}", one_line(&e));
-                    ExitCode::FAILURE
-                }
-            }
-        }
+        Command::Probe(p) => probe(&rt, &p),
+        Command::Status(s) => status(&rt, &s),
+        Command::Console { socket, no_follow } => console(&socket, !no_follow),
+        Command::Qmp { command, socket } => qmp(&rt, &socket, command),
         Command::FetchImage(args) => {
             init_tracing(cli.log_format);
             fetch_image(&args)
         }
         Command::RemoveEtcdData(args) => remove_etcd_data(&args),
-        Command::ProbeAccel { timeout_ms } => {
-            match accel::probe_kvm(Duration::from_millis(timeout_ms)) {
-                Ok(()) => {
-                    println!("kvm");
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    println!("tcg ({e})");
-                    ExitCode::FAILURE
-                }
+        Command::ProbeAccel { timeout_ms } => probe_accel(Duration::from_millis(timeout_ms)),
+    }
+}
+
+/// Reports a failure on stderr, on one line.
+fn failed(e: &dyn std::error::Error) -> ExitCode {
+    eprintln!("capk-launcher: {}", one_line(e));
+    ExitCode::FAILURE
+}
+
+/// `probe`: asks the running launcher for a probe's verdict and prints it on stdout (the
+/// kubelet's exec probe shows it); fails when the probe does.
+fn probe(rt: &tokio::runtime::Runtime, p: &ProbeArgs) -> ExitCode {
+    let kind = ProbeKind::from(p.kind);
+    let req = Request::Probe { kind };
+    match rt.block_on(control::call(&p.socket.runtime_dir, &req)) {
+        Ok(v) => {
+            let ok = v["ok"].as_bool().unwrap_or(false);
+            let reason = v["reason"].as_str().unwrap_or("no reason given");
+            println!("{}: {reason}", kind.as_str());
+            if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
             }
+        }
+        Err(e) => {
+            println!("capk-launcher: {}", one_line(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `status`: prints the running launcher's status report as JSON.
+fn status(rt: &tokio::runtime::Runtime, socket: &SocketArgs) -> ExitCode {
+    match rt.block_on(control::call(&socket.runtime_dir, &Request::Status)) {
+        Ok(v) => {
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            ExitCode::SUCCESS
+        }
+        Err(e) => failed(&e),
+    }
+}
+
+/// `console`: prints the guest's console copy, following it unless told not to.
+fn console(socket: &SocketArgs, follow: bool) -> ExitCode {
+    match follow_console(&socket.runtime_dir.join(run::CONSOLE_LOG), follow) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!(
+                "capk-launcher: console {}: {e}",
+                socket.runtime_dir.display()
+            );
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `qmp`: sends one operator command through the running launcher and prints QEMU's answer;
+/// fails when QEMU answered with an error.
+fn qmp(rt: &tokio::runtime::Runtime, socket: &SocketArgs, command: QmpCommandArg) -> ExitCode {
+    let req = Request::Qmp {
+        command: command.into(),
+    };
+    match rt.block_on(control::call(&socket.runtime_dir, &req)) {
+        Ok(v) => {
+            println!("{v}");
+            if v.get("error").is_some() {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(e) => failed(&e),
+    }
+}
+
+/// `probe-accel`: prints the accelerator this host gives QEMU (`kvm`, or `tcg` and why).
+fn probe_accel(timeout: Duration) -> ExitCode {
+    match accel::probe_kvm(timeout) {
+        Ok(()) => {
+            println!("kvm");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("tcg ({e})");
+            ExitCode::FAILURE
         }
     }
 }
