@@ -36,52 +36,19 @@ pub(super) async fn start_vm(
 ) -> Result<Started, RunError> {
     disk::apply(&disk_plan, &a.qemu_img)?;
     let user = QemuUser::plan(a.qemu_uid, a.qemu_gid, privilege::kvm_device_group());
-    for d in &disk_plan.attachments {
-        privilege::hand_over(&d.path, &user)?;
-    }
-    state.lock().await.disks = disk_plan.attachments.clone();
-
+    hand_over_disks(&disk_plan, &user, state).await?;
     let ignition = merge_ignition(a, v, &disk_plan, net_plan, hostname, &user)?;
 
     // Bound before QEMU starts so the guest's first DISCOVER finds it.
     let server = dhcp::DhcpServer::bind(&net_plan.bridge, net_plan.lease.clone())?;
     let dhcp_task = tokio::spawn(server.serve());
 
-    let (qmp_socket, heartbeat_socket) = (
-        a.socket.runtime_dir.join("qmp.sock"),
-        a.socket.runtime_dir.join("heartbeat.sock"),
-    );
-    privilege::share_runtime_dir(
-        &a.socket.runtime_dir,
-        &user,
-        &[&qmp_socket, &heartbeat_socket],
-    )?;
-    let Devices {
-        tap: tap_file,
-        vhost: vhost_file,
-        image: image_file,
-        kernel: kernel_file,
-        initrd: initrd_file,
-    } = open_devices(a, net_plan, accel, &disk_plan)?;
-    let fd = |f: Option<&std::fs::File>| f.map(std::os::fd::AsRawFd::as_raw_fd);
-    let (tap_fd, vhost_fd, image_fd) = (
-        std::os::fd::AsRawFd::as_raw_fd(&tap_file),
-        fd(vhost_file.as_ref()),
-        fd(image_file.as_ref()),
-    );
-    let (kernel_fd, initrd_fd) = (fd(kernel_file.as_ref()), fd(initrd_file.as_ref()));
-    let host_volumes: Vec<HostVolume> = v
-        .host_volumes
-        .iter()
-        .zip(&volumes)
-        .map(|(h, fd)| HostVolume {
-            fd: Some(std::os::fd::AsRawFd::as_raw_fd(fd)),
-            ..h.clone()
-        })
-        .collect();
-    let inherited: Vec<i32> = [Some(tap_fd), vhost_fd, image_fd, kernel_fd, initrd_fd]
-        .into_iter()
-        .flatten()
+    let (qmp_socket, heartbeat_socket) = share_sockets(a, &user)?;
+    let devices = open_devices(a, net_plan, accel, &disk_plan)?;
+    let fds = devices.fds();
+    let host_volumes = inherited_host_volumes(v, &volumes);
+    let inherited: Vec<i32> = fds
+        .all()
         .chain(host_volumes.iter().filter_map(|h| h.fd))
         .collect();
     let spec = VmSpec {
@@ -91,9 +58,9 @@ pub(super) async fn start_vm(
         tcg_threads: a.launch.tcg_threads,
         vcpus: a.launch.vcpus,
         memory_mib: v.memory_mib,
-        tap_fd,
-        vhost_fd,
-        image_fd,
+        tap_fd: fds.tap,
+        vhost_fd: fds.vhost,
+        image_fd: fds.image,
         mac: net_plan.vm_mac,
         mtu: net_plan.mtu,
         disks: disk_plan.attachments,
@@ -103,15 +70,14 @@ pub(super) async fn start_vm(
         host_volumes,
         // QEMU reads them through the descriptors the launcher opened: its user needs no way
         // to the files (a kernel under root's home, mode 0700, boots too).
-        direct_kernel: kernel_fd.map(|kernel| DirectKernel {
+        direct_kernel: fds.kernel.map(|kernel| DirectKernel {
             kernel: inherited_path(kernel),
-            initrd: initrd_fd.map(inherited_path),
+            initrd: fds.initrd.map(inherited_path),
             cmdline: a.kernel_cmdline.clone(),
         }),
     };
     let spawned = spawn_qemu(a, &spec, &user, &inherited);
-    drop((tap_file, vhost_file, image_file, volumes));
-    drop((kernel_file, initrd_file));
+    drop((devices, volumes));
     let (pid, reaper, stdout) = match spawned {
         Ok(x) => x,
         Err(e) => {
@@ -125,6 +91,49 @@ pub(super) async fn start_vm(
         s.phase = Phase::Starting;
     }
     Ok((pid, dhcp_task, reaper, stdout))
+}
+
+/// Gives QEMU's user the disk files and records them as the VM's disks.
+async fn hand_over_disks(
+    disk_plan: &disk::DiskPlan,
+    user: &QemuUser,
+    state: &SharedState,
+) -> Result<(), RunError> {
+    for d in &disk_plan.attachments {
+        privilege::hand_over(&d.path, user)?;
+    }
+    state.lock().await.disks = disk_plan.attachments.clone();
+    Ok(())
+}
+
+/// The QMP and heartbeat sockets QEMU creates in the runtime directory, which is made
+/// writable for QEMU's user.
+fn share_sockets(
+    a: &RunArgs,
+    user: &QemuUser,
+) -> Result<(std::path::PathBuf, std::path::PathBuf), RunError> {
+    let (qmp_socket, heartbeat_socket) = (
+        a.socket.runtime_dir.join("qmp.sock"),
+        a.socket.runtime_dir.join("heartbeat.sock"),
+    );
+    privilege::share_runtime_dir(
+        &a.socket.runtime_dir,
+        user,
+        &[&qmp_socket, &heartbeat_socket],
+    )?;
+    Ok((qmp_socket, heartbeat_socket))
+}
+
+/// The validated host volumes, each with the descriptor of its opened directory.
+fn inherited_host_volumes(v: &Validated, volumes: &OpenedVolumes) -> Vec<HostVolume> {
+    v.host_volumes
+        .iter()
+        .zip(volumes)
+        .map(|(h, fd)| HostVolume {
+            fd: Some(std::os::fd::AsRawFd::as_raw_fd(fd)),
+            ..h.clone()
+        })
+        .collect()
 }
 
 /// The node's Ignition merged with this machine's facts (hostname, DNS, NTP, disks, host
@@ -227,6 +236,43 @@ struct Devices {
     image: Option<std::fs::File>,
     kernel: Option<std::fs::File>,
     initrd: Option<std::fs::File>,
+}
+
+/// The numbers of the [`Devices`]' descriptors, as QEMU inherits them.
+struct DeviceFds {
+    tap: i32,
+    vhost: Option<i32>,
+    image: Option<i32>,
+    kernel: Option<i32>,
+    initrd: Option<i32>,
+}
+
+impl Devices {
+    fn fds(&self) -> DeviceFds {
+        let fd = |f: Option<&std::fs::File>| f.map(std::os::fd::AsRawFd::as_raw_fd);
+        DeviceFds {
+            tap: std::os::fd::AsRawFd::as_raw_fd(&self.tap),
+            vhost: fd(self.vhost.as_ref()),
+            image: fd(self.image.as_ref()),
+            kernel: fd(self.kernel.as_ref()),
+            initrd: fd(self.initrd.as_ref()),
+        }
+    }
+}
+
+impl DeviceFds {
+    /// Every descriptor, tap first.
+    fn all(&self) -> impl Iterator<Item = i32> {
+        [
+            Some(self.tap),
+            self.vhost,
+            self.image,
+            self.kernel,
+            self.initrd,
+        ]
+        .into_iter()
+        .flatten()
+    }
 }
 
 /// The path through which a process opens the descriptor `fd` it inherited.
