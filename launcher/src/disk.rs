@@ -203,6 +203,18 @@ pub enum DiskError {
     },
 }
 
+impl DiskError {
+    /// Maps the failure of `action` on `path` to [`DiskError::Io`].
+    fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DiskError {
+        let path = path.to_path_buf();
+        move |source| DiskError::Io {
+            action,
+            path,
+            source,
+        }
+    }
+}
+
 /// Serial the guest sees the root disk as.
 pub const ROOT_SERIAL: &str = "rootfs";
 /// containerd disk serial.
@@ -436,16 +448,11 @@ pub fn observe(r: &DiskRequest) -> Result<DiskState, DiskError> {
 /// (at most 5 minutes) outlasted the cache's grace period since the Pod started, be evicted,
 /// and the Pod's next start would find nothing.
 pub fn open_base(b: &BaseImage) -> Result<std::fs::File, DiskError> {
-    let f = std::fs::File::open(&b.path).map_err(|source| DiskError::Io {
-        action: "open",
-        path: b.path.clone(),
-        source,
-    })?;
-    f.lock_shared().map_err(|source| DiskError::Io {
-        action: "lock (shared: in use) the node image",
-        path: b.path.clone(),
-        source,
-    })?;
+    let f = std::fs::File::open(&b.path).map_err(DiskError::io("open", &b.path))?;
+    f.lock_shared().map_err(DiskError::io(
+        "lock (shared: in use) the node image",
+        &b.path,
+    ))?;
     // Best effort: an image on a read-only medium is in no cache.
     if let Err(e) = f.set_modified(std::time::SystemTime::now()) {
         tracing::debug!(error = %e, image = %b.path.display(), "the node image's use is not marked");
@@ -467,97 +474,89 @@ pub fn apply(plan: &DiskPlan, qemu_img_bin: &Path) -> Result<(), DiskError> {
                 backing,
                 backing_format,
                 size,
-            } => {
-                if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir).map_err(|source| DiskError::Io {
-                        action: "create directory",
-                        path: dir.to_path_buf(),
-                        source,
-                    })?;
-                }
-                let backing = std::fs::canonicalize(backing).map_err(|source| DiskError::Io {
-                    action: "resolve",
-                    path: backing.clone(),
-                    source,
-                })?;
-                // -u: qemu-img does not open the base (its header was checked by the planner);
-                // the size is given, so it need not. QEMU opens the base itself, read-only and
-                // with no backing of its own (`qemu::argv`).
-                qemu_img(
-                    qemu_img_bin,
-                    &[
-                        "create",
-                        "-q",
-                        "-u",
-                        "-f",
-                        "qcow2",
-                        "-F",
-                        backing_format.as_str(),
-                        "-b",
-                        &backing.display().to_string(),
-                        &path.display().to_string(),
-                        &size.0.to_string(),
-                    ],
-                )?;
-            }
-            DiskAction::GrowOverlay { path, size } => {
-                // `backing: null`: growing the overlay opens neither the base nor what it names.
-                let opts = serde_json::json!({
-                    "driver": "qcow2",
-                    "file": { "driver": "file", "filename": path },
-                    "backing": null,
-                });
-                qemu_img(
-                    qemu_img_bin,
-                    &["resize", "-q", &format!("json:{opts}"), &size.0.to_string()],
-                )?;
-            }
-            DiskAction::CreateRaw { path, size } => {
-                if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir).map_err(|source| DiskError::Io {
-                        action: "create directory",
-                        path: dir.to_path_buf(),
-                        source,
-                    })?;
-                }
-                // create_new: never clobber a disk that appeared since observation.
-                let f = std::fs::File::create_new(path).map_err(|source| DiskError::Io {
-                    action: "create",
-                    path: path.clone(),
-                    source,
-                })?;
-                f.set_len(size.0).map_err(|source| DiskError::Io {
-                    action: "size",
-                    path: path.clone(),
-                    source,
-                })?;
-            }
-            DiskAction::GrowRaw { path, size } => {
-                let f = std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(path)
-                    .map_err(|source| DiskError::Io {
-                        action: "open",
-                        path: path.clone(),
-                        source,
-                    })?;
-                if f.metadata().map(|m| m.len() < size.0).unwrap_or(false) {
-                    f.set_len(size.0).map_err(|source| DiskError::Io {
-                        action: "grow",
-                        path: path.clone(),
-                        source,
-                    })?;
-                }
-            }
-            DiskAction::MarkEtcdOwner { dir, owner } => {
-                etcd_dir::write_marker(dir, owner).map_err(|source| DiskError::Io {
-                    action: "write the owner marker into",
-                    path: dir.clone(),
-                    source,
-                })?;
-            }
+            } => create_overlay(qemu_img_bin, path, backing, *backing_format, *size)?,
+            DiskAction::GrowOverlay { path, size } => grow_overlay(qemu_img_bin, path, *size)?,
+            DiskAction::CreateRaw { path, size } => create_raw(path, *size)?,
+            DiskAction::GrowRaw { path, size } => grow_raw(path, *size)?,
+            DiskAction::MarkEtcdOwner { dir, owner } => etcd_dir::write_marker(dir, owner)
+                .map_err(DiskError::io("write the owner marker into", dir))?,
             DiskAction::Keep { .. } => {}
         }
+    }
+    Ok(())
+}
+
+/// Creates the directory `path` is to be made in.
+fn create_parent_dir(path: &Path) -> Result<(), DiskError> {
+    match path.parent() {
+        Some(dir) => std::fs::create_dir_all(dir).map_err(DiskError::io("create directory", dir)),
+        None => Ok(()),
+    }
+}
+
+/// `qemu-img create` of a qcow2 overlay on `backing`.
+fn create_overlay(
+    qemu_img_bin: &Path,
+    path: &Path,
+    backing: &Path,
+    backing_format: DiskFormat,
+    size: ByteSize,
+) -> Result<(), DiskError> {
+    create_parent_dir(path)?;
+    let backing = std::fs::canonicalize(backing).map_err(DiskError::io("resolve", backing))?;
+    // -u: qemu-img does not open the base (its header was checked by the planner);
+    // the size is given, so it need not. QEMU opens the base itself, read-only and
+    // with no backing of its own (`qemu::argv`).
+    qemu_img(
+        qemu_img_bin,
+        &[
+            "create",
+            "-q",
+            "-u",
+            "-f",
+            "qcow2",
+            "-F",
+            backing_format.as_str(),
+            "-b",
+            &backing.display().to_string(),
+            &path.display().to_string(),
+            &size.0.to_string(),
+        ],
+    )?;
+    Ok(())
+}
+
+/// `qemu-img resize` of an overlay up to `size`.
+fn grow_overlay(qemu_img_bin: &Path, path: &Path, size: ByteSize) -> Result<(), DiskError> {
+    // `backing: null`: growing the overlay opens neither the base nor what it names.
+    let opts = serde_json::json!({
+        "driver": "qcow2",
+        "file": { "driver": "file", "filename": path },
+        "backing": null,
+    });
+    qemu_img(
+        qemu_img_bin,
+        &["resize", "-q", &format!("json:{opts}"), &size.0.to_string()],
+    )?;
+    Ok(())
+}
+
+/// A new sparse raw file of `size`.
+fn create_raw(path: &Path, size: ByteSize) -> Result<(), DiskError> {
+    create_parent_dir(path)?;
+    // create_new: never clobber a disk that appeared since observation.
+    let f = std::fs::File::create_new(path).map_err(DiskError::io("create", path))?;
+    f.set_len(size.0).map_err(DiskError::io("size", path))
+}
+
+/// Extends a raw file to `size`; never shrinks it.
+fn grow_raw(path: &Path, size: ByteSize) -> Result<(), DiskError> {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(DiskError::io("open", path))?;
+    if f.metadata().map(|m| m.len() < size.0).unwrap_or(false) {
+        f.set_len(size.0).map_err(DiskError::io("grow", path))?;
     }
     Ok(())
 }
