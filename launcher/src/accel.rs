@@ -231,112 +231,159 @@ fn run_probe_guest(stop: &AtomicBool, hook: &dyn Fn(Stage)) -> Outcome {
 fn run_probe_vcpu(stop: &AtomicBool, hook: &dyn Fn(Stage)) -> Result<bool, KvmUnusable> {
     let setup = |e: kvm_ioctls::Error| KvmUnusable::Setup(e.to_string());
     let kvm = Kvm::new().map_err(|e| KvmUnusable::Open(e.to_string()))?;
+    // Declared before `vm`, so dropped (unmapped) after it.
+    let mem = ProbeMemory::map()?;
+    mem.load_probe_guest();
     let vm = kvm.create_vm().map_err(setup)?;
-    let len = NonZeroUsize::new(MEM_SIZE).expect("probe memory size is not zero");
-    // SAFETY: a fresh private anonymous mapping; no existing memory is aliased.
-    let mem = unsafe {
-        mmap_anonymous(
-            None,
-            len,
-            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-            MapFlags::MAP_PRIVATE,
-        )
-    }
-    .map_err(|e| KvmUnusable::Setup(format!("mmap: {e}")))?;
-    let base = mem.cast::<u8>();
-    let write = |at: u64, bytes: &[u8]| {
-        assert!(at as usize + bytes.len() <= MEM_SIZE);
-        // SAFETY: the assertion keeps the copy inside the MEM_SIZE bytes mapped above, and
-        // nothing else references that memory while the vCPU is not running.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                bytes.as_ptr(),
-                base.as_ptr().add(at as usize),
-                bytes.len(),
-            )
-        };
-    };
-    write(CODE, &probe_code());
-    write(PML4, &(PDPT | 0x3).to_le_bytes());
-    write(PDPT, &(PD | 0x3).to_le_bytes());
-    write(PD, &0x83u64.to_le_bytes()); // one present, writable 2 MiB page at 0
-    let region = kvm_userspace_memory_region {
-        slot: 0,
-        guest_phys_addr: 0,
-        memory_size: MEM_SIZE as u64,
-        userspace_addr: base.as_ptr() as u64,
-        flags: 0,
-    };
-    // SAFETY: the region describes the mapping above, which stays mapped until after the VM fd
-    // (and with it the vCPU) is dropped at the end of this function.
-    let result = unsafe { vm.set_user_memory_region(region) }
-        .map_err(setup)
-        .and_then(|()| {
-            let mut vcpu = vm.create_vcpu(0).map_err(setup)?;
-            let mut sregs = vcpu.get_sregs().map_err(setup)?;
-            let code = kvm_bindings::kvm_segment {
-                base: 0,
-                limit: 0xffff_ffff,
-                selector: 1 << 3,
-                type_: 11,
-                present: 1,
-                s: 1,
-                l: 1,
-                g: 1,
-                ..Default::default()
-            };
-            let data = kvm_bindings::kvm_segment {
-                selector: 2 << 3,
-                type_: 3,
-                l: 0,
-                db: 1,
-                ..code
-            };
-            sregs.cs = code;
-            (sregs.ds, sregs.es, sregs.fs, sregs.gs, sregs.ss) = (data, data, data, data, data);
-            sregs.cr3 = PML4;
-            sregs.cr4 |= 1 << 5; // PAE
-            sregs.cr0 |= 1 | (1 << 31); // PE | PG
-            sregs.efer |= (1 << 8) | (1 << 10); // LME | LMA
-            vcpu.set_sregs(&sregs).map_err(setup)?;
-            let mut regs = vcpu.get_regs().map_err(setup)?;
-            regs.rip = CODE;
-            regs.rflags = 2;
-            vcpu.set_regs(&regs).map_err(setup)?;
-            // Publish the flag, then check the stop request: a stop before this check is seen
-            // here, one after it finds the flag published (SeqCst on both sides).
-            let _slot = ImmediateExitSlot::publish(&raw mut vcpu.get_kvm_run().immediate_exit);
-            if stop.load(Ordering::SeqCst) {
-                return Ok(false);
-            }
-            hook(Stage::BeforeRun);
-            match vcpu.run() {
-                Ok(VcpuExit::Hlt) => Ok(true),
-                Ok(other) => Err(KvmUnusable::UnexpectedExit(format!("{other:?}"))),
-                Err(e) if e.errno() == nix::libc::EINTR && stop.load(Ordering::SeqCst) => Ok(false),
-                Err(e) => Err(KvmUnusable::UnexpectedExit(e.to_string())),
-            }
-        });
-    let counted = {
-        let mut b = [0u8; 8];
-        // SAFETY: COUNTER + 8 is inside the mapping; the vCPU has stopped (or never ran).
-        unsafe {
-            std::ptr::copy_nonoverlapping(base.as_ptr().add(COUNTER as usize), b.as_mut_ptr(), 8)
-        };
-        u64::from_le_bytes(b)
-    };
-    drop(vm);
-    // SAFETY: `mem` came from mmap with length MEM_SIZE; the VM using it has been dropped.
-    let _ = unsafe { munmap(mem, MEM_SIZE) };
-    if !result? {
+    // SAFETY: the region describes `mem`'s mapping, which outlives the VM fd (and with it the
+    // vCPU): `mem` is dropped after `vm`.
+    unsafe { vm.set_user_memory_region(mem.region()) }.map_err(setup)?;
+    let mut vcpu = vm.create_vcpu(0).map_err(setup)?;
+    enter_long_mode(&vcpu).map_err(setup)?;
+    if !run_until_halt(&mut vcpu, stop, hook)? {
         return Ok(false);
     }
+    // The vCPU has stopped: the counter is what it wrote.
+    let counted = mem.read_u64(COUNTER);
     if counted != u64::from(ITERATIONS) {
         return Err(KvmUnusable::UnexpectedExit(format!(
             "HLT after counting to {counted} instead of {ITERATIONS}"
         )));
     }
     Ok(true)
+}
+
+/// The probe guest's memory: [`MEM_SIZE`] bytes of private anonymous memory, unmapped on drop.
+struct ProbeMemory {
+    base: std::ptr::NonNull<std::ffi::c_void>,
+}
+
+impl ProbeMemory {
+    fn map() -> Result<Self, KvmUnusable> {
+        let len = NonZeroUsize::new(MEM_SIZE).expect("probe memory size is not zero");
+        // SAFETY: a fresh private anonymous mapping; no existing memory is aliased.
+        let base = unsafe {
+            mmap_anonymous(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE,
+            )
+        }
+        .map_err(|e| KvmUnusable::Setup(format!("mmap: {e}")))?;
+        Ok(Self { base })
+    }
+
+    /// Code and page tables: one present, writable 2 MiB page at 0, identity-mapped.
+    fn load_probe_guest(&self) {
+        self.write(CODE, &probe_code());
+        self.write(PML4, &(PDPT | 0x3).to_le_bytes());
+        self.write(PDPT, &(PD | 0x3).to_le_bytes());
+        self.write(PD, &0x83u64.to_le_bytes());
+    }
+
+    fn write(&self, at: u64, bytes: &[u8]) {
+        assert!(at as usize + bytes.len() <= MEM_SIZE);
+        // SAFETY: the assertion keeps the copy inside the MEM_SIZE bytes mapped, and nothing
+        // else references that memory while the vCPU is not running.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.base.cast::<u8>().as_ptr().add(at as usize),
+                bytes.len(),
+            )
+        };
+    }
+
+    /// The little-endian u64 at `at`; call only while the vCPU is not running.
+    fn read_u64(&self, at: u64) -> u64 {
+        assert!(at as usize + 8 <= MEM_SIZE);
+        let mut b = [0u8; 8];
+        // SAFETY: the assertion keeps the copy inside the mapping; the vCPU is not running.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.base.cast::<u8>().as_ptr().add(at as usize),
+                b.as_mut_ptr(),
+                8,
+            )
+        };
+        u64::from_le_bytes(b)
+    }
+
+    /// The whole mapping as guest memory from guest-physical address 0.
+    fn region(&self) -> kvm_userspace_memory_region {
+        kvm_userspace_memory_region {
+            slot: 0,
+            guest_phys_addr: 0,
+            memory_size: MEM_SIZE as u64,
+            userspace_addr: self.base.as_ptr() as u64,
+            flags: 0,
+        }
+    }
+}
+
+impl Drop for ProbeMemory {
+    fn drop(&mut self) {
+        // SAFETY: `base` came from mmap with length MEM_SIZE; the VM using it was dropped
+        // before (see `run_probe_vcpu`).
+        let _ = unsafe { munmap(self.base, MEM_SIZE) };
+    }
+}
+
+/// Puts the vCPU in 64-bit long mode with paging (flat code and data segments, CR3 at the
+/// probe's PML4), at the probe code.
+fn enter_long_mode(vcpu: &kvm_ioctls::VcpuFd) -> Result<(), kvm_ioctls::Error> {
+    let mut sregs = vcpu.get_sregs()?;
+    let code = kvm_bindings::kvm_segment {
+        base: 0,
+        limit: 0xffff_ffff,
+        selector: 1 << 3,
+        type_: 11,
+        present: 1,
+        s: 1,
+        l: 1,
+        g: 1,
+        ..Default::default()
+    };
+    let data = kvm_bindings::kvm_segment {
+        selector: 2 << 3,
+        type_: 3,
+        l: 0,
+        db: 1,
+        ..code
+    };
+    sregs.cs = code;
+    (sregs.ds, sregs.es, sregs.fs, sregs.gs, sregs.ss) = (data, data, data, data, data);
+    sregs.cr3 = PML4;
+    sregs.cr4 |= 1 << 5; // PAE
+    sregs.cr0 |= 1 | (1 << 31); // PE | PG
+    sregs.efer |= (1 << 8) | (1 << 10); // LME | LMA
+    vcpu.set_sregs(&sregs)?;
+    let mut regs = vcpu.get_regs()?;
+    regs.rip = CODE;
+    regs.rflags = 2;
+    vcpu.set_regs(&regs)
+}
+
+/// Runs the vCPU unless `stop` is set: Ok(true) on HLT, Ok(false) when stopped.
+fn run_until_halt(
+    vcpu: &mut kvm_ioctls::VcpuFd,
+    stop: &AtomicBool,
+    hook: &dyn Fn(Stage),
+) -> Result<bool, KvmUnusable> {
+    // Publish the flag, then check the stop request: a stop before this check is seen
+    // here, one after it finds the flag published (SeqCst on both sides).
+    let _slot = ImmediateExitSlot::publish(&raw mut vcpu.get_kvm_run().immediate_exit);
+    if stop.load(Ordering::SeqCst) {
+        return Ok(false);
+    }
+    hook(Stage::BeforeRun);
+    match vcpu.run() {
+        Ok(VcpuExit::Hlt) => Ok(true),
+        Ok(other) => Err(KvmUnusable::UnexpectedExit(format!("{other:?}"))),
+        Err(e) if e.errno() == nix::libc::EINTR && stop.load(Ordering::SeqCst) => Ok(false),
+        Err(e) => Err(KvmUnusable::UnexpectedExit(e.to_string())),
+    }
 }
 
 #[cfg(test)]
