@@ -124,20 +124,25 @@ fn done<T>(_: T) -> serde_json::Value {
     serde_json::json!({})
 }
 
-fn cmd_err(command: &'static str) -> impl FnOnce(qapi::ExecuteError) -> QmpError {
-    move |e| QmpError::Command {
-        command,
-        message: e.to_string(),
+impl QapiQmp {
+    /// Runs `command`; a failure is a [`QmpError::Command`] named after it.
+    async fn execute<C: qapi::Command>(&self, command: C) -> Result<C::Ok, QmpError>
+    where
+        Writer: futures::Sink<qapi::Execute<C, u32>, Error = std::io::Error> + Unpin,
+    {
+        self.service
+            .execute(command)
+            .await
+            .map_err(|e| QmpError::Command {
+                command: C::NAME,
+                message: e.to_string(),
+            })
     }
 }
 
 impl Qmp for QapiQmp {
     async fn query_status(&self) -> Result<VmStatus, QmpError> {
-        let s = self
-            .service
-            .execute(qapi::qmp::query_status {})
-            .await
-            .map_err(cmd_err("query-status"))?;
+        let s = self.execute(qapi::qmp::query_status {}).await?;
         let status = serde_json::to_value(s.status)
             .ok()
             .and_then(|v| v.as_str().map(str::to_string))
@@ -149,11 +154,9 @@ impl Qmp for QapiQmp {
     }
 
     async fn system_powerdown(&self) -> Result<(), QmpError> {
-        self.service
-            .execute(qapi::qmp::system_powerdown {})
+        self.execute(qapi::qmp::system_powerdown {})
             .await
             .map(|_| ())
-            .map_err(cmd_err("system_powerdown"))
     }
 
     async fn simple(&self, cmd: SimpleCommand) -> Result<serde_json::Value, QmpError> {
@@ -162,32 +165,13 @@ impl Qmp for QapiQmp {
                 Ok(serde_json::to_value(self.query_status().await?).unwrap_or_default())
             }
             SimpleCommand::SystemPowerdown => self.system_powerdown().await.map(done),
-            SimpleCommand::SystemReset => self
-                .service
-                .execute(qapi::qmp::system_reset {})
-                .await
-                .map(done)
-                .map_err(cmd_err("system_reset")),
-            SimpleCommand::Stop => self
-                .service
-                .execute(qapi::qmp::stop {})
-                .await
-                .map(done)
-                .map_err(cmd_err("stop")),
-            SimpleCommand::Cont => self
-                .service
-                .execute(qapi::qmp::cont {})
-                .await
-                .map(done)
-                .map_err(cmd_err("cont")),
+            SimpleCommand::SystemReset => self.execute(qapi::qmp::system_reset {}).await.map(done),
+            SimpleCommand::Stop => self.execute(qapi::qmp::stop {}).await.map(done),
+            SimpleCommand::Cont => self.execute(qapi::qmp::cont {}).await.map(done),
         }
     }
 
     async fn quit(&self) -> Result<(), QmpError> {
-        self.service
-            .execute(qapi::qmp::quit {})
-            .await
-            .map(|_| ())
-            .map_err(cmd_err("quit"))
+        self.execute(qapi::qmp::quit {}).await.map(|_| ())
     }
 }
