@@ -863,37 +863,60 @@ mod tests {
         }
     }
 
+    /// A scratch directory and the real qemu-img, to make crafted node images in; `None` (the
+    /// test skips, or fails under CI) without qemu-img.
+    struct ImageBench {
+        qemu_img: PathBuf,
+        dir: tempfile::TempDir,
+    }
+
+    impl ImageBench {
+        fn new() -> Option<Self> {
+            let qemu_img =
+                crate::testsupport::require_tool("qemu-img", "apt-get install qemu-utils")?;
+            let dir = tempfile::tempdir().unwrap();
+            Some(Self { qemu_img, dir })
+        }
+
+        /// The path of `name` in the directory, as text.
+        fn path(&self, name: &str) -> String {
+            self.dir.path().join(name).display().to_string()
+        }
+
+        /// `qemu-img create -q -f qcow2 <extra> <name> 64M`.
+        fn create_qcow2(&self, name: &str, extra: &[&str]) {
+            let image = self.path(name);
+            let mut args = vec!["create", "-q", "-f", "qcow2"];
+            args.extend_from_slice(extra);
+            args.extend_from_slice(&[&image, "64M"]);
+            qemu_img(&self.qemu_img, &args).unwrap();
+        }
+    }
+
     /// Crafted node images made by the real qemu-img whose headers name something outside the
     /// image: a host file, a raw block device, an nbd export through a `json:` name, an external
     /// data file. Each is refused by observe → plan (before qemu-img or QEMU opens it), with a
     /// message naming what the header names; the self-contained image of the same size passes.
     #[test]
     fn images_that_name_other_files_are_refused() {
-        let Some(qemu_img_bin) =
-            crate::testsupport::require_tool("qemu-img", "apt-get install qemu-utils")
-        else {
+        let Some(bench) = ImageBench::new() else {
             return;
         };
-        let dir = tempfile::tempdir().unwrap();
-        let d = |name: &str| dir.path().join(name).display().to_string();
+        let dir = &bench.dir;
+        let d = |name: &str| bench.path(name);
         // Stands in for a copy of /etc/shadow: a host file a tenant must never read.
         std::fs::write(d("shadow"), "root:$y$j9T$secret:19000:0:99999:7:::\n").unwrap();
         let nbd = r#"json:{"file":{"driver":"nbd","server":{"type":"inet","host":"127.0.0.1","port":"10809"},"export":"root"}}"#;
-        let create = |image: &str, extra: &[&str]| {
-            let mut args = vec!["create", "-q", "-f", "qcow2"];
-            args.extend_from_slice(extra);
-            args.extend_from_slice(&[image, "64M"]);
-            qemu_img(&qemu_img_bin, &args).unwrap();
-        };
+        let create = |image: &str, extra: &[&str]| bench.create_qcow2(image, extra);
         let shadow = d("shadow");
         let data = d("data.raw");
         let data_file = format!("data_file={data},data_file_raw=on");
-        create(&d("host-file.qcow2"), &["-F", "raw", "-b", &shadow]);
+        create("host-file.qcow2", &["-F", "raw", "-b", &shadow]);
         // -u: the device need not exist here to be named.
-        create(&d("device.qcow2"), &["-u", "-F", "raw", "-b", "/dev/vda"]);
-        create(&d("nbd.qcow2"), &["-u", "-F", "raw", "-b", nbd]);
-        create(&d("data-file.qcow2"), &["-o", &data_file]);
-        create(&d("clean.qcow2"), &[]);
+        create("device.qcow2", &["-u", "-F", "raw", "-b", "/dev/vda"]);
+        create("nbd.qcow2", &["-u", "-F", "raw", "-b", nbd]);
+        create("data-file.qcow2", &["-o", &data_file]);
+        create("clean.qcow2", &[]);
         let cases = [
             ("host-file.qcow2", format!("a backing file ({shadow})")),
             ("device.qcow2", "a backing file (/dev/vda)".to_string()),
@@ -925,19 +948,13 @@ mod tests {
     /// after planning by one naming a host file is refused when opened for QEMU.
     #[test]
     fn an_image_replaced_after_planning_is_refused_when_opened_for_qemu() {
-        let Some(qemu_img_bin) =
-            crate::testsupport::require_tool("qemu-img", "apt-get install qemu-utils")
-        else {
+        let Some(bench) = ImageBench::new() else {
             return;
         };
-        let dir = tempfile::tempdir().unwrap();
-        let d = |name: &str| dir.path().join(name).display().to_string();
+        let dir = &bench.dir;
+        let d = |name: &str| bench.path(name);
         std::fs::write(d("shadow"), "secret\n").unwrap();
-        qemu_img(
-            &qemu_img_bin,
-            &["create", "-q", "-f", "qcow2", &d("node.qcow2"), "64M"],
-        )
-        .unwrap();
+        bench.create_qcow2("node.qcow2", &[]);
         let r = root_only(
             dir.path(),
             &dir.path().join("node.qcow2"),
@@ -946,19 +963,7 @@ mod tests {
         let p = plan(&r, &observe(&r).unwrap()).unwrap();
         let base = p.attachments[0].base.clone().unwrap();
         assert!(open_base(&base).is_ok());
-        let evil = [
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "raw",
-            "-b",
-            &d("shadow"),
-            &d("evil.qcow2"),
-            "64M",
-        ];
-        qemu_img(&qemu_img_bin, &evil).unwrap();
+        bench.create_qcow2("evil.qcow2", &["-F", "raw", "-b", &d("shadow")]);
         std::fs::rename(d("evil.qcow2"), d("node.qcow2")).unwrap();
         let e = open_base(&base).unwrap_err().to_string();
         assert!(
@@ -971,18 +976,13 @@ mod tests {
     /// header naming a backing file is planned as raw, and QEMU is told `raw` for the base.
     #[test]
     fn raw_images_are_never_read_as_qcow2() {
-        let Some(qemu_img_bin) =
-            crate::testsupport::require_tool("qemu-img", "apt-get install qemu-utils")
-        else {
+        let Some(bench) = ImageBench::new() else {
             return;
         };
-        let dir = tempfile::tempdir().unwrap();
+        let dir = &bench.dir;
         let image = dir.path().join("looks-like-qcow2.raw");
-        let i = image.display().to_string();
-        let args = [
-            "create", "-q", "-u", "-f", "qcow2", "-F", "raw", "-b", "/dev/vda", &i, "64M",
-        ];
-        qemu_img(&qemu_img_bin, &args).unwrap();
+        let header = ["-u", "-F", "raw", "-b", "/dev/vda"];
+        bench.create_qcow2("looks-like-qcow2.raw", &header);
         let r = root_only(dir.path(), &image, DiskFormat::Raw);
         let s = observe(&r).unwrap();
         assert_eq!((s.image_backing_file, s.image_data_file), (None, None));
