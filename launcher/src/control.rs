@@ -247,25 +247,17 @@ mod tests {
         let qmp: SharedQmp = Arc::new(Mutex::new(None));
         let server = tokio::spawn(serve(bind(dir.path()).unwrap(), state.clone(), qmp));
 
-        let r = call(
-            dir.path(),
-            &Request::Probe {
+        let readiness = || async {
+            let probe = Request::Probe {
                 kind: ProbeKind::Readiness,
-            },
-        )
-        .await
-        .unwrap();
+            };
+            call(dir.path(), &probe).await.unwrap()
+        };
+        let r = readiness().await;
         assert_eq!(r["ok"], false);
         assert_eq!(r["reason"], "guest has not reported bootstrap success");
         state.lock().await.bootstrap_succeeded = true;
-        let r = call(
-            dir.path(),
-            &Request::Probe {
-                kind: ProbeKind::Readiness,
-            },
-        )
-        .await
-        .unwrap();
+        let r = readiness().await;
         assert_eq!(r["ok"], true);
         let s = call(dir.path(), &Request::Status).await.unwrap();
         assert_eq!(s["phase"], "running");

@@ -253,12 +253,12 @@ mod tests {
             0o600
         );
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
-        let paths: Vec<&str> = v["storage"]["files"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|f| f["path"].as_str().unwrap())
-            .collect();
+        /// The `key` of every entry of the list `list`.
+        fn each<'v>(list: &'v serde_json::Value, key: &str) -> Vec<&'v str> {
+            let entries = list.as_array().unwrap().iter();
+            entries.map(|e| e[key].as_str().unwrap()).collect()
+        }
+        let paths = each(&v["storage"]["files"], "path");
         for p in [
             "/etc/capk-test",
             "/etc/hostname",
@@ -267,12 +267,7 @@ mod tests {
         ] {
             assert!(paths.contains(&p), "{p} missing from {paths:?}");
         }
-        let units: Vec<&str> = v["systemd"]["units"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|u| u["name"].as_str().unwrap())
-            .collect();
+        let units = each(&v["systemd"]["units"], "name");
         for u in [
             "var-lib-containerd.mount",
             "var-lib-etcd.mount",

@@ -208,6 +208,14 @@ mod tests {
         }
     }
 
+    /// A route to `destination`, over `gateway` or on-link.
+    fn route(destination: &str, gateway: Option<&str>) -> PodRoute {
+        PodRoute {
+            destination: destination.parse().unwrap(),
+            gateway: gateway.map(|g| g.parse().unwrap()),
+        }
+    }
+
     const NEW_MAC: MacAddr = MacAddr([0x02, 0, 0, 0, 0, 0x01]);
 
     fn calico() -> PodInterface {
@@ -217,14 +225,8 @@ mod tests {
             mtu: 1440,
             addresses: vec!["10.244.1.5/32".parse().unwrap()],
             routes: vec![
-                PodRoute {
-                    destination: "0.0.0.0/0".parse().unwrap(),
-                    gateway: Some("169.254.1.1".parse().unwrap()),
-                },
-                PodRoute {
-                    destination: "169.254.1.1/32".parse().unwrap(),
-                    gateway: None,
-                },
+                route("0.0.0.0/0", Some("169.254.1.1")),
+                route("169.254.1.1/32", None),
             ],
         }
     }
@@ -243,18 +245,9 @@ mod tests {
             mtu: 1500,
             addresses: vec!["10.22.0.5/24".parse().unwrap()],
             routes: vec![
-                PodRoute {
-                    destination: "10.22.0.0/24".parse().unwrap(),
-                    gateway: None,
-                },
-                PodRoute {
-                    destination: "0.0.0.0/0".parse().unwrap(),
-                    gateway: Some("10.22.0.1".parse().unwrap()),
-                },
-                PodRoute {
-                    destination: "10.96.0.0/12".parse().unwrap(),
-                    gateway: Some("10.22.0.1".parse().unwrap()),
-                },
+                route("10.22.0.0/24", None),
+                route("0.0.0.0/0", Some("10.22.0.1")),
+                route("10.96.0.0/12", Some("10.22.0.1")),
             ],
         };
         let p = plan(&pod, naming(), NEW_MAC).unwrap();
