@@ -253,29 +253,34 @@ mod tests {
             0o600
         );
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
-        /// The `key` of every entry of the list `list`.
-        fn each<'v>(list: &'v serde_json::Value, key: &str) -> Vec<&'v str> {
+        /// Every one of `wanted` is the `key` of an entry of the list `list`.
+        fn assert_listed(list: &serde_json::Value, key: &str, wanted: &[&str]) {
             let entries = list.as_array().unwrap().iter();
-            entries.map(|e| e[key].as_str().unwrap()).collect()
+            let found: Vec<&str> = entries.map(|e| e[key].as_str().unwrap()).collect();
+            for w in wanted {
+                assert!(found.contains(w), "{w} missing from {found:?}");
+            }
         }
-        let paths = each(&v["storage"]["files"], "path");
-        for p in [
-            "/etc/capk-test",
-            "/etc/hostname",
-            "/etc/iscsi/initiatorname.iscsi",
-            "/etc/capk/heartbeat.sh",
-        ] {
-            assert!(paths.contains(&p), "{p} missing from {paths:?}");
-        }
-        let units = each(&v["systemd"]["units"], "name");
-        for u in [
-            "var-lib-containerd.mount",
-            "var-lib-etcd.mount",
-            "data-shared.mount",
-            "capk-heartbeat.service",
-        ] {
-            assert!(units.contains(&u), "{u} missing from {units:?}");
-        }
+        assert_listed(
+            &v["storage"]["files"],
+            "path",
+            &[
+                "/etc/capk-test",
+                "/etc/hostname",
+                "/etc/iscsi/initiatorname.iscsi",
+                "/etc/capk/heartbeat.sh",
+            ],
+        );
+        assert_listed(
+            &v["systemd"]["units"],
+            "name",
+            &[
+                "var-lib-containerd.mount",
+                "var-lib-etcd.mount",
+                "data-shared.mount",
+                "capk-heartbeat.service",
+            ],
+        );
         let etcd = v["storage"]["filesystems"]
             .as_array()
             .unwrap()
