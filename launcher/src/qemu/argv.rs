@@ -17,7 +17,7 @@ pub const IGNITION_FW_CFG_NAMES: [&str; 2] =
     ["opt/com.coreos/config", "opt/org.flatcar-linux/config"];
 /// virtio-serial port name the guest's heartbeat unit writes to.
 pub const HEARTBEAT_PORT: &str = "org.capk.heartbeat.0";
-/// Default TCG translation cache size, MiB (QEMU's own default is 1 GiB; see `qemu_args`): the
+/// Default TCG translation cache size, MiB (QEMU's own default is 1 GiB; see `machine`): the
 /// launch contract's. Enough for small guests; a Kubernetes node's programs need about 1 GiB, or
 /// QEMU keeps flushing and re-translating them (`kubeadm init` then does not finish in 10 minutes).
 pub const TCG_TB_SIZE_MIB: u32 = capk_api::launch::DEFAULT_TCG_TRANSLATION_CACHE_MIB;

@@ -39,10 +39,6 @@ pub(super) async fn start_vm(
     hand_over_disks(&disk_plan, &user, state).await?;
     let ignition = merge_ignition(a, v, &disk_plan, net_plan, hostname, &user)?;
 
-    // Bound before QEMU starts so the guest's first DISCOVER finds it.
-    let server = dhcp::DhcpServer::bind(&net_plan.bridge, net_plan.lease.clone())?;
-    let dhcp_task = tokio::spawn(server.serve());
-
     let (qmp_socket, heartbeat_socket) = share_sockets(a, &user)?;
     let devices = open_devices(a, net_plan, accel, &disk_plan)?;
     let fds = devices.fds();
@@ -76,6 +72,10 @@ pub(super) async fn start_vm(
             cmdline: a.kernel_cmdline.clone(),
         }),
     };
+    // Bound last before QEMU starts, so that the guest's first DISCOVER finds it and no step
+    // that fails before QEMU leaves it serving.
+    let server = dhcp::DhcpServer::bind(&net_plan.bridge, net_plan.lease.clone())?;
+    let dhcp_task = tokio::spawn(server.serve());
     let spawned = spawn_qemu(a, &spec, &user, &inherited);
     drop((devices, volumes));
     let (pid, reaper, stdout) = match spawned {
