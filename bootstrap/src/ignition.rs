@@ -547,36 +547,49 @@ fn sectors_to_mib(
     }
 }
 
-/// Resolves the path prefix of a spec-2 `filesystem` reference: `root` is `/`; a filesystem
-/// with `path` is that path; a filesystem that Ignition 2 would mount itself has no spec-3
-/// equivalent for the files on it.
-fn prefix<'a>(
-    fs: Option<&str>,
-    paths: &'a [(String, Option<String>)],
-    at: &KeyPath,
-) -> Result<&'a str, ConvertError> {
-    let name = fs.unwrap_or("root");
-    if name == "root" {
-        return Ok("");
+/// The named spec-2 filesystems with their `path` (`None`: Ignition 2 mounts it itself); a
+/// file, directory or link on one of them is written below that path.
+#[derive(Default)]
+struct FilesystemPaths(Vec<(String, Option<String>)>);
+
+impl FilesystemPaths {
+    /// Resolves the path prefix of a spec-2 `filesystem` reference: `root` is `/`; a filesystem
+    /// with `path` is that path; a filesystem that Ignition 2 would mount itself has no spec-3
+    /// equivalent for the files on it.
+    fn prefix(&self, fs: Option<&str>, at: &KeyPath) -> Result<&str, ConvertError> {
+        let name = fs.unwrap_or("root");
+        if name == "root" {
+            return Ok("");
+        }
+        match self.0.iter().find(|(n, _)| n == name) {
+            Some((_, Some(p))) => Ok(p.trim_end_matches('/')),
+            Some((_, None)) => Err(ConvertError::unsupported(
+                at.clone(),
+                format!(
+                    "files on filesystem `{name}`, which Ignition 2 mounts itself, have no Ignition 3 equivalent; write them to the root filesystem and mount it with a unit"
+                ),
+            )),
+            None => Err(ConvertError::invalid(
+                at.clone(),
+                format!("filesystem `{name}` is not defined in storage.filesystems"),
+            )),
+        }
     }
-    match paths.iter().find(|(n, _)| n == name) {
-        Some((_, Some(p))) => Ok(p.trim_end_matches('/')),
-        Some((_, None)) => Err(ConvertError::unsupported(
-            at.clone(),
-            format!(
-                "files on filesystem `{name}`, which Ignition 2 mounts itself, have no Ignition 3 equivalent; write them to the root filesystem and mount it with a unit"
-            ),
-        )),
-        None => Err(ConvertError::invalid(
-            at.clone(),
-            format!("filesystem `{name}` is not defined in storage.filesystems"),
-        )),
-    }
+}
+
+/// The entries of an optional spec-2 list, each with its key path (`list[i]`).
+fn indexed<T>(list: &str, items: Option<Vec<T>>) -> impl Iterator<Item = (KeyPath, T)> {
+    let at = KeyPath::from(list);
+    items
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .map(move |(i, item)| (at.index(i), item))
 }
 
 fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
     let mut out = v3::empty_config();
-    ignition_section(&mut out, c.ignition)?;
+    ignition_section(&mut out, c.ignition);
     // storage
     let storage = c.storage.unwrap_or(Storage {
         directories: None,
@@ -588,7 +601,7 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
     });
     let fs_paths = filesystems(&mut out, storage.filesystems)?;
     disks(&mut out, storage.disks)?;
-    raid(&mut out, storage.raid)?;
+    raid(&mut out, storage.raid);
     files(&mut out, storage.files, &fs_paths)?;
     directories_and_links(&mut out, storage.directories, storage.links, &fs_paths)?;
     networkd_units(&mut out, c.networkd)?;
@@ -598,7 +611,7 @@ fn translate(c: Config) -> Result<v3t::Config, ConvertError> {
 }
 
 /// `ignition`: merged and replacing configs, CAs, timeouts, the proxy.
-fn ignition_section(out: &mut v3t::Config, ignition: Ignition) -> Result<(), ConvertError> {
+fn ignition_section(out: &mut v3t::Config, ignition: Ignition) {
     if let Some(cfg) = ignition.config {
         let merge: Vec<_> = cfg.append.into_iter().flatten().map(resource).collect();
         let replace = cfg.replace.map(resource);
@@ -640,19 +653,17 @@ fn ignition_section(out: &mut v3t::Config, ignition: Ignition) -> Result<(), Con
             no_proxy: p.no_proxy,
         });
     }
-    Ok(())
 }
 
 /// `storage.filesystems`; returns each named filesystem's path, which prefixes file paths.
 fn filesystems(
     out: &mut v3t::Config,
     filesystems: Option<Vec<Filesystem>>,
-) -> Result<Vec<(String, Option<String>)>, ConvertError> {
-    let mut fs_paths: Vec<(String, Option<String>)> = Vec::new();
-    for (i, fs) in filesystems.into_iter().flatten().enumerate() {
-        let at = KeyPath::from("storage.filesystems").index(i);
+) -> Result<FilesystemPaths, ConvertError> {
+    let mut fs_paths = FilesystemPaths::default();
+    for (at, fs) in indexed("storage.filesystems", filesystems) {
         if let Some(name) = &fs.name {
-            fs_paths.push((name.clone(), fs.path.clone()));
+            fs_paths.0.push((name.clone(), fs.path.clone()));
         }
         let Some(m) = fs.mount else {
             if fs.path.is_none() {
@@ -697,8 +708,7 @@ fn filesystems(
 
 /// `storage.disks` and their partitions.
 fn disks(out: &mut v3t::Config, disks: Option<Vec<Disk>>) -> Result<(), ConvertError> {
-    for (i, d) in disks.into_iter().flatten().enumerate() {
-        let at = KeyPath::from("storage.disks").index(i);
+    for (at, d) in indexed("storage.disks", disks) {
         let mut parts = Vec::new();
         let partitions = d.partitions.unwrap_or_default();
         let any_numbered = partitions.iter().any(|p| p.number.unwrap_or(0) != 0);
@@ -741,7 +751,7 @@ fn disks(out: &mut v3t::Config, disks: Option<Vec<Disk>>) -> Result<(), ConvertE
 }
 
 /// `storage.raid`.
-fn raid(out: &mut v3t::Config, raid: Option<Vec<Raid>>) -> Result<(), ConvertError> {
+fn raid(out: &mut v3t::Config, raid: Option<Vec<Raid>>) {
     for r in raid.into_iter().flatten() {
         v3::storage(out)
             .raid
@@ -754,18 +764,16 @@ fn raid(out: &mut v3t::Config, raid: Option<Vec<Raid>>) -> Result<(), ConvertErr
                 spares: r.spares,
             });
     }
-    Ok(())
 }
 
 /// `storage.files`, folded into one entry per path as spec 2 writes them in order.
 fn files(
     out: &mut v3t::Config,
     files: Option<Vec<File>>,
-    fs_paths: &[(String, Option<String>)],
+    fs_paths: &FilesystemPaths,
 ) -> Result<(), ConvertError> {
-    for (i, f) in files.into_iter().flatten().enumerate() {
-        let at = KeyPath::from("storage.files").index(i);
-        let pre = prefix(f.filesystem.as_deref(), fs_paths, &at.field("filesystem"))?;
+    for (at, f) in indexed("storage.files", files) {
+        let pre = fs_paths.prefix(f.filesystem.as_deref(), &at.field("filesystem"))?;
         let append = f.append.unwrap_or(false);
         let mut contents = f.contents.map(resource).unwrap_or_default();
         // Spec 2 writes an empty file when there is no source; spec 3 needs one to overwrite.
@@ -816,11 +824,10 @@ fn directories_and_links(
     out: &mut v3t::Config,
     directories: Option<Vec<Directory>>,
     links: Option<Vec<Link>>,
-    fs_paths: &[(String, Option<String>)],
+    fs_paths: &FilesystemPaths,
 ) -> Result<(), ConvertError> {
-    for (i, d) in directories.into_iter().flatten().enumerate() {
-        let at = KeyPath::from("storage.directories").index(i);
-        let pre = prefix(d.filesystem.as_deref(), fs_paths, &at.field("filesystem"))?;
+    for (at, d) in indexed("storage.directories", directories) {
+        let pre = fs_paths.prefix(d.filesystem.as_deref(), &at.field("filesystem"))?;
         v3::directories(out).push(v3t::Directory {
             group: node_group(d.group),
             mode: d.mode,
@@ -829,9 +836,8 @@ fn directories_and_links(
             user: node_user(d.user),
         });
     }
-    for (i, l) in links.into_iter().flatten().enumerate() {
-        let at = KeyPath::from("storage.links").index(i);
-        let pre = prefix(l.filesystem.as_deref(), fs_paths, &at.field("filesystem"))?;
+    for (at, l) in indexed("storage.links", links) {
+        let pre = fs_paths.prefix(l.filesystem.as_deref(), &at.field("filesystem"))?;
         v3::storage(out)
             .links
             .get_or_insert_with(Vec::new)
@@ -849,13 +855,7 @@ fn directories_and_links(
 
 /// `networkd` units become files: Ignition 3 has no networkd section.
 fn networkd_units(out: &mut v3t::Config, networkd: Option<Networkd>) -> Result<(), ConvertError> {
-    for (i, u) in networkd
-        .and_then(|n| n.units)
-        .into_iter()
-        .flatten()
-        .enumerate()
-    {
-        let at = KeyPath::from("networkd.units").index(i);
+    for (at, u) in indexed("networkd.units", networkd.and_then(|n| n.units)) {
         if u.name.contains('/') || u.name.is_empty() {
             return Err(ConvertError::invalid(
                 at.field("name"),

@@ -81,22 +81,17 @@ pub fn unit(name: &str, contents: Option<String>, enabled: bool) -> Unit {
 
 /// `user:group` (or `user`) as Ignition node owner fields; empty parts stay unset.
 pub fn owner(owner: &str) -> (Option<NodeUser>, Option<NodeGroup>) {
-    let mut parts = owner.splitn(2, ':');
-    let user = parts
-        .next()
+    let mut parts = owner
+        .splitn(2, ':')
         .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|name| NodeUser {
-            id: None,
-            name: Some(name.to_owned()),
-        });
-    let group = parts
-        .next()
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|name| NodeGroup {
-            id: None,
-            name: Some(name.to_owned()),
-        });
+        .map(|s| (!s.is_empty()).then(|| s.to_owned()));
+    let user = parts.next().flatten().map(|name| NodeUser {
+        id: None,
+        name: Some(name),
+    });
+    let group = parts.next().flatten().map(|name| NodeGroup {
+        id: None,
+        name: Some(name),
+    });
     (user, group)
 }
