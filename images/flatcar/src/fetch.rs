@@ -16,7 +16,9 @@ use thiserror::Error;
 
 use crate::containerfile::DiskImage;
 use crate::digests::{Digests, DigestsError, sha256_file};
-use crate::release::{Arch, Channel, FlatcarVersion, ReleaseServer, VERSION_TXT, VersionSpec};
+use crate::release::{
+    Arch, Channel, FlatcarVersion, QemuReleaseUrls, ReleaseServer, VERSION_TXT, VersionSpec,
+};
 use crate::signature::{GoodSignature, SignatureError, SignatureVerifier};
 use crate::version_txt::{VersionTxt, VersionTxtError};
 
@@ -330,11 +332,7 @@ impl Download for Curl {
                 detail,
             });
         }
-        fs::rename(&part, dest).map_err(|source| FetchError::Io {
-            action: "rename the download to",
-            path: dest.into(),
-            source,
-        })
+        fs::rename(&part, dest).map_err(io_error("rename the download to", dest))
     }
 }
 
@@ -424,27 +422,68 @@ pub fn fetch(
     download: &dyn Download,
     verifier: &SignatureVerifier,
 ) -> Result<Fetched, FetchError> {
-    let out = &request.out;
-    fs::create_dir_all(out).map_err(|source| FetchError::Io {
-        action: "create the output directory",
-        path: out.clone(),
-        source,
-    })?;
-    let io = |action: &'static str, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| FetchError::Io {
-            action,
-            path,
-            source,
-        }
+    let containerfile = prepare_output_dir(&request.out)?;
+    let version = fetch_release_version(request, download, verifier)?;
+    let urls = request.server.qemu_release(request.arch, version);
+    let disk = DiskFiles::new(&request.out, request.arch.qemu_image_file());
+    let digests = disk.fetch_digests(&urls, download)?;
+    let reused = disk.reuse_verified(&digests, verifier)?;
+    if !reused {
+        download.download(&urls.image, &disk.image)?;
+    }
+    let (sha512, signature) = disk.verify_or_delete(&digests, verifier)?;
+
+    // The Containerfile, last: its presence means the disk next to it is verified.
+    let image = DiskImage {
+        channel: request.channel,
+        version,
+        arch: request.arch,
+        file: disk.name.into(),
+        sha512: sha512.clone(),
+        source_url: urls.image,
+        signed_by: signature.primary_key.clone(),
     };
-    // A Containerfile from an earlier run must not outlive a failed one.
+    let sha256 = sha256_file(&disk.image).map_err(io_error("read", &disk.image))?;
+    fs::write(&containerfile, image.containerfile()).map_err(io_error("write", &containerfile))?;
+    Ok(Fetched {
+        version,
+        image: disk.image,
+        sha512,
+        sha256,
+        signature,
+        containerfile,
+        reused,
+    })
+}
+
+/// Maps an I/O error of `action` on `path` to [`FetchError::Io`].
+fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> FetchError {
+    let path = path.to_path_buf();
+    move |source| FetchError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
+/// Creates the output directory and removes a Containerfile from an earlier run, which must
+/// not outlive a failed one; returns the Containerfile's path.
+fn prepare_output_dir(out: &Path) -> Result<PathBuf, FetchError> {
+    fs::create_dir_all(out).map_err(io_error("create the output directory", out))?;
     let containerfile = out.join(CONTAINERFILE);
     if containerfile.exists() {
-        fs::remove_file(&containerfile).map_err(io("remove", &containerfile))?;
+        fs::remove_file(&containerfile).map_err(io_error("remove", &containerfile))?;
     }
+    Ok(containerfile)
+}
 
-    // 1. The release: version.txt of the requested directory, signed.
+/// The release: `version.txt` of the requested directory, its signature verified, and for an
+/// exact version the check that it describes that release.
+fn fetch_release_version(
+    request: &FetchRequest,
+    download: &dyn Download,
+    verifier: &SignatureVerifier,
+) -> Result<FlatcarVersion, FetchError> {
     let (txt_url, txt_sig_url) = match request.version {
         VersionSpec::Current => request.server.current_version_txt(request.arch),
         VersionSpec::Exact(v) => {
@@ -452,8 +491,8 @@ pub fn fetch(
             (urls.version_txt, urls.version_txt_sig)
         }
     };
-    let txt = out.join(VERSION_TXT);
-    let txt_sig = out.join(format!("{VERSION_TXT}.sig"));
+    let txt = request.out.join(VERSION_TXT);
+    let txt_sig = request.out.join(format!("{VERSION_TXT}.sig"));
     download.download(&txt_url, &txt)?;
     download.download(&txt_sig_url, &txt_sig)?;
     verifier
@@ -462,7 +501,7 @@ pub fn fetch(
             file: VERSION_TXT.into(),
             source,
         })?;
-    let text = fs::read_to_string(&txt).map_err(io("read", &txt))?;
+    let text = fs::read_to_string(&txt).map_err(io_error("read", &txt))?;
     let version = VersionTxt::parse(&text)
         .map_err(FetchError::VersionTxt)?
         .version;
@@ -475,92 +514,101 @@ pub fn fetch(
             found: version,
         });
     }
-
-    // 2. The disk's DIGESTS and signature (small: always fetched again).
-    let urls = request.server.qemu_release(request.arch, version);
-    let name = request.arch.qemu_image_file();
-    let image = out.join(name);
-    let sig = out.join(format!("{name}.sig"));
-    let digests_file = out.join(format!("{name}.DIGESTS"));
-    download.download(&urls.image_sig, &sig)?;
-    download.download(&urls.image_digests, &digests_file)?;
-    let digests_text = fs::read_to_string(&digests_file).map_err(io("read", &digests_file))?;
-    let digests = Digests::parse(&digests_text).map_err(|source| FetchError::Digests {
-        file: name.into(),
-        source,
-    })?;
-
-    // 3. The disk: reused when a previous run left a verified copy, else downloaded.
-    let mut reused = false;
-    if image.exists() {
-        match verify_disk(&image, name, &digests, &sig, verifier) {
-            Ok(_) => reused = true,
-            Err(_) => fs::remove_file(&image).map_err(io("remove the stale", &image))?,
-        }
-    }
-    if !reused {
-        download.download(&urls.image, &image)?;
-    }
-    let (sha512, signature) = match verify_disk(&image, name, &digests, &sig, verifier) {
-        Ok(checked) => checked,
-        Err(err) => {
-            let _ = fs::remove_file(&image);
-            return Err(err);
-        }
-    };
-
-    // 4. The Containerfile, last.
-    let disk = DiskImage {
-        channel: request.channel,
-        version,
-        arch: request.arch,
-        file: name.into(),
-        sha512: sha512.clone(),
-        source_url: urls.image,
-        signed_by: signature.primary_key.clone(),
-    };
-    let sha256 = sha256_file(&image).map_err(io("read", &image))?;
-    fs::write(&containerfile, disk.containerfile()).map_err(io("write", &containerfile))?;
-    Ok(Fetched {
-        version,
-        image,
-        sha512,
-        sha256,
-        signature,
-        containerfile,
-        reused,
-    })
+    Ok(version)
 }
 
-/// The disk's SHA-512 against DIGESTS (cheap to explain), its signature, then its format.
-fn verify_disk(
-    image: &Path,
-    name: &str,
-    digests: &Digests,
-    sig: &Path,
-    verifier: &SignatureVerifier,
-) -> Result<(String, GoodSignature), FetchError> {
-    let sha512 = digests
-        .verify_sha512(image, name)
-        .map_err(|source| FetchError::Digests {
-            file: name.into(),
-            source,
-        })?;
-    let signature = verifier
-        .verify(sig, image)
-        .map_err(|source| FetchError::Signature {
-            file: name.into(),
-            source,
-        })?;
-    let mut magic = [0u8; 4];
-    let qcow2 = fs::File::open(image)
-        .and_then(|mut f| f.read_exact(&mut magic))
-        .is_ok()
-        && magic == *b"QFI\xfb";
-    if !qcow2 {
-        return Err(FetchError::NotQcow2(image.into()));
+/// The disk's files in the output directory: the disk, its signature and its DIGESTS.
+struct DiskFiles {
+    /// The disk's file name on the release server and in the output directory.
+    name: &'static str,
+    image: PathBuf,
+    sig: PathBuf,
+    digests: PathBuf,
+}
+
+impl DiskFiles {
+    fn new(out: &Path, name: &'static str) -> Self {
+        DiskFiles {
+            name,
+            image: out.join(name),
+            sig: out.join(format!("{name}.sig")),
+            digests: out.join(format!("{name}.DIGESTS")),
+        }
     }
-    Ok((sha512, signature))
+
+    /// Downloads the disk's signature and DIGESTS (small: always fetched again) and parses
+    /// the DIGESTS.
+    fn fetch_digests(
+        &self,
+        urls: &QemuReleaseUrls,
+        download: &dyn Download,
+    ) -> Result<Digests, FetchError> {
+        download.download(&urls.image_sig, &self.sig)?;
+        download.download(&urls.image_digests, &self.digests)?;
+        let text = fs::read_to_string(&self.digests).map_err(io_error("read", &self.digests))?;
+        Digests::parse(&text).map_err(|source| FetchError::Digests {
+            file: self.name.into(),
+            source,
+        })
+    }
+
+    /// Whether a previous run left a verified disk; a disk that fails verification is deleted.
+    fn reuse_verified(
+        &self,
+        digests: &Digests,
+        verifier: &SignatureVerifier,
+    ) -> Result<bool, FetchError> {
+        if !self.image.exists() {
+            return Ok(false);
+        }
+        match self.verify(digests, verifier) {
+            Ok(_) => Ok(true),
+            Err(_) => fs::remove_file(&self.image)
+                .map(|()| false)
+                .map_err(io_error("remove the stale", &self.image)),
+        }
+    }
+
+    /// Verifies the disk ([`DiskFiles::verify`]) and deletes it when it fails.
+    fn verify_or_delete(
+        &self,
+        digests: &Digests,
+        verifier: &SignatureVerifier,
+    ) -> Result<(String, GoodSignature), FetchError> {
+        self.verify(digests, verifier).inspect_err(|_| {
+            let _ = fs::remove_file(&self.image);
+        })
+    }
+
+    /// The disk's SHA-512 against DIGESTS (cheap to explain), its signature, then its format.
+    fn verify(
+        &self,
+        digests: &Digests,
+        verifier: &SignatureVerifier,
+    ) -> Result<(String, GoodSignature), FetchError> {
+        let sha512 = digests
+            .verify_sha512(&self.image, self.name)
+            .map_err(|source| FetchError::Digests {
+                file: self.name.into(),
+                source,
+            })?;
+        let signature =
+            verifier
+                .verify(&self.sig, &self.image)
+                .map_err(|source| FetchError::Signature {
+                    file: self.name.into(),
+                    source,
+                })?;
+        let mut magic = [0u8; 4];
+        let qcow2 = fs::File::open(&self.image)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok()
+            && magic == *b"QFI\xfb";
+        if !qcow2 {
+            return Err(FetchError::NotQcow2(self.image.clone()));
+        }
+        Ok((sha512, signature))
+    }
 }
 
 #[cfg(test)]
@@ -596,18 +644,20 @@ mod tests {
 
     const IMAGE: &str = "flatcar_production_qemu_image.img";
 
-    fn release_tree(key: &TestKey, root: &Path, disk: &[u8]) {
-        key.release_tree(root, "4230.2.3", disk);
+    /// A signed release 4230.2.3 on a mirror, a request for the current stable release and a
+    /// verifier that trusts `key`.
+    fn setup(key: &TestKey) -> (tempfile::TempDir, Mirror, FetchRequest, SignatureVerifier) {
+        setup_serving(key, b"QFI\xfb\x00\x00\x00\x03 a tiny stand-in for the disk")
     }
 
-    fn setup(key: &TestKey) -> (tempfile::TempDir, Mirror, FetchRequest, SignatureVerifier) {
+    /// [`setup`] with the mirror serving `disk` as the release's disk.
+    fn setup_serving(
+        key: &TestKey,
+        disk: &[u8],
+    ) -> (tempfile::TempDir, Mirror, FetchRequest, SignatureVerifier) {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("mirror");
-        release_tree(
-            key,
-            &root,
-            b"QFI\xfb\x00\x00\x00\x03 a tiny stand-in for the disk",
-        );
+        key.release_tree(&root, "4230.2.3", disk);
         let base = "https://mirror.example/flatcar/stable".to_owned();
         let request = FetchRequest {
             channel: Channel::Stable,
@@ -624,6 +674,19 @@ mod tests {
         let verifier =
             SignatureVerifier::from_key(key.public_armored().as_bytes(), Some(&key.fpr)).unwrap();
         (dir, mirror, request, verifier)
+    }
+
+    /// Runs a fetch that must fail, and checks that it left neither the disk nor a
+    /// Containerfile behind.
+    fn fetch_refused(
+        request: &FetchRequest,
+        mirror: &Mirror,
+        verifier: &SignatureVerifier,
+    ) -> FetchError {
+        let err = fetch(request, mirror, verifier).unwrap_err();
+        assert!(!request.out.join(IMAGE).exists(), "{err:?}");
+        assert!(!request.out.join(CONTAINERFILE).exists(), "{err:?}");
+        err
     }
 
     #[test]
@@ -689,7 +752,7 @@ mod tests {
 
         // Altered after signing: the DIGESTS entry no longer matches.
         fs::write(&served, b"QFI\xfb\x00\x00\x00\x03 something else").unwrap();
-        let err = fetch(&request, &mirror, &verifier).unwrap_err();
+        let err = fetch_refused(&request, &mirror, &verifier);
         assert!(
             matches!(
                 &err,
@@ -700,8 +763,6 @@ mod tests {
             ),
             "{err:?}"
         );
-        assert!(!request.out.join(IMAGE).exists());
-        assert!(!request.out.join(CONTAINERFILE).exists());
 
         // DIGESTS rewritten to match, but the signature still refuses it.
         let sha = sha512_file(&served).unwrap();
@@ -710,7 +771,7 @@ mod tests {
             format!("# SHA512 HASH\n{sha}  {IMAGE}\n"),
         )
         .unwrap();
-        let err = fetch(&request, &mirror, &verifier).unwrap_err();
+        let err = fetch_refused(&request, &mirror, &verifier);
         assert!(
             matches!(
                 &err,
@@ -721,8 +782,6 @@ mod tests {
             ),
             "{err:?}"
         );
-        assert!(!request.out.join(IMAGE).exists());
-        assert!(!request.out.join(CONTAINERFILE).exists());
     }
 
     #[test]
@@ -766,27 +825,12 @@ mod tests {
             return;
         };
         let key = TestKey::generate(&gpg, "capk release");
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("mirror");
         // A bzip2 stream, as the old .img.bz2 downloads are.
-        release_tree(&key, &root, b"BZh91AY&SY not a qcow2");
-        let base = "https://mirror.example/f".to_owned();
-        let mirror = Mirror {
-            base: base.clone(),
-            root,
-            fetched: RefCell::new(vec![]),
-        };
-        let request = FetchRequest {
-            channel: Channel::Stable,
-            version: VersionSpec::Current,
-            arch: Arch::Amd64,
-            server: ReleaseServer::mirror(&base).unwrap(),
-            out: dir.path().join("out"),
-        };
+        let (_dir, mirror, request, _) = setup_serving(&key, b"BZh91AY&SY not a qcow2");
+        // A binary key without a pinned fingerprint verifies too.
         let verifier = SignatureVerifier::from_key(&key.public_binary(), None).unwrap();
-        let err = fetch(&request, &mirror, &verifier).unwrap_err();
+        let err = fetch_refused(&request, &mirror, &verifier);
         assert!(matches!(err, FetchError::NotQcow2(_)), "{err:?}");
-        assert!(!request.out.join(CONTAINERFILE).exists());
     }
 
     #[test]

@@ -47,6 +47,9 @@ pub enum Channel {
 }
 
 impl Channel {
+    /// Every channel, for parsing by name.
+    const ALL: [Channel; 4] = [Channel::Stable, Channel::Beta, Channel::Alpha, Channel::Lts];
+
     /// The channel's name, as in the release host name and in `KVMMachine.spec.image.flatcar`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -67,13 +70,10 @@ impl fmt::Display for Channel {
 impl FromStr for Channel {
     type Err = ReleaseError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "stable" => Ok(Channel::Stable),
-            "beta" => Ok(Channel::Beta),
-            "alpha" => Ok(Channel::Alpha),
-            "lts" => Ok(Channel::Lts),
-            other => Err(ReleaseError::Channel(other.into())),
-        }
+        Channel::ALL
+            .into_iter()
+            .find(|c| c.as_str() == s)
+            .ok_or_else(|| ReleaseError::Channel(s.into()))
     }
 }
 
@@ -87,6 +87,9 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// Every board, for parsing by name.
+    const ALL: [Arch; 2] = [Arch::Amd64, Arch::Arm64];
+
     /// The board name used in release paths.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -116,12 +119,12 @@ impl fmt::Display for Arch {
 
 impl FromStr for Arch {
     type Err = ReleaseError;
+    /// The board name (`amd64-usr`) or the architecture alone (`amd64`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "amd64-usr" | "amd64" => Ok(Arch::Amd64),
-            "arm64-usr" | "arm64" => Ok(Arch::Arm64),
-            other => Err(ReleaseError::Arch(other.into())),
-        }
+        Arch::ALL
+            .into_iter()
+            .find(|a| a.as_str() == s || a.as_str().strip_suffix("-usr") == Some(s))
+            .ok_or_else(|| ReleaseError::Arch(s.into()))
     }
 }
 
