@@ -71,114 +71,104 @@ pub struct NodeImage {
 /// The node image: a container image through an image volume or the host cache, or a Flatcar
 /// release / URL download from the host cache.
 pub fn plan(km: &KVMMachine, defaults: &MachineDefaults) -> NodeImage {
-    let image = km.spec.image.as_ref();
-    let cache = host_path("image", HOST_IMAGE_CACHE, "DirectoryOrCreate");
-    let default_image = match (image, &defaults.default_node_image) {
+    match container_image(km, defaults) {
+        Some(ci) if defaults.node_image_source == NodeImageSource::ImageVolume => image_volume(&ci),
+        Some(ci) => copied_to_host_cache(&ci, defaults),
+        None => fetched_to_host_cache(km, defaults),
+    }
+}
+
+/// The container image the node image comes from: the machine's, or the default node image
+/// when the machine names no image at all.
+fn container_image(km: &KVMMachine, defaults: &MachineDefaults) -> Option<ContainerDiskImage> {
+    match (km.spec.image.as_ref(), &defaults.default_node_image) {
+        (Some(i), _) => i.container_image.clone(),
         (None, Some(i)) => Some(ContainerDiskImage {
             image: i.clone(),
             path: None,
         }),
-        _ => None,
-    };
-    let container_image = image
-        .and_then(|i| i.container_image.as_ref())
-        .or(default_image.as_ref());
-    if let Some(ci) = container_image {
-        let disk = ci
-            .path
-            .clone()
-            .unwrap_or_else(|| DEFAULT_CONTAINER_DISK_PATH.into());
-        if defaults.node_image_source == NodeImageSource::ImageVolume {
-            // The container runtime pulls and caches the image by digest; it is mounted
-            // read-only and used as the qcow2 backing file, never copied.
-            let volume = Volume {
-                name: "image".into(),
-                image: Some(ImageVolumeSource {
-                    reference: Some(ci.image.clone()),
-                    pull_policy: Some("IfNotPresent".into()),
-                }),
-                ..Default::default()
-            };
-            return NodeImage {
-                volumes: vec![volume],
-                init_containers: vec![],
-                path: format!("{IMAGE_DIR}/{}", disk.trim_start_matches('/')),
-            };
-        }
-        let tools = Volume {
-            name: "tools".into(),
-            empty_dir: Some(EmptyDirVolumeSource::default()),
-            ..Default::default()
-        };
-        let busybox = format!("{TOOLS_DIR}/busybox");
-        return NodeImage {
-            volumes: vec![cache, tools],
-            init_containers: vec![
-                init(
-                    "tools",
-                    &defaults.launcher_image,
-                    vec![
-                        "/bin/busybox".into(),
-                        "cp".into(),
-                        "/bin/busybox".into(),
-                        busybox.clone(),
-                    ],
-                    vec![mount("tools", TOOLS_DIR, false)],
-                ),
-                init(
-                    "node-image",
-                    &ci.image,
-                    vec![
-                        busybox.clone(),
-                        "sh".into(),
-                        "-c".into(),
-                        NODE_IMAGE_SCRIPT.into(),
-                        "node-image".into(),
-                        busybox,
-                        disk,
-                        IMAGE_DIR.into(),
-                        NODE_IMAGE_LINK.into(),
-                    ],
-                    vec![
-                        mount("tools", TOOLS_DIR, true),
-                        mount("image", IMAGE_DIR, false),
-                        mount("state", STATE_DIR, false),
-                    ],
-                ),
-            ],
-            path: NODE_IMAGE_LINK.into(),
-        };
+        (None, None) => None,
     }
-    // A URL image or a Flatcar release (the machine's, or the pinned default): fetched into
-    // the host cache and verified by the launcher image, linked into the state directory.
-    let mut args = vec![
-        "fetch-image".to_owned(),
-        format!("--cache-dir={IMAGE_DIR}"),
-        format!("--link={NODE_IMAGE_LINK}"),
-        format!("--max-cache-size={}", defaults.image_cache_bytes),
-    ];
-    let flatcar = match image.and_then(|i| i.url.as_ref()) {
-        Some(u) => {
-            args.extend([format!("--url={}", u.url), format!("--sha256={}", u.sha256)]);
-            None
-        }
-        None => Some(match image.and_then(|i| i.flatcar.as_ref()) {
-            Some(f) => (channel(f.channel), f.version.as_str()),
-            None => ("stable", defaults.flatcar_version.as_str()),
+}
+
+/// The disk file's path inside a node-image container image.
+fn disk_path(ci: &ContainerDiskImage) -> String {
+    ci.path
+        .clone()
+        .unwrap_or_else(|| DEFAULT_CONTAINER_DISK_PATH.into())
+}
+
+/// A container image as an image volume: the container runtime pulls and caches the image by
+/// digest; it is mounted read-only and used as the qcow2 backing file, never copied.
+fn image_volume(ci: &ContainerDiskImage) -> NodeImage {
+    let volume = Volume {
+        name: "image".into(),
+        image: Some(ImageVolumeSource {
+            reference: Some(ci.image.clone()),
+            pull_policy: Some("IfNotPresent".into()),
         }),
+        ..Default::default()
     };
-    if let Some((channel, version)) = flatcar {
-        args.extend([
-            format!("--flatcar-channel={channel}"),
-            format!("--flatcar-version={version}"),
-        ]);
-        args.extend(
-            defaults
-                .flatcar_base_url
-                .as_ref()
-                .map(|b| format!("--flatcar-base-url={b}")),
-        );
+    NodeImage {
+        volumes: vec![volume],
+        init_containers: vec![],
+        path: format!("{IMAGE_DIR}/{}", disk_path(ci).trim_start_matches('/')),
     }
+}
+
+/// A container image copied once per MC node into the host cache: the `tools` init container
+/// copies the launcher image's static busybox out, and the `node-image` init container runs
+/// [`NODE_IMAGE_SCRIPT`] with it inside the node image.
+fn copied_to_host_cache(ci: &ContainerDiskImage, defaults: &MachineDefaults) -> NodeImage {
+    let cache = host_path("image", HOST_IMAGE_CACHE, "DirectoryOrCreate");
+    let tools = Volume {
+        name: "tools".into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Default::default()
+    };
+    let busybox = format!("{TOOLS_DIR}/busybox");
+    let copy_tools = init(
+        "tools",
+        &defaults.launcher_image,
+        vec![
+            "/bin/busybox".into(),
+            "cp".into(),
+            "/bin/busybox".into(),
+            busybox.clone(),
+        ],
+        vec![mount("tools", TOOLS_DIR, false)],
+    );
+    let copy_image = init(
+        "node-image",
+        &ci.image,
+        vec![
+            busybox.clone(),
+            "sh".into(),
+            "-c".into(),
+            NODE_IMAGE_SCRIPT.into(),
+            "node-image".into(),
+            busybox,
+            disk_path(ci),
+            IMAGE_DIR.into(),
+            NODE_IMAGE_LINK.into(),
+        ],
+        vec![
+            mount("tools", TOOLS_DIR, true),
+            mount("image", IMAGE_DIR, false),
+            mount("state", STATE_DIR, false),
+        ],
+    );
+    NodeImage {
+        volumes: vec![cache, tools],
+        init_containers: vec![copy_tools, copy_image],
+        path: NODE_IMAGE_LINK.into(),
+    }
+}
+
+/// A URL image or a Flatcar release (the machine's, or the pinned default): fetched into the
+/// host cache and verified by the launcher image's [`FETCH_IMAGE_CONTAINER`], linked into the
+/// state directory.
+fn fetched_to_host_cache(km: &KVMMachine, defaults: &MachineDefaults) -> NodeImage {
     let mut fetch = init(
         FETCH_IMAGE_CONTAINER,
         &defaults.launcher_image,
@@ -188,12 +178,43 @@ pub fn plan(km: &KVMMachine, defaults: &MachineDefaults) -> NodeImage {
             mount("state", STATE_DIR, false),
         ],
     );
-    fetch.args = Some(args);
+    fetch.args = Some(fetch_image_args(km, defaults));
     NodeImage {
-        volumes: vec![cache],
+        volumes: vec![host_path("image", HOST_IMAGE_CACHE, "DirectoryOrCreate")],
         init_containers: vec![fetch],
         path: NODE_IMAGE_LINK.into(),
     }
+}
+
+/// The `capk-launcher fetch-image` arguments: the cache and its bound, then the URL and its
+/// digest, or the Flatcar channel, version and (if set) base URL.
+fn fetch_image_args(km: &KVMMachine, defaults: &MachineDefaults) -> Vec<String> {
+    let image = km.spec.image.as_ref();
+    let mut args = vec![
+        "fetch-image".to_owned(),
+        format!("--cache-dir={IMAGE_DIR}"),
+        format!("--link={NODE_IMAGE_LINK}"),
+        format!("--max-cache-size={}", defaults.image_cache_bytes),
+    ];
+    if let Some(u) = image.and_then(|i| i.url.as_ref()) {
+        args.extend([format!("--url={}", u.url), format!("--sha256={}", u.sha256)]);
+        return args;
+    }
+    let (channel, version) = match image.and_then(|i| i.flatcar.as_ref()) {
+        Some(f) => (channel(f.channel), f.version.as_str()),
+        None => ("stable", defaults.flatcar_version.as_str()),
+    };
+    args.extend([
+        format!("--flatcar-channel={channel}"),
+        format!("--flatcar-version={version}"),
+    ]);
+    args.extend(
+        defaults
+            .flatcar_base_url
+            .as_ref()
+            .map(|b| format!("--flatcar-base-url={b}")),
+    );
+    args
 }
 
 /// An init container: `command` in `image` with `mounts`; its termination message is the file
@@ -210,6 +231,7 @@ fn init(name: &str, image: &str, command: Vec<String>, mounts: Vec<VolumeMount>)
     }
 }
 
+/// The channel name Flatcar's release server uses.
 fn channel(c: FlatcarChannel) -> &'static str {
     match c {
         FlatcarChannel::Stable => "stable",

@@ -1,7 +1,7 @@
 //! Pure: the KVMMachine's status from where it is on its way to a running VM and what its
 //! machine Pod and Node say.
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use kube::{Resource, ResourceExt};
 
 use super::names::hostname;
@@ -93,29 +93,61 @@ fn reason_or(reason: Option<&str>, fallback: &'static str) -> std::borrow::Cow<'
 /// a node), `VMRunning` (the launcher container runs; it exits when QEMU dies) and
 /// `BootstrapCompleted` (the launcher's readiness probe: the guest reported bootstrap success).
 pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::k8s::conditions::DesiredCondition> {
-    use crate::k8s::conditions::DesiredCondition as C;
+    let Some(pod) = pod else {
+        return no_pod_conditions();
+    };
+    let launcher = launcher_status(pod);
+    vec![
+        scheduled_condition(pod),
+        vm_running_condition(launcher),
+        bootstrap_condition(pod, launcher),
+    ]
+}
+
+/// The three Pod conditions, all false, when there is no machine Pod.
+fn no_pod_conditions() -> Vec<crate::k8s::conditions::DesiredCondition> {
     use capk_api::constants::{
         CONDITION_BOOTSTRAP_COMPLETED, CONDITION_POD_SCHEDULED, CONDITION_VM_RUNNING,
     };
-    let Some(pod) = pod else {
-        return [
-            CONDITION_POD_SCHEDULED,
-            CONDITION_VM_RUNNING,
-            CONDITION_BOOTSTRAP_COMPLETED,
-        ]
-        .into_iter()
-        .map(|t| C::falsy(t, "NoMachinePod", "there is no machine Pod"))
-        .collect();
-    };
-    let status = pod.status.clone().unwrap_or_default();
-    let scheduled = status
-        .conditions
-        .as_deref()
+    [
+        CONDITION_POD_SCHEDULED,
+        CONDITION_VM_RUNNING,
+        CONDITION_BOOTSTRAP_COMPLETED,
+    ]
+    .into_iter()
+    .map(|t| {
+        crate::k8s::conditions::DesiredCondition::falsy(
+            t,
+            "NoMachinePod",
+            "there is no machine Pod",
+        )
+    })
+    .collect()
+}
+
+/// The status of the machine Pod's `launcher` container, once the kubelet reports one.
+fn launcher_status(pod: &Pod) -> Option<&ContainerStatus> {
+    pod.status
+        .as_ref()?
+        .container_statuses
+        .as_deref()?
+        .iter()
+        .find(|c| c.name == "launcher")
+}
+
+/// `PodScheduled`: the node the machine Pod is scheduled to, or why it is not.
+fn scheduled_condition(pod: &Pod) -> crate::k8s::conditions::DesiredCondition {
+    use crate::k8s::conditions::DesiredCondition as C;
+    use capk_api::constants::CONDITION_POD_SCHEDULED;
+    let scheduled = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
         .unwrap_or_default()
         .iter()
         .find(|c| c.type_ == "PodScheduled");
     let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
-    let scheduled = match (scheduled, node) {
+    match (scheduled, node) {
         (Some(c), Some(node)) if c.status == "True" => C::truthy(
             CONDITION_POD_SCHEDULED,
             "Scheduled",
@@ -131,16 +163,57 @@ pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::k8s::conditions::DesiredC
             "WaitingForScheduler",
             "the machine Pod waits for the scheduler",
         ),
-    };
-    let launcher = status
-        .container_statuses
-        .as_deref()
-        .unwrap_or_default()
-        .iter()
-        .find(|c| c.name == "launcher");
-    let state = launcher.and_then(|c| c.state.as_ref());
+    }
+}
+
+/// `VMRunning`: whether the launcher container runs, with its restarts and last exit.
+fn vm_running_condition(
+    launcher: Option<&ContainerStatus>,
+) -> crate::k8s::conditions::DesiredCondition {
+    use crate::k8s::conditions::DesiredCondition as C;
+    use capk_api::constants::CONDITION_VM_RUNNING;
     let restarts = launcher.map(|c| c.restart_count).unwrap_or(0);
-    let last_exit = launcher
+    let history = format!("restarts: {restarts}{}", last_exit(launcher));
+    let state = launcher.and_then(|c| c.state.as_ref());
+    if state.is_some_and(|s| s.running.is_some()) {
+        C::truthy(
+            CONDITION_VM_RUNNING,
+            "LauncherRunning",
+            format!("the launcher runs the VM ({history})"),
+        )
+    } else if let Some(w) = state.and_then(|s| s.waiting.as_ref()) {
+        C::falsy(
+            CONDITION_VM_RUNNING,
+            reason_or(w.reason.as_deref(), "LauncherWaiting"),
+            format!(
+                "{} ({history})",
+                w.message
+                    .as_deref()
+                    .unwrap_or("the launcher container waits to start")
+            ),
+        )
+    } else if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
+        C::falsy(
+            CONDITION_VM_RUNNING,
+            "LauncherExited",
+            format!(
+                "the launcher exited with code {}: {}",
+                t.exit_code,
+                t.message.as_deref().unwrap_or("no message").trim()
+            ),
+        )
+    } else {
+        C::falsy(
+            CONDITION_VM_RUNNING,
+            "LauncherPending",
+            "the launcher container has not started",
+        )
+    }
+}
+
+/// `; last exit: code N, message` of the launcher's previous run, or nothing.
+fn last_exit(launcher: Option<&ContainerStatus>) -> String {
+    launcher
         .and_then(|c| c.last_state.as_ref())
         .and_then(|s| s.terminated.as_ref())
         .map(|t| {
@@ -153,57 +226,33 @@ pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::k8s::conditions::DesiredC
                     .unwrap_or_default()
             )
         })
-        .unwrap_or_default();
-    let running = match state {
-        Some(s) if s.running.is_some() => C::truthy(
-            CONDITION_VM_RUNNING,
-            "LauncherRunning",
-            format!("the launcher runs the VM (restarts: {restarts}{last_exit})"),
-        ),
-        Some(s) if s.waiting.is_some() => {
-            let w = s.waiting.as_ref().expect("checked");
-            C::falsy(
-                CONDITION_VM_RUNNING,
-                reason_or(w.reason.as_deref(), "LauncherWaiting"),
-                format!(
-                    "{} (restarts: {restarts}{last_exit})",
-                    w.message
-                        .as_deref()
-                        .unwrap_or("the launcher container waits to start")
-                ),
-            )
-        }
-        Some(s) if s.terminated.is_some() => {
-            let t = s.terminated.as_ref().expect("checked");
-            C::falsy(
-                CONDITION_VM_RUNNING,
-                "LauncherExited",
-                format!(
-                    "the launcher exited with code {}: {}",
-                    t.exit_code,
-                    t.message.as_deref().unwrap_or("no message").trim()
-                ),
-            )
-        }
-        _ => C::falsy(
-            CONDITION_VM_RUNNING,
-            "LauncherPending",
-            "the launcher container has not started",
-        ),
-    };
-    // The startup probe runs the readiness check every second until it first passes, and the
-    // kubelet marks the container `started` at once; `ready` follows only at the readiness
-    // probe's next period (up to 10 s later). A Pod built without a startup probe (by an older
-    // controller) is `started` as soon as it runs, so there only `ready` counts.
+        .unwrap_or_default()
+}
+
+/// `BootstrapCompleted`: the launcher's readiness (or, sooner, its startup probe) says the guest
+/// reported bootstrap success.
+///
+/// The startup probe runs the readiness check every second until it first passes, and the
+/// kubelet marks the container `started` at once; `ready` follows only at the readiness probe's
+/// next period (up to 10 s later). A Pod built without a startup probe (by an older controller)
+/// is `started` as soon as it runs, so there only `ready` counts.
+fn bootstrap_condition(
+    pod: &Pod,
+    launcher: Option<&ContainerStatus>,
+) -> crate::k8s::conditions::DesiredCondition {
+    use crate::k8s::conditions::DesiredCondition as C;
+    use capk_api::constants::CONDITION_BOOTSTRAP_COMPLETED;
     let has_startup_probe = pod
         .spec
         .as_ref()
         .and_then(|s| s.containers.iter().find(|c| c.name == "launcher"))
         .is_some_and(|c| c.startup_probe.is_some());
     let started = has_startup_probe
-        && state.is_some_and(|s| s.running.is_some())
+        && launcher
+            .and_then(|c| c.state.as_ref())
+            .is_some_and(|s| s.running.is_some())
         && launcher.is_some_and(|c| c.started == Some(true));
-    let bootstrapped = if launcher.is_some_and(|c| c.ready) {
+    if launcher.is_some_and(|c| c.ready) {
         C::truthy(
             CONDITION_BOOTSTRAP_COMPLETED,
             "BootstrapSucceeded",
@@ -221,8 +270,7 @@ pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::k8s::conditions::DesiredC
             "WaitingForBootstrap",
             "waiting for the guest to report bootstrap success (capk-launcher probe readiness)",
         )
-    };
-    vec![scheduled, running, bootstrapped]
+    }
 }
 
 /// The `NodeReady` condition: what the machine Pod's readiness gate says about the workload
@@ -325,102 +373,139 @@ pub fn status(
     failure_domain: Option<&str>,
     now: k8s_openapi::jiff::Timestamp,
 ) -> capk_api::v1alpha1::KVMMachineStatus {
-    use crate::k8s::conditions::{self, DesiredCondition as C};
-    use capk_api::constants::{CONDITION_PAUSED, CONDITION_READY};
-    use capk_api::v1alpha1::{Initialization, MachineAddress, MachineAddressType};
-
     let current = km.status.clone().unwrap_or_default();
     let generation = km.meta().generation;
+    let mut desired = vec![paused_condition(state)];
+    desired.extend(ready_condition(state, is_provisioned(&current)));
+    if !matches!(state, MachineState::Paused) {
+        desired.extend_from_slice(pod);
+    }
     let mut out = current.clone();
-    let mut desired = vec![match state {
+    record_pod(&mut out, state, km);
+    if observes_spec(state) {
+        out.failure_domain = failure_domain.map(str::to_owned);
+        out.observed_generation = generation;
+    }
+    out.conditions = Some(crate::k8s::conditions::merge(
+        current.conditions.as_deref().unwrap_or_default(),
+        &desired,
+        generation,
+        now,
+    ));
+    out
+}
+
+/// Whether the status already says the machine is provisioned.
+fn is_provisioned(current: &capk_api::v1alpha1::KVMMachineStatus) -> bool {
+    current
+        .initialization
+        .as_ref()
+        .and_then(|i| i.provisioned)
+        .unwrap_or(false)
+}
+
+/// Whether the state comes from a reconcile that looked at the spec, so `observedGeneration` and
+/// the failure domain follow it; paused, hosting-unavailable and deleting reconciles leave them.
+fn observes_spec(state: &MachineState) -> bool {
+    !matches!(
+        state,
+        MachineState::Paused | MachineState::HostingUnavailable(_) | MachineState::Deleting { .. }
+    )
+}
+
+/// `Paused`: true while the Cluster or the KVMMachine is paused.
+fn paused_condition(state: &MachineState) -> crate::k8s::conditions::DesiredCondition {
+    use crate::k8s::conditions::DesiredCondition as C;
+    use capk_api::constants::CONDITION_PAUSED;
+    match state {
         MachineState::Paused => C::truthy(
             CONDITION_PAUSED,
             "Paused",
             "the Cluster or this object is paused; nothing is changed until it is unpaused",
         ),
         _ => C::falsy(CONDITION_PAUSED, "NotPaused", ""),
-    }];
-    let ready = match state {
+    }
+}
+
+/// `Ready` for the state, or none where the last one stands: while paused, and while the hosting
+/// cluster is unavailable to a machine that is already provisioned.
+fn ready_condition(
+    state: &MachineState,
+    provisioned: bool,
+) -> Option<crate::k8s::conditions::DesiredCondition> {
+    use crate::k8s::conditions::DesiredCondition as C;
+    use capk_api::constants::CONDITION_READY;
+    let not_ready =
+        |reason: &'static str, message: String| Some(C::falsy(CONDITION_READY, reason, message));
+    match state {
         MachineState::Paused => None,
-        MachineState::WaitingForMachineOwner => Some(C::falsy(
+        MachineState::HostingUnavailable(_) if provisioned => None,
+        MachineState::HostingUnavailable(hosting) => Some(C::falsy(
             CONDITION_READY,
-            "WaitingForMachineOwner",
-            "waiting for Cluster API to set a Machine as owner of this KVMMachine",
-        )),
-        MachineState::WaitingForClusterInfrastructure => Some(C::falsy(
-            CONDITION_READY,
-            "WaitingForClusterInfrastructure",
-            "waiting for the Cluster's infrastructure (KVMCluster) to be provisioned",
-        )),
-        MachineState::WaitingForBootstrapData => Some(C::falsy(
-            CONDITION_READY,
-            "WaitingForBootstrapData",
-            "waiting for the bootstrap provider to set the Machine's spec.bootstrap.dataSecretName",
-        )),
-        MachineState::WaitingForBootstrapSecret(name) => Some(C::falsy(
-            CONDITION_READY,
-            "WaitingForBootstrapData",
-            format!("waiting for the Machine's bootstrap data Secret {name} to exist"),
-        )),
-        MachineState::BootstrapDataInvalid(msg) => Some(C::falsy(
-            CONDITION_READY,
-            REASON_BOOTSTRAP_DATA_INVALID,
-            format!("cannot convert the bootstrap data to Ignition: {msg}"),
-        )),
-        MachineState::SpecInvalid(msg) => Some(C::falsy(
-            CONDITION_READY,
-            REASON_SPEC_INVALID,
-            format!("the spec cannot be run: {msg}"),
-        )),
-        MachineState::PodStarting { pod, detail } => Some(C::falsy(
-            CONDITION_READY,
-            "VMStarting",
-            format!("machine Pod {pod}: {detail}"),
-        )),
-        MachineState::NodeImageFailed {
-            pod,
-            reason,
-            message,
-        } => Some(C::falsy(
-            CONDITION_READY,
-            *reason,
-            format!(
-                "machine Pod {pod} cannot get its node image (retried with back-off): {message}"
-            ),
+            hosting.reason.clone(),
+            hosting.message.clone(),
         )),
         MachineState::Running { pod, .. } => Some(C::truthy(
             CONDITION_READY,
             "VMRunning",
             format!("the VM runs in machine Pod {pod}"),
         )),
-        MachineState::HostingUnavailable(hosting) => {
-            let provisioned = current
-                .initialization
-                .as_ref()
-                .and_then(|i| i.provisioned)
-                .unwrap_or(false);
-            (!provisioned).then(|| {
-                C::falsy(
-                    CONDITION_READY,
-                    hosting.reason.clone(),
-                    hosting.message.clone(),
-                )
-            })
+        MachineState::WaitingForMachineOwner => not_ready(
+            "WaitingForMachineOwner",
+            "waiting for Cluster API to set a Machine as owner of this KVMMachine".into(),
+        ),
+        MachineState::WaitingForClusterInfrastructure => not_ready(
+            "WaitingForClusterInfrastructure",
+            "waiting for the Cluster's infrastructure (KVMCluster) to be provisioned".into(),
+        ),
+        MachineState::WaitingForBootstrapData => not_ready(
+            "WaitingForBootstrapData",
+            "waiting for the bootstrap provider to set the Machine's spec.bootstrap.dataSecretName"
+                .into(),
+        ),
+        MachineState::WaitingForBootstrapSecret(name) => not_ready(
+            "WaitingForBootstrapData",
+            format!("waiting for the Machine's bootstrap data Secret {name} to exist"),
+        ),
+        MachineState::BootstrapDataInvalid(msg) => not_ready(
+            REASON_BOOTSTRAP_DATA_INVALID,
+            format!("cannot convert the bootstrap data to Ignition: {msg}"),
+        ),
+        MachineState::SpecInvalid(msg) => not_ready(
+            REASON_SPEC_INVALID,
+            format!("the spec cannot be run: {msg}"),
+        ),
+        MachineState::PodStarting { pod, detail } => {
+            not_ready("VMStarting", format!("machine Pod {pod}: {detail}"))
         }
-        MachineState::Deleting { reason, message } => {
-            Some(C::falsy(CONDITION_READY, *reason, message.clone()))
-        }
-        MachineState::PodMissing => Some(C::falsy(
-            CONDITION_READY,
+        MachineState::NodeImageFailed {
+            pod,
+            reason,
+            message,
+        } => not_ready(
+            reason,
+            format!(
+                "machine Pod {pod} cannot get its node image (retried with back-off): {message}"
+            ),
+        ),
+        MachineState::Deleting { reason, message } => not_ready(reason, message.clone()),
+        MachineState::PodMissing => not_ready(
             REASON_MACHINE_POD_MISSING,
             "the machine Pod is gone or failed, and with it the VM and its disks; the Machine \
-             needs replacing (a MachineHealthCheck does this)",
-        )),
-    };
-    desired.extend(ready);
-    if !matches!(state, MachineState::Paused) {
-        desired.extend_from_slice(pod);
+             needs replacing (a MachineHealthCheck does this)"
+                .into(),
+        ),
     }
+}
+
+/// Records the machine Pod in the status; a running one also gives the machine its addresses
+/// (the Pod's IP and the hostname) and makes it provisioned and ready.
+fn record_pod(
+    out: &mut capk_api::v1alpha1::KVMMachineStatus,
+    state: &MachineState,
+    km: &KVMMachine,
+) {
+    use capk_api::v1alpha1::{Initialization, MachineAddress, MachineAddressType};
     match state {
         MachineState::PodStarting { pod, .. } | MachineState::NodeImageFailed { pod, .. } => {
             out.pod_name = Some(pod.clone());
@@ -444,20 +529,6 @@ pub fn status(
         }
         _ => {}
     }
-    if !matches!(
-        state,
-        MachineState::Paused | MachineState::HostingUnavailable(_) | MachineState::Deleting { .. }
-    ) {
-        out.failure_domain = failure_domain.map(str::to_owned);
-        out.observed_generation = generation;
-    }
-    out.conditions = Some(conditions::merge(
-        current.conditions.as_deref().unwrap_or_default(),
-        &desired,
-        generation,
-        now,
-    ));
-    out
 }
 
 /// Whether the KVMMachine's `Ready` condition already reports `reason` with `detail` in its

@@ -48,7 +48,7 @@ use tracing::{debug, info, warn};
 
 pub use crate::remote::Unavailable;
 use crate::{
-    k8s::caches::{ObjectCaches, cached, owned, strip_object, strip_pod, strip_secret},
+    k8s::caches::{Changes, ObjectCaches, cached, owned, strip_object, strip_pod, strip_secret},
     k8s::conditions::DesiredCondition,
     k8s::ownership::Home,
     remote::kubeconfig::KubeconfigError,
@@ -410,109 +410,155 @@ impl Links {
         Ok(self.links.insert(key.clone(), link))
     }
 
+    /// Starts the link to `key`: its watches, and the tasks that wake the objects' owners, mark
+    /// it synced after the first lists, and probe it while it is unavailable.
     fn start(&self, key: &HostingKey, client: Client, secret: &KubeconfigSecret) -> Link {
         info!(hosting = %key, "watching the hosting cluster");
-        let ns = key.namespace.as_str();
-        let config = owned()
-            .timeout(crate::remote::kubeconfig::WATCH_TIMEOUT_SECONDS)
-            .page_size(self.limits.list_page_size);
-        let (pods, pod_events) = cached(
-            Api::<Pod>::namespaced(client.clone(), ns),
-            config.clone(),
-            strip_pod,
-        );
-        let (secrets, secret_events) = cached(
-            Api::<PartialObjectMeta<Secret>>::namespaced(client.clone(), ns),
-            config.clone(),
-            strip_secret,
-        );
-        let (claims, claim_events) = cached(
-            Api::<PartialObjectMeta<PersistentVolumeClaim>>::namespaced(client.clone(), ns),
-            config.clone(),
-            strip_object,
-        );
-        let (services, service_events) = cached(
-            Api::<PartialObjectMeta<Service>>::namespaced(client.clone(), ns),
-            config,
-            strip_object,
-        );
-        let caches = ObjectCaches {
-            pods,
-            secrets,
-            claims,
-            services,
-        };
+        let (caches, events) = watch_objects(&client, &key.namespace, &self.limits);
         let mut link = Link::new(
             secret.version.clone(),
             secret.digest,
             client.clone(),
             caches.clone(),
         );
-
-        // Every watch event: wake the owner, or note the failure.
-        let events = stream::select_all([
-            pod_events.map(|r| r.map(|o| o.metadata)).boxed(),
-            secret_events.map(|r| r.map(|o| o.metadata)).boxed(),
-            claim_events.map(|r| r.map(|o| o.metadata)).boxed(),
-            service_events.map(|r| r.map(|o| o.metadata)).boxed(),
-        ]);
-        let (k, st, on_change) = (key.clone(), link.state().clone(), self.on_change.clone());
-        link.spawn(async move {
-            futures::pin_mut!(events);
-            while let Some(event) = events.next().await {
-                match event {
-                    Ok(meta) => on_change(&k, Some(&meta)),
-                    Err(e) => {
-                        let Some(u) = watch_failure(&e) else { continue };
-                        if fail(&st, u) {
-                            warn!(hosting = %k, error = %e, "hosting cluster cannot be used");
-                            on_change(&k, None);
-                        } else {
-                            debug!(hosting = %k, error = %e, "hosting cluster watch failed");
-                        }
-                        st.notify_failed();
-                    }
-                }
-            }
-        });
-
-        // The first list of every watch: the caches mean something from then on.
-        let (k, st, on_change) = (key.clone(), link.state().clone(), self.on_change.clone());
-        link.spawn(async move {
-            let _ = caches.pods.wait_until_ready().await;
-            let _ = caches.secrets.wait_until_ready().await;
-            let _ = caches.claims.wait_until_ready().await;
-            let _ = caches.services.wait_until_ready().await;
-            st.set_synced();
-            info!(hosting = %k, "hosting cluster in sync");
-            on_change(&k, None);
-        });
-
-        // While unavailable: probe until the hosting cluster answers again.
-        let (k, st, on_change) = (key.clone(), link.state().clone(), self.on_change.clone());
-        link.spawn(async move {
-            loop {
-                if st.failure().is_none() {
-                    st.wait_failed().await;
-                    continue;
-                }
-                tokio::time::sleep(PROBE_INTERVAL).await;
-                match probe(&client, &k.namespace).await {
-                    Ok(()) => {
-                        if st.recover() {
-                            info!(hosting = %k, "hosting cluster reachable again");
-                            on_change(&k, None);
-                        }
-                    }
-                    Err(u) => {
-                        if fail(&st, u) {
-                            on_change(&k, None);
-                        }
-                    }
-                }
-            }
-        });
+        let state = link.state().clone();
+        let on_change = &self.on_change;
+        link.spawn(wake_owners(
+            key.clone(),
+            state.clone(),
+            on_change.clone(),
+            events,
+        ));
+        link.spawn(mark_synced(
+            key.clone(),
+            state.clone(),
+            on_change.clone(),
+            caches,
+        ));
+        link.spawn(probe_while_unavailable(
+            key.clone(),
+            state,
+            on_change.clone(),
+            client,
+        ));
         link
+    }
+}
+
+/// The watches of our objects in namespace `ns` of a hosting cluster: their caches, and all
+/// their events (each object's metadata, or the watch's failure) in one stream.
+fn watch_objects(
+    client: &Client,
+    ns: &str,
+    limits: &RemoteLimits,
+) -> (ObjectCaches, Changes<ObjectMeta>) {
+    let config = owned()
+        .timeout(crate::remote::kubeconfig::WATCH_TIMEOUT_SECONDS)
+        .page_size(limits.list_page_size);
+    let (pods, pod_events) = cached(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        config.clone(),
+        strip_pod,
+    );
+    let (secrets, secret_events) = cached(
+        Api::<PartialObjectMeta<Secret>>::namespaced(client.clone(), ns),
+        config.clone(),
+        strip_secret,
+    );
+    let (claims, claim_events) = cached(
+        Api::<PartialObjectMeta<PersistentVolumeClaim>>::namespaced(client.clone(), ns),
+        config.clone(),
+        strip_object,
+    );
+    let (services, service_events) = cached(
+        Api::<PartialObjectMeta<Service>>::namespaced(client.clone(), ns),
+        config,
+        strip_object,
+    );
+    let caches = ObjectCaches {
+        pods,
+        secrets,
+        claims,
+        services,
+    };
+    let events = stream::select_all([
+        pod_events.map(|r| r.map(|o| o.metadata)).boxed(),
+        secret_events.map(|r| r.map(|o| o.metadata)).boxed(),
+        claim_events.map(|r| r.map(|o| o.metadata)).boxed(),
+        service_events.map(|r| r.map(|o| o.metadata)).boxed(),
+    ]);
+    (caches, events.boxed())
+}
+
+/// Every watch event: wakes the owner the object's labels name, or notes the failure (and wakes
+/// every owner of the link when it makes the link unavailable, or changes why).
+async fn wake_owners(
+    key: HostingKey,
+    state: Arc<LinkState>,
+    on_change: OnChange,
+    mut events: Changes<ObjectMeta>,
+) {
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(meta) => on_change(&key, Some(&meta)),
+            Err(e) => {
+                let Some(u) = watch_failure(&e) else { continue };
+                if fail(&state, u) {
+                    warn!(hosting = %key, error = %e, "hosting cluster cannot be used");
+                    on_change(&key, None);
+                } else {
+                    debug!(hosting = %key, error = %e, "hosting cluster watch failed");
+                }
+                state.notify_failed();
+            }
+        }
+    }
+}
+
+/// After the first list of every watch (the caches mean something from then on): marks the link
+/// synced and wakes every owner of the link.
+async fn mark_synced(
+    key: HostingKey,
+    state: Arc<LinkState>,
+    on_change: OnChange,
+    caches: ObjectCaches,
+) {
+    let _ = caches.pods.wait_until_ready().await;
+    let _ = caches.secrets.wait_until_ready().await;
+    let _ = caches.claims.wait_until_ready().await;
+    let _ = caches.services.wait_until_ready().await;
+    state.set_synced();
+    info!(hosting = %key, "hosting cluster in sync");
+    on_change(&key, None);
+}
+
+/// While the link is unavailable: probes the hosting cluster every [`PROBE_INTERVAL`] until it
+/// answers again, waking every owner of the link when it recovers or why it fails changes.
+async fn probe_while_unavailable(
+    key: HostingKey,
+    state: Arc<LinkState>,
+    on_change: OnChange,
+    client: Client,
+) {
+    loop {
+        if state.failure().is_none() {
+            state.wait_failed().await;
+            continue;
+        }
+        tokio::time::sleep(PROBE_INTERVAL).await;
+        match probe(&client, &key.namespace).await {
+            Ok(()) => {
+                if state.recover() {
+                    info!(hosting = %key, "hosting cluster reachable again");
+                    on_change(&key, None);
+                }
+            }
+            Err(u) => {
+                if fail(&state, u) {
+                    on_change(&key, None);
+                }
+            }
+        }
     }
 }
 
