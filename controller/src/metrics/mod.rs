@@ -23,7 +23,7 @@ use std::{
     time::Instant,
 };
 
-use capk_api::v1alpha1::{KVMCluster, KVMMachine};
+use capk_api::v1alpha1::{Initialization, KVMCluster, KVMMachine};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::controller::Action;
 use prometheus_client::{
@@ -34,7 +34,7 @@ use prometheus_client::{
         gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
     },
-    registry::Registry,
+    registry::{Metric, Registry},
 };
 
 use crate::runtime::error::Error;
@@ -118,27 +118,26 @@ pub struct RequestLabels {
 
 /// What the per-object gauges read of an object besides its metadata.
 pub trait ObjectState {
-    /// `status.initialization.provisioned`.
-    fn provisioned(&self) -> bool;
-}
+    /// `status.initialization`.
+    fn initialization(&self) -> Option<&Initialization>;
 
-impl ObjectState for KVMMachine {
+    /// `status.initialization.provisioned`.
     fn provisioned(&self) -> bool {
-        self.status
-            .as_ref()
-            .and_then(|s| s.initialization.as_ref())
+        self.initialization()
             .and_then(|i| i.provisioned)
             .unwrap_or(false)
     }
 }
 
+impl ObjectState for KVMMachine {
+    fn initialization(&self) -> Option<&Initialization> {
+        self.status.as_ref()?.initialization.as_ref()
+    }
+}
+
 impl ObjectState for KVMCluster {
-    fn provisioned(&self) -> bool {
-        self.status
-            .as_ref()
-            .and_then(|s| s.initialization.as_ref())
-            .and_then(|i| i.provisioned)
-            .unwrap_or(false)
+    fn initialization(&self) -> Option<&Initialization> {
+        self.status.as_ref()?.initialization.as_ref()
     }
 }
 
@@ -152,144 +151,179 @@ struct InFlight {
 /// The controller's metrics.
 pub struct Metrics {
     registry: Registry,
-    // controller-runtime's.
-    reconcile_total: Family<ResultLabels, Counter>,
-    reconcile_errors: Family<ControllerLabel, Counter>,
-    reconcile_time: Family<ControllerLabel, Histogram>,
-    max_concurrent: Family<ControllerLabel, Gauge>,
-    active_workers: Family<ControllerLabel, Gauge>,
-    work_duration: Family<QueueLabels, Histogram>,
-    unfinished_work: Family<QueueLabels, Gauge<f64, AtomicU64>>,
-    longest_running: Family<QueueLabels, Gauge<f64, AtomicU64>>,
+    reconciles: ReconcileMetrics,
+    queue: WorkQueueMetrics,
+    /// client-go's `rest_client_requests_total`.
     requests: Family<RequestLabels, Counter>,
-    // The provider's own.
-    errors: Family<ErrorLabels, Counter>,
-    created: Family<ObjectLabels, Gauge>,
-    deleted: Family<ObjectLabels, Gauge>,
-    reconciled: Family<ObjectLabels, Gauge>,
-    provisioned: Family<ObjectLabels, Gauge>,
+    provider: ProviderMetrics,
     controllers: Mutex<Vec<&'static str>>,
     in_flight: InFlight,
     process: process::Process,
     ready: AtomicBool,
 }
 
+/// controller-runtime's reconcile metrics, per controller.
+struct ReconcileMetrics {
+    total: Family<ResultLabels, Counter>,
+    errors: Family<ControllerLabel, Counter>,
+    time: Family<ControllerLabel, Histogram>,
+    max_concurrent: Family<ControllerLabel, Gauge>,
+    active_workers: Family<ControllerLabel, Gauge>,
+}
+
+/// controller-runtime's work-queue metrics that are measurable around a reconcile.
+struct WorkQueueMetrics {
+    work_duration: Family<QueueLabels, Histogram>,
+    unfinished_work: Family<QueueLabels, Gauge<f64, AtomicU64>>,
+    longest_running: Family<QueueLabels, Gauge<f64, AtomicU64>>,
+}
+
+/// The provider's own metrics (`capk_*`): errors by category and the per-object gauges.
+struct ProviderMetrics {
+    errors: Family<ErrorLabels, Counter>,
+    created: Family<ObjectLabels, Gauge>,
+    deleted: Family<ObjectLabels, Gauge>,
+    reconciled: Family<ObjectLabels, Gauge>,
+    provisioned: Family<ObjectLabels, Gauge>,
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::default();
-        let reconcile_total = Family::<ResultLabels, Counter>::default();
-        let reconcile_errors = Family::<ControllerLabel, Counter>::default();
-        let reconcile_time = Family::<ControllerLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(RECONCILE_BUCKETS)
-        });
-        let max_concurrent = Family::<ControllerLabel, Gauge>::default();
-        let active_workers = Family::<ControllerLabel, Gauge>::default();
-        // client-go's work-queue buckets: 10 ns to 1000 s.
-        let work_duration = Family::<QueueLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(10e-9, 10.0, 12))
-        });
-        let unfinished_work = Family::<QueueLabels, Gauge<f64, AtomicU64>>::default();
-        let longest_running = Family::<QueueLabels, Gauge<f64, AtomicU64>>::default();
-        let requests = Family::<RequestLabels, Counter>::default();
-        // Counters get `_total` appended when encoded.
-        registry.register(
-            "controller_runtime_reconcile",
-            "Total number of reconciliations per controller",
-            reconcile_total.clone(),
-        );
-        registry.register(
-            "controller_runtime_reconcile_errors",
-            "Total number of reconciliation errors per controller",
-            reconcile_errors.clone(),
-        );
-        registry.register(
-            "controller_runtime_reconcile_time_seconds",
-            "Length of time per reconciliation per controller",
-            reconcile_time.clone(),
-        );
-        registry.register(
-            "controller_runtime_max_concurrent_reconciles",
-            "Maximum number of concurrent reconciles per controller",
-            max_concurrent.clone(),
-        );
-        registry.register(
-            "controller_runtime_active_workers",
-            "Number of currently used workers per controller",
-            active_workers.clone(),
-        );
-        registry.register(
-            "workqueue_work_duration_seconds",
-            "How long in seconds processing an item from workqueue takes.",
-            work_duration.clone(),
-        );
-        registry.register(
-            "workqueue_unfinished_work_seconds",
-            "How many seconds of work has been done that is in progress and hasn't been \
-             observed by work_duration.",
-            unfinished_work.clone(),
-        );
-        registry.register(
-            "workqueue_longest_running_processor_seconds",
-            "How many seconds has the longest running processor for workqueue been running.",
-            longest_running.clone(),
-        );
-        registry.register(
+        let reconciles = ReconcileMetrics::register(&mut registry);
+        let queue = WorkQueueMetrics::register(&mut registry);
+        let requests = register(
+            &mut registry,
             "rest_client_requests",
             "Number of HTTP requests, partitioned by status code, method, and host.",
-            requests.clone(),
+            Family::default(),
         );
-        let errors = Family::<ErrorLabels, Counter>::default();
-        let created = Family::<ObjectLabels, Gauge>::default();
-        let deleted = Family::<ObjectLabels, Gauge>::default();
-        let reconciled = Family::<ObjectLabels, Gauge>::default();
-        let provisioned = Family::<ObjectLabels, Gauge>::default();
-        registry.register(
-            "capk_reconcile_errors",
-            "Failed reconciles by kind and category (waits included: their categories start \
-             with Waiting)",
-            errors.clone(),
-        );
-        registry.register(
-            "capk_object_creation_timestamp_seconds",
-            "Creation time of each reconciled object (Unix seconds)",
-            created.clone(),
-        );
-        registry.register(
-            "capk_object_deletion_timestamp_seconds",
-            "Deletion time of each object being deleted (Unix seconds)",
-            deleted.clone(),
-        );
-        registry.register(
-            "capk_object_last_reconciled_timestamp_seconds",
-            "When each object was last reconciled (Unix seconds)",
-            reconciled.clone(),
-        );
-        registry.register(
-            "capk_object_provisioned",
-            "1 when the object's status.initialization.provisioned is true, as last reconciled",
-            provisioned.clone(),
-        );
+        let provider = ProviderMetrics::register(&mut registry);
         let process = process::Process::register(&mut registry);
         Self {
             registry,
-            reconcile_total,
-            reconcile_errors,
-            reconcile_time,
-            max_concurrent,
-            active_workers,
-            work_duration,
-            unfinished_work,
-            longest_running,
+            reconciles,
+            queue,
             requests,
-            errors,
-            created,
-            deleted,
-            reconciled,
-            provisioned,
+            provider,
             controllers: Mutex::default(),
             in_flight: InFlight::default(),
             process,
             ready: AtomicBool::new(false),
+        }
+    }
+}
+
+/// Registers `metric` under `name` (a counter gets `_total` appended when encoded) and returns
+/// it, to be kept and updated.
+fn register<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+impl ReconcileMetrics {
+    /// The metrics, registered under controller-runtime's names.
+    fn register(r: &mut Registry) -> Self {
+        Self {
+            total: register(
+                r,
+                "controller_runtime_reconcile",
+                "Total number of reconciliations per controller",
+                Family::default(),
+            ),
+            errors: register(
+                r,
+                "controller_runtime_reconcile_errors",
+                "Total number of reconciliation errors per controller",
+                Family::default(),
+            ),
+            time: register(
+                r,
+                "controller_runtime_reconcile_time_seconds",
+                "Length of time per reconciliation per controller",
+                Family::new_with_constructor(|| Histogram::new(RECONCILE_BUCKETS)),
+            ),
+            max_concurrent: register(
+                r,
+                "controller_runtime_max_concurrent_reconciles",
+                "Maximum number of concurrent reconciles per controller",
+                Family::default(),
+            ),
+            active_workers: register(
+                r,
+                "controller_runtime_active_workers",
+                "Number of currently used workers per controller",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+impl WorkQueueMetrics {
+    /// The metrics, registered under controller-runtime's names.
+    fn register(r: &mut Registry) -> Self {
+        Self {
+            work_duration: register(
+                r,
+                "workqueue_work_duration_seconds",
+                "How long in seconds processing an item from workqueue takes.",
+                // client-go's work-queue buckets: 10 ns to 1000 s.
+                Family::new_with_constructor(|| {
+                    Histogram::new(exponential_buckets(10e-9, 10.0, 12))
+                }),
+            ),
+            unfinished_work: register(
+                r,
+                "workqueue_unfinished_work_seconds",
+                "How many seconds of work has been done that is in progress and hasn't been \
+                 observed by work_duration.",
+                Family::default(),
+            ),
+            longest_running: register(
+                r,
+                "workqueue_longest_running_processor_seconds",
+                "How many seconds has the longest running processor for workqueue been running.",
+                Family::default(),
+            ),
+        }
+    }
+}
+
+impl ProviderMetrics {
+    /// The metrics, registered under `capk_*` names.
+    fn register(r: &mut Registry) -> Self {
+        Self {
+            errors: register(
+                r,
+                "capk_reconcile_errors",
+                "Failed reconciles by kind and category (waits included: their categories start \
+                 with Waiting)",
+                Family::default(),
+            ),
+            created: register(
+                r,
+                "capk_object_creation_timestamp_seconds",
+                "Creation time of each reconciled object (Unix seconds)",
+                Family::default(),
+            ),
+            deleted: register(
+                r,
+                "capk_object_deletion_timestamp_seconds",
+                "Deletion time of each object being deleted (Unix seconds)",
+                Family::default(),
+            ),
+            reconciled: register(
+                r,
+                "capk_object_last_reconciled_timestamp_seconds",
+                "When each object was last reconciled (Unix seconds)",
+                Family::default(),
+            ),
+            provisioned: register(
+                r,
+                "capk_object_provisioned",
+                "1 when the object's status.initialization.provisioned is true, as last reconciled",
+                Family::default(),
+            ),
         }
     }
 }
@@ -325,15 +359,17 @@ impl Metrics {
         for controller in [KVMCLUSTER, KVMMACHINE] {
             let label = ControllerLabel { controller };
             for result in RESULTS {
-                m.reconcile_total
+                m.reconciles
+                    .total
                     .get_or_create(&ResultLabels { controller, result })
                     .inc_by(0);
             }
-            m.reconcile_errors.get_or_create(&label).inc_by(0);
-            m.max_concurrent
+            m.reconciles.errors.get_or_create(&label).inc_by(0);
+            m.reconciles
+                .max_concurrent
                 .get_or_create(&label)
                 .set(i64::from(concurrency));
-            m.active_workers.get_or_create(&label).set(0);
+            m.reconciles.active_workers.get_or_create(&label).set(0);
             m.controllers
                 .lock()
                 .expect("controllers lock")
@@ -359,7 +395,8 @@ impl Metrics {
                 controllers.push(controller);
             }
         }
-        self.active_workers
+        self.reconciles
+            .active_workers
             .get_or_create(&ControllerLabel { controller })
             .inc();
         Run {
@@ -374,11 +411,13 @@ impl Metrics {
     pub fn finished(&self, kind: &'static str, result: &Result<Action, Error>) {
         let controller = controller_of(kind);
         let result = result_label(result);
-        self.reconcile_total
+        self.reconciles
+            .total
             .get_or_create(&ResultLabels { controller, result })
             .inc();
         if result == "error" {
-            self.reconcile_errors
+            self.reconciles
+                .errors
                 .get_or_create(&ControllerLabel { controller })
                 .inc();
         }
@@ -386,7 +425,8 @@ impl Metrics {
 
     /// Counts a failed reconcile of `kind` by its error's category.
     pub fn failed(&self, kind: &'static str, category: &'static str) {
-        self.errors
+        self.provider
+            .errors
             .get_or_create(&ErrorLabels { kind, category })
             .inc();
     }
@@ -411,23 +451,25 @@ impl Metrics {
             name: obj.name.clone().unwrap_or_default(),
         };
         if gone {
-            self.created.remove(&labels);
-            self.deleted.remove(&labels);
-            self.reconciled.remove(&labels);
-            self.provisioned.remove(&labels);
+            self.provider.created.remove(&labels);
+            self.provider.deleted.remove(&labels);
+            self.provider.reconciled.remove(&labels);
+            self.provider.provisioned.remove(&labels);
             return;
         }
         let secs = |t: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time| t.0.as_second();
         if let Some(t) = &obj.creation_timestamp {
-            self.created.get_or_create(&labels).set(secs(t));
+            self.provider.created.get_or_create(&labels).set(secs(t));
         }
         if let Some(t) = &obj.deletion_timestamp {
-            self.deleted.get_or_create(&labels).set(secs(t));
+            self.provider.deleted.get_or_create(&labels).set(secs(t));
         }
-        self.provisioned
+        self.provider
+            .provisioned
             .get_or_create(&labels)
             .set(i64::from(provisioned));
-        self.reconciled
+        self.provider
+            .reconciled
             .get_or_create(&labels)
             .set(k8s_openapi::jiff::Timestamp::now().as_second());
     }
@@ -478,8 +520,11 @@ impl Metrics {
                 name: controller,
                 controller,
             };
-            self.unfinished_work.get_or_create(&labels).set(sum);
-            self.longest_running.get_or_create(&labels).set(longest);
+            self.queue.unfinished_work.get_or_create(&labels).set(sum);
+            self.queue
+                .longest_running
+                .get_or_create(&labels)
+                .set(longest);
         }
     }
 }
@@ -503,9 +548,10 @@ impl Drop for Run {
             .lock()
             .expect("in-flight lock")
             .remove(&self.id);
-        m.active_workers.get_or_create(&label).dec();
-        m.reconcile_time.get_or_create(&label).observe(elapsed);
-        m.work_duration
+        m.reconciles.active_workers.get_or_create(&label).dec();
+        m.reconciles.time.get_or_create(&label).observe(elapsed);
+        m.queue
+            .work_duration
             .get_or_create(&QueueLabels {
                 name: controller,
                 controller,

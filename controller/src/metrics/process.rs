@@ -9,6 +9,8 @@ use prometheus_client::{
     registry::Registry,
 };
 
+use super::register;
+
 /// Clock ticks per second of `/proc/<pid>/stat` times (Linux's `USER_HZ`, 100 on every
 /// architecture it runs on).
 const USER_HZ: f64 = 100.0;
@@ -25,46 +27,45 @@ pub(super) struct Process {
 
 impl Process {
     /// Registers the series in `registry`.
-    pub(super) fn register(registry: &mut Registry) -> Self {
-        let p = Self {
-            open_fds: Gauge::default(),
-            max_fds: Gauge::default(),
-            resident: Gauge::default(),
-            virtual_bytes: Gauge::default(),
-            cpu: Counter::default(),
-            start: Gauge::default(),
-        };
-        registry.register(
-            "process_open_fds",
-            "Number of open file descriptors.",
-            p.open_fds.clone(),
-        );
-        registry.register(
-            "process_max_fds",
-            "Maximum number of open file descriptors.",
-            p.max_fds.clone(),
-        );
-        registry.register(
-            "process_resident_memory_bytes",
-            "Resident memory size in bytes.",
-            p.resident.clone(),
-        );
-        registry.register(
-            "process_virtual_memory_bytes",
-            "Virtual memory size in bytes.",
-            p.virtual_bytes.clone(),
-        );
-        registry.register(
-            "process_cpu_seconds",
-            "Total user and system CPU time spent in seconds.",
-            p.cpu.clone(),
-        );
-        registry.register(
-            "process_start_time_seconds",
-            "Start time of the process since unix epoch in seconds.",
-            p.start.clone(),
-        );
-        p
+    pub(super) fn register(r: &mut Registry) -> Self {
+        Self {
+            open_fds: register(
+                r,
+                "process_open_fds",
+                "Number of open file descriptors.",
+                Gauge::default(),
+            ),
+            max_fds: register(
+                r,
+                "process_max_fds",
+                "Maximum number of open file descriptors.",
+                Gauge::default(),
+            ),
+            resident: register(
+                r,
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes.",
+                Gauge::default(),
+            ),
+            virtual_bytes: register(
+                r,
+                "process_virtual_memory_bytes",
+                "Virtual memory size in bytes.",
+                Gauge::default(),
+            ),
+            cpu: register(
+                r,
+                "process_cpu_seconds",
+                "Total user and system CPU time spent in seconds.",
+                Counter::default(),
+            ),
+            start: register(
+                r,
+                "process_start_time_seconds",
+                "Start time of the process since unix epoch in seconds.",
+                Gauge::default(),
+            ),
+        }
     }
 
     /// Reads `/proc/self` into the series; what cannot be read keeps its last value.
