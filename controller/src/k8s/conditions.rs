@@ -28,12 +28,7 @@ impl DesiredCondition {
         reason: impl Into<Cow<'static, str>>,
         message: impl Into<String>,
     ) -> Self {
-        Self {
-            type_,
-            status: true,
-            reason: reason.into(),
-            message: message.into(),
-        }
+        Self::with_status(type_, true, reason, message)
     }
 
     /// A condition that does not hold.
@@ -42,9 +37,19 @@ impl DesiredCondition {
         reason: impl Into<Cow<'static, str>>,
         message: impl Into<String>,
     ) -> Self {
+        Self::with_status(type_, false, reason, message)
+    }
+
+    /// A condition with the given status.
+    fn with_status(
+        type_: &'static str,
+        status: bool,
+        reason: impl Into<Cow<'static, str>>,
+        message: impl Into<String>,
+    ) -> Self {
         Self {
             type_,
-            status: false,
+            status,
             reason: reason.into(),
             message: message.into(),
         }
