@@ -1,12 +1,14 @@
 //! Pure: from the cluster's control-plane machine Pods and their apiservers' health to the
-//! control-plane Service's EndpointSlice and the `ControlPlaneEndpointsReady` condition.
+//! control-plane Service's EndpointSlice and the `ControlPlaneEndpointsReady` condition, and
+//! from the slices that are there to whether to write it and say so in an Event
+//! ([`decide_endpoints`]; the reconciler's `sync_endpoints` probes, reads and writes).
 //!
 //! The Service has no selector: Kubernetes' EndpointSlice controller would mark an endpoint
 //! ready from the Pod's readiness, which for a control-plane machine comes only after its
 //! workload Node is Ready, long after `kubeadm init` needs its own apiserver through the Service.
 //! Instead an endpoint is ready while its apiserver answers `/readyz` ([`crate::remote::apiserver_health`]).
 
-use std::net::Ipv4Addr;
+use std::{net::Ipv4Addr, time::Duration};
 
 use capk_api::{
     constants::{
@@ -22,13 +24,13 @@ use k8s_openapi::{
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
-use kube::{Resource, ResourceExt};
+use kube::{Resource, ResourceExt, runtime::events::EventType};
 
 use super::build::owned_labels;
 use crate::{
     k8s::conditions::DesiredCondition,
     k8s::ownership::{Home, Owner},
-    remote::apiserver_health::{EndpointHealth, ProbeError},
+    remote::apiserver_health::{EndpointHealth, ProbeError, recheck_after},
 };
 
 /// `kubernetes.io/service-name`: which Service an EndpointSlice belongs to.
@@ -171,6 +173,72 @@ fn takes_traffic(
         || (!m.terminating
             && none_ready(members)
             && h.last_error.as_ref().is_some_and(ProbeError::alive))
+}
+
+/// What to do about the control-plane Service's endpoints, decided without I/O from its members'
+/// apiserver health and the EndpointSlices that are there ([`decide_endpoints`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EndpointsDecision {
+    /// `ControlPlaneEndpointsReady`.
+    pub condition: DesiredCondition,
+    /// When to probe the apiservers again.
+    pub recheck: Duration,
+    /// The EndpointSlice to apply; `None` when the one there already is it.
+    pub write: Option<EndpointSlice>,
+    /// The Event that says who left or came back, with the condition's message: Normal when
+    /// every apiserver answers, else Warning. Only when a slice that was there is rewritten (not
+    /// on the first write).
+    pub event: Option<(EventType, String)>,
+}
+
+/// Decides the control-plane Service's endpoints: the EndpointSlice `service` with `observed`'s
+/// members (ready while their apiserver answers, see [`endpoint_slice`]), written only when the
+/// one among `current` (the slices labelled for the Service) differs; the condition; and when
+/// to probe again (soon while some probe fails).
+pub fn decide_endpoints(
+    kc: &KVMCluster,
+    cluster: &str,
+    service: &str,
+    observed: &[(ControlPlaneMember, EndpointHealth)],
+    current: &[EndpointSlice],
+    home: &Home,
+) -> EndpointsDecision {
+    let condition = endpoints_condition(observed);
+    let recheck = recheck_after(observed.iter().map(|(_, h)| h));
+    let desired = endpoint_slice(kc, cluster, service, observed, home);
+    let ours = current.iter().find(|s| s.name_any() == desired.name_any());
+    if ours.is_some_and(|s| slice_is_current(s, &desired)) {
+        return EndpointsDecision {
+            condition,
+            recheck,
+            write: None,
+            event: None,
+        };
+    }
+    let event = ours.map(|_| {
+        let type_ = if condition.reason == "APIServersAnswering" {
+            EventType::Normal
+        } else {
+            EventType::Warning
+        };
+        (type_, condition.message.clone())
+    });
+    EndpointsDecision {
+        condition,
+        recheck,
+        write: Some(desired),
+        event,
+    }
+}
+
+/// The addresses `slice` publishes as ready.
+pub fn ready_addresses(slice: &EndpointSlice) -> Vec<String> {
+    slice
+        .endpoints
+        .iter()
+        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+        .flat_map(|e| e.addresses.clone())
+        .collect()
 }
 
 /// Whether `current` already is `desired` (so nothing needs writing): same endpoints and ports,
@@ -509,18 +577,13 @@ mod tests {
             (leaving.clone(), gone(ProbeError::Status(500))),
         ];
         let ready = |members: &[(ControlPlaneMember, EndpointHealth)]| -> Vec<String> {
-            endpoint_slice(
+            ready_addresses(&endpoint_slice(
                 &kvm_cluster(),
                 "demo",
                 "demo-apiserver",
                 members,
                 &management(),
-            )
-            .endpoints
-            .iter()
-            .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
-            .map(|e| e.addresses[0].clone())
-            .collect()
+            ))
         };
         assert_eq!(ready(&members), ["10.0.0.1", "10.0.0.2"]);
         let c = endpoints_condition(&members);
@@ -553,5 +616,127 @@ mod tests {
             endpoints_condition(&dead).reason.to_string(),
             "SomeAPIServersNotAnswering"
         );
+    }
+
+    /// The decision about `observed`, given the slices `current` there are.
+    fn decide(
+        observed: &[(ControlPlaneMember, EndpointHealth)],
+        current: &[EndpointSlice],
+    ) -> EndpointsDecision {
+        decide_endpoints(
+            &kvm_cluster(),
+            "demo",
+            "demo-apiserver",
+            observed,
+            current,
+            &management(),
+        )
+    }
+
+    /// `slice` as the apiserver returns it after a write: with metadata of its own.
+    fn as_read_back(slice: &EndpointSlice) -> EndpointSlice {
+        let mut read = slice.clone();
+        read.metadata.resource_version = Some("7".into());
+        read.metadata.uid = Some("slice-uid".into());
+        read
+    }
+
+    #[test]
+    fn the_first_slice_publishes_the_answering_apiservers_without_an_event() {
+        let observed = [
+            (
+                member("demo-cp-a", [10, 0, 0, 1], false),
+                health(true, None),
+            ),
+            (
+                member("demo-cp-b", [10, 0, 0, 2], false),
+                health(false, Some(ProbeError::Timeout)),
+            ),
+        ];
+        let decision = decide(&observed, &[]);
+        let written = decision.write.expect("no slice yet: one is written");
+        assert_eq!(written.name_any(), "demo-apiserver");
+        assert_eq!(ready_addresses(&written), ["10.0.0.1"]);
+        assert_eq!(decision.event, None, "nobody left or came back yet");
+        assert_eq!(decision.condition.reason, "SomeAPIServersNotAnswering");
+        assert_eq!(
+            decision.recheck,
+            crate::remote::apiserver_health::RECHECK_FAILING
+        );
+    }
+
+    #[test]
+    fn an_unchanged_world_writes_nothing_and_says_nothing() {
+        let observed = [
+            (
+                member("demo-cp-a", [10, 0, 0, 1], false),
+                health(true, None),
+            ),
+            (
+                member("demo-cp-b", [10, 0, 0, 2], false),
+                health(true, None),
+            ),
+        ];
+        let written = decide(&observed, &[]).write.unwrap();
+        let again = decide(&observed, &[as_read_back(&written)]);
+        assert_eq!(again.write, None);
+        assert_eq!(again.event, None);
+        assert!(again.condition.status);
+        assert_eq!(
+            again.recheck,
+            crate::remote::apiserver_health::RECHECK_HEALTHY
+        );
+    }
+
+    #[test]
+    fn an_apiserver_that_stops_answering_leaves_the_slice_with_a_warning() {
+        let a = member("demo-cp-a", [10, 0, 0, 1], false);
+        let b = member("demo-cp-b", [10, 0, 0, 2], false);
+        let both = [
+            (a.clone(), health(true, None)),
+            (b.clone(), health(true, None)),
+        ];
+        let before = as_read_back(&decide(&both, &[]).write.unwrap());
+        let dead = EndpointHealth {
+            answering: false,
+            failures: 2,
+            last_error: Some(ProbeError::Timeout),
+        };
+        let one_left = [(a.clone(), health(true, None)), (b.clone(), dead)];
+        let decision = decide(&one_left, std::slice::from_ref(&before));
+        assert_eq!(
+            ready_addresses(decision.write.as_ref().unwrap()),
+            ["10.0.0.1"]
+        );
+        assert_eq!(
+            decision.event,
+            Some((
+                EventType::Warning,
+                "1 of 2 control-plane apiservers answer /readyz; taking no traffic: demo-cp-b \
+                 (no answer within 2s)"
+                    .to_owned()
+            ))
+        );
+        // It comes back: published ready again, and a Normal Event says all answer.
+        let after = as_read_back(decision.write.as_ref().unwrap());
+        let back = decide(&both, &[after]);
+        assert_eq!(
+            ready_addresses(back.write.as_ref().unwrap()),
+            ["10.0.0.1", "10.0.0.2"]
+        );
+        assert_eq!(back.event.map(|(t, _)| t), Some(EventType::Normal));
+    }
+
+    #[test]
+    fn a_slice_of_another_name_for_the_service_is_not_ours_to_compare() {
+        let observed = [(
+            member("demo-cp-a", [10, 0, 0, 1], false),
+            health(true, None),
+        )];
+        let mut other = as_read_back(&decide(&observed, &[]).write.unwrap());
+        other.metadata.name = Some("demo-apiserver-abcde".into());
+        let decision = decide(&observed, &[other]);
+        assert!(decision.write.is_some(), "ours does not exist yet");
+        assert_eq!(decision.event, None, "a first write says nothing");
     }
 }

@@ -44,7 +44,7 @@ use crate::{
     k8s::conditions::DesiredCondition,
     k8s::objects::{self, read_error},
     k8s::ownership::{self, Claim, Owner},
-    remote::apiserver_health::{self, EndpointHealth},
+    remote::apiserver_health::EndpointHealth,
     remote::hosting::{HostingKey, REASON_CONNECTING, Target, Unavailable},
     runtime::context::Context,
     runtime::error::{Error, Result},
@@ -474,7 +474,8 @@ async fn apply_service(target: &Target, svc: &Service) -> Result<Option<i32>> {
 }
 
 /// The endpoints of control-plane Service `service`: probes every control-plane machine's
-/// apiserver and writes the EndpointSlice when it changed. Returns the
+/// apiserver, then does what [`endpoints::decide_endpoints`] decides: writes the EndpointSlice
+/// when it changed and says who left or came back in an Event. Returns the
 /// `ControlPlaneEndpointsReady` condition and when to probe again.
 async fn sync_endpoints(
     kc: &KVMCluster,
@@ -484,20 +485,54 @@ async fn sync_endpoints(
     target: &Target,
     ctx: &Context,
 ) -> Result<(DesiredCondition, Duration)> {
-    // An unsynced Pod cache would look like "no control plane" and empty the Service: the
-    // management cluster's caches have listed (see `apply`), a hosting cluster's target exists
-    // only once its caches have. In a namespace several management namespaces share, only this
-    // one's machines count.
-    let pods: Vec<Arc<Pod>> = target
-        .pods()
-        .into_iter()
-        .filter(|p| p.labels().get(OWNER_NAMESPACE_LABEL).map(String::as_str) == Some(ns))
-        .collect();
+    let pods = control_plane_pods_of(target, ns);
     let members = endpoints::control_plane_members(
         pods.iter().map(|p| &**p),
         &target.home.namespace,
         cluster,
     );
+    let observed = probe_apiservers(ctx, &health_key(ns, &kc.name_any()), members).await;
+    let slices: Api<EndpointSlice> = target.api();
+    let current = list_endpoint_slices(&slices, service).await?;
+    let decision =
+        endpoints::decide_endpoints(kc, cluster, service, &observed, &current, &target.home);
+    if let Some(slice) = &decision.write {
+        objects::apply(&slices, slice, "EndpointSlice").await?;
+        let ready = endpoints::ready_addresses(slice);
+        info!(
+            service,
+            ?ready,
+            total = slice.endpoints.len(),
+            "control-plane endpoints written"
+        );
+    }
+    if let Some((type_, note)) = decision.event {
+        outcome::publish(ctx, kc, type_, "ControlPlaneEndpointsChanged", note).await;
+    }
+    Ok((decision.condition, decision.recheck))
+}
+
+/// The machine Pods in `target` of KVMClusters in management namespace `ns`: in a namespace
+/// several management namespaces share, only this one's machines count.
+///
+/// An unsynced Pod cache would look like "no control plane" and empty the Service: the
+/// management cluster's caches have listed (see `apply`), a hosting cluster's target exists
+/// only once its caches have.
+fn control_plane_pods_of(target: &Target, ns: &str) -> Vec<Arc<Pod>> {
+    target
+        .pods()
+        .into_iter()
+        .filter(|p| p.labels().get(OWNER_NAMESPACE_LABEL).map(String::as_str) == Some(ns))
+        .collect()
+}
+
+/// Probes the apiserver of every member (the health monitor keeps their history under `key`):
+/// each member with its health.
+async fn probe_apiservers(
+    ctx: &Context,
+    key: &str,
+    members: Vec<ControlPlaneMember>,
+) -> Vec<(ControlPlaneMember, EndpointHealth)> {
     let targets: Vec<(String, SocketAddr)> = members
         .iter()
         .map(|m| {
@@ -507,58 +542,28 @@ async fn sync_endpoints(
             )
         })
         .collect();
-    let health = ctx
-        .apiserver_health
-        .check(&health_key(ns, &kc.name_any()), &targets)
-        .await;
-    let observed: Vec<(ControlPlaneMember, EndpointHealth)> = members
+    let health = ctx.apiserver_health.check(key, &targets).await;
+    members
         .into_iter()
         .map(|m| {
             let h = health.get(&m.uid).cloned().unwrap_or_default();
             (m, h)
         })
-        .collect();
-    let condition = endpoints::endpoints_condition(&observed);
-    let recheck = apiserver_health::recheck_after(observed.iter().map(|(_, h)| h));
+        .collect()
+}
 
-    let desired = endpoints::endpoint_slice(kc, cluster, service, &observed, &target.home);
-    let name = desired.name_any();
-    let slices: Api<EndpointSlice> = target.api();
-    // A consistent read: a stale copy that happened to equal the desired slice would skip a
-    // needed write.
-    let current = slices
-        .list(&ListParams::default().labels(&format!("{SERVICE_NAME_LABEL}={name}")))
+/// The EndpointSlices labelled for Service `service`, read consistently: a stale copy that
+/// happened to equal the desired slice would skip a needed write.
+async fn list_endpoint_slices(
+    slices: &Api<EndpointSlice>,
+    service: &str,
+) -> Result<Vec<EndpointSlice>> {
+    let selector = format!("{SERVICE_NAME_LABEL}={service}");
+    Ok(slices
+        .list(&ListParams::default().labels(&selector))
         .await
-        .map_err(read_error("EndpointSlice", &name))?
-        .items;
-    let ours = current.iter().find(|s| s.name_any() == name);
-    if !ours.is_some_and(|s| endpoints::slice_is_current(s, &desired)) {
-        objects::apply(&slices, &desired, "EndpointSlice").await?;
-        let ready: Vec<String> = desired
-            .endpoints
-            .iter()
-            .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
-            .flat_map(|e| e.addresses.clone())
-            .collect();
-        info!(service = %name, ?ready, total = desired.endpoints.len(), "control-plane endpoints written");
-        // Who left or came back, for `kubectl describe` (not on the first write).
-        if ours.is_some() {
-            let type_ = if condition.reason == "APIServersAnswering" {
-                EventType::Normal
-            } else {
-                EventType::Warning
-            };
-            outcome::publish(
-                ctx,
-                kc,
-                type_,
-                "ControlPlaneEndpointsChanged",
-                condition.message.clone(),
-            )
-            .await;
-        }
-    }
-    Ok((condition, recheck))
+        .map_err(read_error("EndpointSlice", service))?
+        .items)
 }
 
 /// The health monitor's key of a KVMCluster.
