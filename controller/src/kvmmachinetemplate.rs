@@ -12,7 +12,6 @@ use capk_api::{
     constants::PAUSED_ANNOTATION,
     v1alpha1::{KVMMachineSpec, KVMMachineTemplate, KVMMachineTemplateStatus, NodeInfo},
 };
-use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::{
     Api, ResourceExt,
@@ -89,21 +88,16 @@ pub async fn run(
     stopped: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let ns = ctx.settings.namespace.clone();
-    let (backoff, metrics) = (ctx.backoff.clone(), ctx.metrics.clone());
     let (templates, changes) = cached(
         api::<KVMMachineTemplate>(&ctx.client, ns.as_deref()),
         watcher::Config::default(),
         strip_kvm_machine_template,
     );
-    Controller::for_stream(changes, templates)
+    let results = Controller::for_stream(changes, templates)
         .with_config(config)
         .graceful_shutdown_on(stopped)
-        .run(reconcile, error_policy, ctx)
-        .for_each(move |res| {
-            outcome::finished(&backoff, &metrics, "KVMMachineTemplate", res);
-            futures::future::ready(())
-        })
-        .await
+        .run(reconcile, error_policy, ctx.clone());
+    outcome::finish_each(results, &ctx, "KVMMachineTemplate").await
 }
 
 #[cfg(test)]

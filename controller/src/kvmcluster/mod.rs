@@ -54,9 +54,7 @@ use crate::{
 /// Reconciles one KVMCluster; publishes a Warning Event when a step fails.
 #[instrument(skip_all, fields(kvmcluster = %kc.name_any(), namespace = kc.namespace().unwrap_or_default()))]
 pub async fn reconcile(kc: Arc<KVMCluster>, ctx: Arc<Context>) -> Result<Action> {
-    let _timer = ctx.metrics.start("KVMCluster");
-    let result = outcome::within_deadline(reconcile_inner(kc.clone(), &ctx)).await;
-    outcome::outcome(&ctx, "KVMCluster", &*kc, result).await
+    outcome::reconciled(&ctx, "KVMCluster", &*kc, reconcile_inner(kc.clone(), &ctx)).await
 }
 
 async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {

@@ -226,14 +226,13 @@ pub async fn run(
 ) {
     let ns = ctx.settings.namespace.clone();
     let client = ctx.client.clone();
-    let (backoff, metrics) = (ctx.backoff.clone(), ctx.metrics.clone());
     let (kvm_clusters, changes) = cached(
         api::<KVMCluster>(&client, ns.as_deref()),
         watcher::Config::default(),
         strip_kvm_cluster,
     );
     let store = kvm_clusters.clone();
-    Controller::for_stream(changes, kvm_clusters)
+    let results = Controller::for_stream(changes, kvm_clusters)
         .with_config(config)
         .watches_stream(services, move |s| {
             kvmcluster_of_service(&s.metadata, &store)
@@ -245,12 +244,8 @@ pub async fn run(
         )
         .reconcile_on(wakes)
         .graceful_shutdown_on(stopped)
-        .run(super::reconcile, super::error_policy, ctx)
-        .for_each(move |res| {
-            outcome::finished(&backoff, &metrics, "KVMCluster", res);
-            futures::future::ready(())
-        })
-        .await
+        .run(super::reconcile, super::error_policy, ctx.clone());
+    outcome::finish_each(results, &ctx, "KVMCluster").await
 }
 
 #[cfg(test)]

@@ -68,9 +68,7 @@ use crate::{
 /// Reconciles one KVMMachine; publishes a Warning Event when a step fails.
 #[instrument(skip_all, fields(kvmmachine = %km.name_any(), namespace = km.namespace().unwrap_or_default()))]
 pub async fn reconcile(km: Arc<KVMMachine>, ctx: Arc<Context>) -> Result<Action> {
-    let _timer = ctx.metrics.start("KVMMachine");
-    let result = outcome::within_deadline(reconcile_inner(km.clone(), &ctx)).await;
-    outcome::outcome(&ctx, "KVMMachine", &*km, result).await
+    outcome::reconciled(&ctx, "KVMMachine", &*km, reconcile_inner(km.clone(), &ctx)).await
 }
 
 async fn reconcile_inner(km: Arc<KVMMachine>, ctx: &Context) -> Result<Action> {

@@ -17,7 +17,7 @@ use capk_api::{
     constants::{GROUP, KVMMACHINE_LABEL, OWNER_NAMESPACE_LABEL},
     v1alpha1::{KVMCluster, KVMMachine},
 };
-use futures::{StreamExt, channel::mpsc::UnboundedReceiver};
+use futures::channel::mpsc::UnboundedReceiver;
 use k8s_openapi::{
     api::core::v1::{Pod, Secret},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -294,8 +294,7 @@ pub async fn run(
         caches.kvm_machines.clone(),
     );
     let moves = HostingMoves::default();
-    let (backoff, metrics) = (ctx.backoff.clone(), ctx.metrics.clone());
-    Controller::for_stream(kvm_machines, caches.kvm_machines.clone())
+    let results = Controller::for_stream(kvm_machines, caches.kvm_machines.clone())
         .with_config(config)
         .watches_stream(pods, move |pod: Pod| kvmmachines_of_object(&pod, &by_pod))
         .watches_stream(claims, move |claim| {
@@ -313,12 +312,8 @@ pub async fn run(
         })
         .reconcile_on(wakes)
         .graceful_shutdown_on(stopped)
-        .run(super::reconcile, super::error_policy, ctx)
-        .for_each(move |res| {
-            outcome::finished(&backoff, &metrics, "KVMMachine", res);
-            futures::future::ready(())
-        })
-        .await
+        .run(super::reconcile, super::error_policy, ctx.clone());
+    outcome::finish_each(results, &ctx, "KVMMachine").await
 }
 
 #[cfg(test)]
@@ -508,43 +503,20 @@ mod tests {
         let moves = HostingMoves::default();
         let local = kvm_cluster("demo", None);
         let hosted = kvm_cluster("demo", Some("hosting-kubeconfig"));
-        assert_eq!(
-            moves.kvmmachines_of_kvm_cluster(&local, &kvm_machines),
-            [at("demo-cp-0")]
-        );
-        assert!(
-            moves
-                .kvmmachines_of_kvm_cluster(&local, &kvm_machines)
-                .is_empty()
-        );
-        assert_eq!(
-            moves.kvmmachines_of_kvm_cluster(&hosted, &kvm_machines),
-            [at("demo-cp-0")]
-        );
-        assert!(
-            moves
-                .kvmmachines_of_kvm_cluster(&hosted, &kvm_machines)
-                .is_empty()
-        );
-        assert_eq!(
-            moves.kvmmachines_of_kvm_cluster(&local, &kvm_machines),
-            [at("demo-cp-0")]
-        );
+        let woken = |kc: &KVMCluster| moves.kvmmachines_of_kvm_cluster(kc, &kvm_machines);
+        // What the KVMCluster says the first time, then the same again: its machines wake once.
+        let woken_then_again = |kc: &KVMCluster| (woken(kc), woken(kc));
+        let once = (vec![at("demo-cp-0")], vec![]);
+        assert_eq!(woken_then_again(&local), once);
+        assert_eq!(woken_then_again(&hosted), once);
+        assert_eq!(woken(&local), [at("demo-cp-0")]);
         // Its machine namespace recorded: the machines, which waited for it, may now be made.
         let mut recorded = local.clone();
         recorded.status = Some(capk_api::v1alpha1::KVMClusterStatus {
             machine_namespace: Some("capk-machines".into()),
             ..Default::default()
         });
-        assert_eq!(
-            moves.kvmmachines_of_kvm_cluster(&recorded, &kvm_machines),
-            [at("demo-cp-0")]
-        );
-        assert!(
-            moves
-                .kvmmachines_of_kvm_cluster(&recorded, &kvm_machines)
-                .is_empty()
-        );
+        assert_eq!(woken_then_again(&recorded), once);
     }
 
     #[test]

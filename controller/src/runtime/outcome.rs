@@ -1,5 +1,7 @@
-//! What both reconcilers do the same way around a reconcile: publish Events, bound a reconcile's time, and turn its outcome into a metric, a log line, a Warning
-//! Event and the wait before the next one. (Their writes are in [`crate::k8s::objects`].)
+//! What every reconciler does the same way around a reconcile: run it as an active worker
+//! within its deadline, publish Events, turn its outcome into a metric, a log line, a Warning
+//! Event and the wait before the next one, and take what its controller yields. (Their writes
+//! are in [`crate::k8s::objects`].)
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{
@@ -38,10 +40,26 @@ where
     let _ = ctx.recorder.publish(&ev, &obj.object_ref(&())).await;
 }
 
+/// Runs one reconcile of `obj`, a `kind`: an active worker while it runs, abandoned after the
+/// deadline ([`within_deadline`]), its outcome recorded ([`outcome`]).
+pub async fn reconciled<K>(
+    ctx: &Context,
+    kind: &'static str,
+    obj: &K,
+    reconcile: impl std::future::Future<Output = Result<kube::runtime::controller::Action>>,
+) -> Result<kube::runtime::controller::Action>
+where
+    K: Resource<DynamicType = ()> + crate::metrics::ObjectState,
+{
+    let _timer = ctx.metrics.start(kind);
+    let result = within_deadline(reconcile).await;
+    outcome(ctx, kind, obj, result).await
+}
+
 /// Records a reconcile's outcome: it is counted (controller-runtime's result, the object's
 /// gauges), and a failure is also counted by category, logged and published as an Event whose
 /// reason is the category.
-pub async fn outcome<K>(
+async fn outcome<K>(
     ctx: &Context,
     kind: &'static str,
     obj: &K,
@@ -82,9 +100,7 @@ where
 
 /// Runs `reconcile` within [`crate::runtime::backoff::RECONCILE_DEADLINE`]; one that takes longer is
 /// abandoned as [`Error::Deadline`] (and retried with back-off).
-pub async fn within_deadline<T>(
-    reconcile: impl std::future::Future<Output = Result<T>>,
-) -> Result<T> {
+async fn within_deadline<T>(reconcile: impl std::future::Future<Output = Result<T>>) -> Result<T> {
     let deadline = crate::runtime::backoff::RECONCILE_DEADLINE;
     tokio::time::timeout(deadline, reconcile)
         .await
@@ -148,6 +164,31 @@ pub fn finished<K, ReconcileErr, QueueErr>(
         }
         Err(e) => warn!(kind, error = %e, "reconcile error"),
     }
+}
+
+/// Runs a controller of `kind` objects until it stops, taking each result it yields
+/// ([`finished`]).
+pub async fn finish_each<K, ReconcileErr, QueueErr>(
+    results: impl futures::Stream<
+        Item = std::result::Result<
+            (ObjectRef<K>, kube::runtime::controller::Action),
+            controller::Error<ReconcileErr, QueueErr>,
+        >,
+    >,
+    ctx: &Context,
+    kind: &'static str,
+) where
+    K: Resource,
+    ReconcileErr: std::error::Error + 'static,
+    QueueErr: std::error::Error + 'static,
+{
+    use futures::StreamExt;
+    results
+        .for_each(|result| {
+            finished(&ctx.backoff, &ctx.metrics, kind, result);
+            futures::future::ready(())
+        })
+        .await
 }
 
 #[cfg(test)]
