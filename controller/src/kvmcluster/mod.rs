@@ -139,6 +139,8 @@ async fn report_unavailable(ctx: &Context, kc: &KVMCluster, u: &Unavailable) {
     }
 }
 
+/// Provisions the KVMCluster: validate → record where its machines live → find that cluster →
+/// the control-plane Service and its endpoints → `spec.controlPlaneEndpoint` → status.
 async fn apply(
     api: &Api<KVMCluster>,
     kc: &KVMCluster,
@@ -154,25 +156,7 @@ async fn apply(
     // Validate (pure) before anything is applied: a refused Service type or annotation changes
     // nothing, not even a Service made before the operator narrowed the policy.
     if let Some(refused) = build::refused_spec(kc, &ctx.settings.tenant_policy) {
-        let shown = kc
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_deref())
-            .and_then(|cs| crate::k8s::conditions::find(cs, refused.type_))
-            .is_some_and(|c| c.reason == refused.reason && c.message == refused.message);
-        if !shown {
-            let note = refused.message.clone();
-            outcome::publish(
-                ctx,
-                kc,
-                EventType::Warning,
-                build::REASON_SPEC_INVALID,
-                note,
-            )
-            .await;
-        }
-        write_status(api, kc, &ClusterState::SpecInvalid(refused)).await?;
-        return Ok(Action::await_change());
+        return refuse_spec(api, kc, refused, ctx).await;
     }
     // The caches this reconcile reads (the hosting kubeconfig Secret among them) have listed.
     ctx.caches.ready().await;
@@ -181,45 +165,22 @@ async fn apply(
         Ok(recorded) => recorded,
         Err(u) => {
             report_unavailable(ctx, kc, &u).await;
-            let down = u.condition(CONDITION_HOSTING_CLUSTER_AVAILABLE);
-            write_status(api, kc, &ClusterState::HostingUnavailable(down)).await?;
-            return Ok(Action::requeue(Duration::from_secs(60)));
+            return wait_for_hosting(api, kc, &u).await;
         }
     };
     let kc = recorded.as_ref().unwrap_or(kc);
-
     // Where the Service and the machines live. A hosting cluster that cannot be used now is a
     // condition; nothing there is touched until it can (its recovery wakes this reconcile).
     let target = match target(ctx, kc).await {
         Ok(t) => t,
-        Err(u) => {
-            write_status(
-                api,
-                kc,
-                &ClusterState::HostingUnavailable(u.condition(CONDITION_HOSTING_CLUSTER_AVAILABLE)),
-            )
-            .await?;
-            return Ok(Action::requeue(Duration::from_secs(60)));
-        }
+        Err(u) => return wait_for_hosting(api, kc, &u).await,
     };
-
     let name = build::service_name_in(kc, &cluster_name, &target.home);
     let service = build::control_plane_service(kc, &cluster_name, &name, &target.home);
     refuse_foreign_service(kc, &target, &name).await?;
     let node_port = apply_service(&target, &service).await?;
     let (endpoints, recheck) = sync_endpoints(kc, &cluster_name, &name, &ns, &target, ctx).await?;
-
-    if let Some(endpoint) = build::endpoint_to_set(
-        kc,
-        &name,
-        &ctx.settings.cluster_domain,
-        &target.home,
-        node_port,
-    ) {
-        info!(host = ?endpoint.host, port = ?endpoint.port, "setting controlPlaneEndpoint");
-        let patch = json!({"spec": {"controlPlaneEndpoint": endpoint}});
-        objects::merge_patch(api, kc, "KVMCluster", &patch).await?;
-    }
+    set_control_plane_endpoint(api, kc, &name, &target, node_port, ctx).await?;
     let state = ClusterState::Provisioned {
         endpoints,
         hosting: target.condition(),
@@ -228,6 +189,82 @@ async fn apply(
     // The health check's pace: the apiservers are probed again then, or sooner when a
     // control-plane machine Pod changes.
     Ok(Action::requeue(recheck))
+}
+
+/// A spec the operator's tenant policy refuses: a Warning Event (unless the condition says so
+/// already) and the condition; nothing else changes until the spec does.
+async fn refuse_spec(
+    api: &Api<KVMCluster>,
+    kc: &KVMCluster,
+    refused: DesiredCondition,
+    ctx: &Context,
+) -> Result<Action> {
+    let shown = kc
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_deref())
+        .and_then(|cs| crate::k8s::conditions::find(cs, refused.type_))
+        .is_some_and(|c| c.reason == refused.reason && c.message == refused.message);
+    if !shown {
+        let note = refused.message.clone();
+        outcome::publish(
+            ctx,
+            kc,
+            EventType::Warning,
+            build::REASON_SPEC_INVALID,
+            note,
+        )
+        .await;
+    }
+    write_status(api, kc, &ClusterState::SpecInvalid(refused)).await?;
+    Ok(Action::await_change())
+}
+
+/// Writes why the cluster where `kc`'s objects live cannot be used now (the
+/// `HostingClusterAvailable` condition).
+async fn write_hosting_unavailable(
+    api: &Api<KVMCluster>,
+    kc: &KVMCluster,
+    u: &Unavailable,
+) -> Result<()> {
+    let down = u.condition(CONDITION_HOSTING_CLUSTER_AVAILABLE);
+    write_status(api, kc, &ClusterState::HostingUnavailable(down)).await
+}
+
+/// Shows why the hosting cluster cannot be used now and looks again in a minute (or when it
+/// recovers: that wakes the reconcile).
+async fn wait_for_hosting(
+    api: &Api<KVMCluster>,
+    kc: &KVMCluster,
+    u: &Unavailable,
+) -> Result<Action> {
+    write_hosting_unavailable(api, kc, u).await?;
+    Ok(Action::requeue(Duration::from_secs(60)))
+}
+
+/// Sets `spec.controlPlaneEndpoint` to the control-plane Service `service` when
+/// [`build::endpoint_to_set`] says it is not set yet.
+async fn set_control_plane_endpoint(
+    api: &Api<KVMCluster>,
+    kc: &KVMCluster,
+    service: &str,
+    target: &Target,
+    node_port: Option<i32>,
+    ctx: &Context,
+) -> Result<()> {
+    let Some(endpoint) = build::endpoint_to_set(
+        kc,
+        service,
+        &ctx.settings.cluster_domain,
+        &target.home,
+        node_port,
+    ) else {
+        return Ok(());
+    };
+    info!(host = ?endpoint.host, port = ?endpoint.port, "setting controlPlaneEndpoint");
+    let patch = json!({"spec": {"controlPlaneEndpoint": endpoint}});
+    objects::merge_patch(api, kc, "KVMCluster", &patch).await?;
+    Ok(())
 }
 
 /// Reason: the operator's machine namespace for this cluster is a tenant's (it holds clusters).
@@ -583,48 +620,11 @@ async fn cleanup(
     let cluster_name = cluster
         .map(ResourceExt::name_any)
         .or_else(|| kc.labels().get(CLUSTER_NAME_LABEL).cloned());
-    // Machines elsewhere than beside the KVMCluster (a hosting cluster, a machine namespace)
-    // have no owner references to it: they go first, while it still says where they are.
-    let beside = HostingKey::of(kc).is_none()
-        && crate::remote::hosting::machine_namespace(kc).is_none_or(|m| m == ns);
-    if !beside && let Some(name) = &cluster_name {
-        let machines = ctx
-            .caches
-            .kvm_machines
-            .state()
-            .iter()
-            .filter(|km| {
-                km.namespace().as_deref() == Some(ns.as_str())
-                    && km.labels().get(CLUSTER_NAME_LABEL) == Some(name)
-            })
-            .count();
-        if machines > 0 {
-            return Err(Error::MachinesRemain(machines));
-        }
-    }
-    // One that never chose a machine namespace made nothing since this release; before it,
-    // everything was beside it.
-    let unchosen =
-        HostingKey::of(kc).is_none() && crate::remote::hosting::machine_namespace(kc).is_none();
-    let chosen = if unchosen {
-        Ok(Target::management(
-            &ctx.client,
-            ctx.caches.objects(),
-            &ns,
-            &ns,
-        ))
-    } else {
-        target(ctx, kc).await
-    };
-    let target = match chosen {
+    refuse_while_machines_elsewhere(kc, &ns, cluster_name.as_deref(), ctx)?;
+    let target = match target_to_clean(ctx, kc, &ns).await {
         Ok(t) => t,
         Err(u) => {
-            write_status(
-                api,
-                kc,
-                &ClusterState::HostingUnavailable(u.condition(CONDITION_HOSTING_CLUSTER_AVAILABLE)),
-            )
-            .await?;
+            write_hosting_unavailable(api, kc, &u).await?;
             return Err(Error::HostingUnavailable(u.message));
         }
     };
@@ -637,12 +637,63 @@ async fn cleanup(
         let slices = target.api::<EndpointSlice>();
         objects::delete_if_owned(&slices, "EndpointSlice", &name, &owner).await?;
         // The workload cluster goes with it: stop watching its Nodes.
-        ctx.workloads.forget(&ns, &cluster.name_any());
+        ctx.workloads.forget(&ns, &cluster_name);
     }
     ctx.apiserver_health
         .forget(&health_key(&ns, &kc.name_any()));
     retain_hosting_links(ctx, kc.uid().as_deref());
     Ok(Action::await_change())
+}
+
+/// Machines elsewhere than beside the KVMCluster (a hosting cluster, a machine namespace) have
+/// no owner references to it: they go first, while it still says where they are. An error
+/// while any of Cluster `cluster`'s KVMMachines remains.
+fn refuse_while_machines_elsewhere(
+    kc: &KVMCluster,
+    ns: &str,
+    cluster: Option<&str>,
+    ctx: &Context,
+) -> Result<()> {
+    let beside = HostingKey::of(kc).is_none()
+        && crate::remote::hosting::machine_namespace(kc).is_none_or(|m| m == ns);
+    let Some(cluster) = cluster.filter(|_| !beside) else {
+        return Ok(());
+    };
+    let machines = ctx
+        .caches
+        .kvm_machines
+        .state()
+        .iter()
+        .filter(|km| {
+            km.namespace().as_deref() == Some(ns)
+                && km.labels().get(CLUSTER_NAME_LABEL).map(String::as_str) == Some(cluster)
+        })
+        .count();
+    if machines > 0 {
+        return Err(Error::MachinesRemain(machines));
+    }
+    Ok(())
+}
+
+/// Where the objects to delete are. One that never chose a machine namespace made nothing
+/// since the choice exists; before it, everything was beside it.
+async fn target_to_clean(
+    ctx: &Context,
+    kc: &KVMCluster,
+    ns: &str,
+) -> std::result::Result<Target, Unavailable> {
+    let unchosen =
+        HostingKey::of(kc).is_none() && crate::remote::hosting::machine_namespace(kc).is_none();
+    if unchosen {
+        Ok(Target::management(
+            &ctx.client,
+            ctx.caches.objects(),
+            ns,
+            ns,
+        ))
+    } else {
+        target(ctx, kc).await
+    }
 }
 
 async fn write_status(api: &Api<KVMCluster>, kc: &KVMCluster, state: &ClusterState) -> Result<()> {
