@@ -301,33 +301,44 @@ mod tests {
         insta::assert_yaml_snapshot!(svc);
     }
 
+    /// `spec.controlPlaneEndpoint` to set for Service `demo-apiserver` in the management
+    /// cluster, given the node port the Service got.
+    fn endpoint_in_management(kc: &KVMCluster, node_port: Option<i32>) -> Option<ApiEndpoint> {
+        endpoint_to_set(
+            kc,
+            "demo-apiserver",
+            "cluster.local",
+            &management(),
+            node_port,
+        )
+    }
+
+    /// A KVMCluster whose control-plane Service names external host `host`.
+    fn with_external_host(host: &str) -> KVMCluster {
+        kvm_cluster(KVMClusterSpec {
+            control_plane_service: Some(ControlPlaneService {
+                external_host: Some(host.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+    }
+
     #[test]
     fn endpoint_defaults_to_the_service_dns_name_and_keeps_a_user_value() {
         let kc = kvm_cluster(KVMClusterSpec::default());
         assert_eq!(
-            endpoint_to_set(&kc, "demo-apiserver", "cluster.local", &management(), None),
+            endpoint_in_management(&kc, None),
             Some(ApiEndpoint {
                 host: Some("demo-apiserver.team-a.svc.cluster.local".into()),
                 port: Some(6443)
             })
         );
-        let external = kvm_cluster(KVMClusterSpec {
-            control_plane_service: Some(ControlPlaneService {
-                external_host: Some("demo.k8s.example.com".into()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
+        let external = with_external_host("demo.k8s.example.com");
         assert_eq!(
-            endpoint_to_set(
-                &external,
-                "demo-apiserver",
-                "cluster.local",
-                &management(),
-                None
-            )
-            .and_then(|e| e.host)
-            .as_deref(),
+            endpoint_in_management(&external, None)
+                .and_then(|e| e.host)
+                .as_deref(),
             Some("demo.k8s.example.com")
         );
         let user = kvm_cluster(KVMClusterSpec {
@@ -337,16 +348,7 @@ mod tests {
             }),
             ..Default::default()
         });
-        assert_eq!(
-            endpoint_to_set(
-                &user,
-                "demo-apiserver",
-                "cluster.local",
-                &management(),
-                Some(31000)
-            ),
-            None
-        );
+        assert_eq!(endpoint_in_management(&user, Some(31000)), None);
     }
 
     /// NodePort: the Service asks for the requested node port (none: the apiserver allocates
@@ -370,13 +372,7 @@ mod tests {
         assert_eq!(spec.type_.as_deref(), Some("NodePort"));
         assert_eq!(spec.ports.unwrap()[0].node_port, Some(31443));
         assert_eq!(
-            endpoint_to_set(
-                &requested,
-                "demo-apiserver",
-                "cluster.local",
-                &management(),
-                Some(31443)
-            ),
+            endpoint_in_management(&requested, Some(31443)),
             Some(ApiEndpoint {
                 host: Some("nodes.example.com".into()),
                 port: Some(31443)
@@ -386,43 +382,18 @@ mod tests {
         let svc = control_plane_service(&allocated, "demo", "demo-apiserver", &management());
         assert_eq!(svc.spec.unwrap().ports.unwrap()[0].node_port, None);
         assert_eq!(
-            endpoint_to_set(
-                &allocated,
-                "demo-apiserver",
-                "cluster.local",
-                &management(),
-                None
-            ),
+            endpoint_in_management(&allocated, None),
             None,
             "no node port known yet: the endpoint waits for it"
         );
         assert_eq!(
-            endpoint_to_set(
-                &allocated,
-                "demo-apiserver",
-                "cluster.local",
-                &management(),
-                Some(30123)
-            )
-            .and_then(|e| e.port),
+            endpoint_in_management(&allocated, Some(30123)).and_then(|e| e.port),
             Some(30123)
         );
         // An empty external host (a flavor's default) is no external host.
-        let cluster_ip = kvm_cluster(KVMClusterSpec {
-            control_plane_service: Some(ControlPlaneService {
-                external_host: Some(String::new()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
+        let cluster_ip = with_external_host("");
         assert_eq!(
-            endpoint_to_set(
-                &cluster_ip,
-                "demo-apiserver",
-                "cluster.local",
-                &management(),
-                None
-            ),
+            endpoint_in_management(&cluster_ip, None),
             Some(ApiEndpoint {
                 host: Some("demo-apiserver.team-a.svc.cluster.local".into()),
                 port: Some(6443)

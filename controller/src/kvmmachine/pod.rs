@@ -590,11 +590,7 @@ mod tests {
             "m",
             json!({"resources": {"cpu": 4, "memory": "8Gi", "disk": "40Gi"}}),
         );
-        let placement = MachinePlacement {
-            cluster: "c".into(),
-            control_plane: false,
-            failure_domain: None,
-        };
+        let placement = in_cluster_c(false);
         let pod = build(&km, &placement, &MachineDefaults::default());
         let c = &pod.spec.unwrap().containers[0];
         let r = c.resources.as_ref().unwrap();
@@ -625,11 +621,7 @@ mod tests {
 
     #[test]
     fn a_larger_tcg_translation_cache_reaches_qemu_and_the_pods_memory_unless_kvm_is_required() {
-        let placement = MachinePlacement {
-            cluster: "c".into(),
-            control_plane: false,
-            failure_domain: None,
-        };
+        let placement = in_cluster_c(false);
         let emulated = MachineDefaults {
             tcg_translation_cache_mib: 1024,
             ..MachineDefaults::default()
@@ -685,11 +677,7 @@ mod tests {
             "m",
             json!({"resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
         );
-        let placement = MachinePlacement {
-            cluster: "c".into(),
-            control_plane: true,
-            failure_domain: None,
-        };
+        let placement = in_cluster_c(true);
         let secret = ignition_secret::desired(
             &km,
             &placement,

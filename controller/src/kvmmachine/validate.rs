@@ -608,6 +608,19 @@ mod tests {
         }
     }
 
+    /// The message `validate` refuses a worker with `extra` in its spec with.
+    fn refusal(extra: Value) -> String {
+        let km = kvm_machine("m", spec(extra));
+        validate(
+            &km,
+            &placement(false),
+            &MachineDefaults::default(),
+            &policy(),
+        )
+        .unwrap_err()
+        .to_string()
+    }
+
     fn errors(extra: Value, control_plane: bool) -> Vec<String> {
         let km = kvm_machine("m", spec(extra));
         match validate(
@@ -715,18 +728,7 @@ mod tests {
             assert_eq!(found, [field], "{extra}");
         }
         // Everything wrong at once: every field is named, in one message.
-        let km = kvm_machine(
-            "m",
-            spec(json!({"resources": {"cpu": 0}, "dns": {"servers": ["::1"]}})),
-        );
-        let msg = validate(
-            &km,
-            &placement(false),
-            &MachineDefaults::default(),
-            &policy(),
-        )
-        .unwrap_err()
-        .to_string();
+        let msg = refusal(json!({"resources": {"cpu": 0}, "dns": {"servers": ["::1"]}}));
         assert!(
             msg.contains("spec.resources.cpu: must be 1 to 255 vCPUs")
                 && msg.contains("spec.dns.servers[0]"),
@@ -999,15 +1001,7 @@ mod tests {
             errors(current.clone(), false),
             ["spec.image.flatcar.version"]
         );
-        let km = kvm_machine("m", spec(current));
-        let msg = validate(
-            &km,
-            &placement(false),
-            &MachineDefaults::default(),
-            &policy(),
-        )
-        .unwrap_err()
-        .to_string();
+        let msg = refusal(current);
         assert!(msg.contains("pin one such as 4230.2.3"), "{msg}");
         let pinned = json!({"image": {"flatcar": {"channel": "lts", "version": "4081.3.6"}}});
         assert!(errors(pinned, false).is_empty());
