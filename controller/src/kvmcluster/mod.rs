@@ -1,5 +1,6 @@
 //! KVMCluster reconciler: fetch → probe the control-plane apiservers
-//! ([`crate::remote::apiserver_health`]) → build (pure, in [`build`] and [`endpoints`]) → apply → status.
+//! ([`crate::remote::apiserver_health`]) → build (pure, in [`build`] and [`endpoints`]) →
+//! apply → status.
 //! What wakes it, and the controller that runs it: [`watches`].
 
 pub mod build;

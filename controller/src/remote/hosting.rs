@@ -9,8 +9,8 @@
 //! machines use it: one client and one watch per kind (machine Pods, our Secrets, PVCs and
 //! Services, selected by label), whose caches the reconcilers read exactly as they read the
 //! management cluster's. A link is started when a reconcile first needs it, rebuilt when the
-//! Secret's kubeconfig changes and dropped when no KVMCluster names it. Its watch events wake the KVMMachine or KVMCluster that the
-//! object's labels name ([`crate::k8s::ownership`]).
+//! Secret's kubeconfig changes and dropped when no KVMCluster names it. Its watch events wake
+//! the KVMMachine or KVMCluster that the object's labels name ([`crate::k8s::ownership`]).
 //!
 //! Reachability: a failing watch makes the link unavailable at once; while it is, the link lists
 //! each watched kind every [`PROBE_INTERVAL`] (the watches themselves resume silently), and the
