@@ -265,8 +265,8 @@ pub fn strip_object<K: Resource>(o: &mut K) {
 }
 
 /// Of a machine Pod only its owner labels and references, its status, node, hostPath etcd
-/// volume (where its etcd data stays behind) and the `--etcd-owner` argument that marked it,
-/// and whether its containers have a startup probe are read, and of an etcd cleanup Pod its
+/// volume (where its etcd data stays behind) and the `--etcd-owner` argument that marked it
+/// are read, and of an etcd cleanup Pod its
 /// attempt annotations; the spec is most of its size.
 pub fn strip_pod(p: &mut Pod) {
     keep(&mut p.metadata, &POD);
@@ -291,7 +291,6 @@ pub fn strip_pod(p: &mut Pod) {
                         .collect();
                     Container {
                         name: c.name,
-                        startup_probe: c.startup_probe,
                         args: (!owner.is_empty()).then_some(owner),
                         ..Default::default()
                     }
@@ -787,7 +786,7 @@ mod tests {
     }
 
     #[test]
-    fn a_cached_machine_pod_keeps_its_node_its_hostpath_etcd_volume_and_startup_probes() {
+    fn a_cached_machine_pod_keeps_its_node_its_hostpath_etcd_volume_and_owner_argument() {
         let mut p: Pod = serde_json::from_value(json!({
             "metadata": {"name": "m"},
             "spec": {
@@ -808,8 +807,7 @@ mod tests {
             serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "m"},
                 "spec": {"nodeName": "n1",
                     "volumes": [{"name": ETCD_VOLUME, "hostPath": {"path": "/srv/etcd/team-a/m"}}],
-                    "containers": [{"name": "launcher", "args": ["--etcd-owner=team-a/m/1111"],
-                        "startupProbe": {"exec": {"command": ["a"]}}}]},
+                    "containers": [{"name": "launcher", "args": ["--etcd-owner=team-a/m/1111"]}]},
                 "status": {"phase": "Running"}})
         );
     }

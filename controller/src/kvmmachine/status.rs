@@ -100,7 +100,7 @@ pub fn pod_conditions(pod: Option<&Pod>) -> Vec<crate::k8s::conditions::DesiredC
     vec![
         scheduled_condition(pod),
         vm_running_condition(launcher),
-        bootstrap_condition(pod, launcher),
+        bootstrap_condition(launcher),
     ]
 }
 
@@ -234,23 +234,15 @@ fn last_exit(launcher: Option<&ContainerStatus>) -> String {
 ///
 /// The startup probe runs the readiness check every second until it first passes, and the
 /// kubelet marks the container `started` at once; `ready` follows only at the readiness probe's
-/// next period (up to 10 s later). A Pod built without a startup probe (by an older controller)
-/// is `started` as soon as it runs, so there only `ready` counts.
+/// next period (up to 10 s later).
 fn bootstrap_condition(
-    pod: &Pod,
     launcher: Option<&ContainerStatus>,
 ) -> crate::k8s::conditions::DesiredCondition {
     use crate::k8s::conditions::DesiredCondition as C;
     use capk_api::constants::CONDITION_BOOTSTRAP_COMPLETED;
-    let has_startup_probe = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.containers.iter().find(|c| c.name == "launcher"))
-        .is_some_and(|c| c.startup_probe.is_some());
-    let started = has_startup_probe
-        && launcher
-            .and_then(|c| c.state.as_ref())
-            .is_some_and(|s| s.running.is_some())
+    let started = launcher
+        .and_then(|c| c.state.as_ref())
+        .is_some_and(|s| s.running.is_some())
         && launcher.is_some_and(|c| c.started == Some(true));
     if launcher.is_some_and(|c| c.ready) {
         C::truthy(
@@ -661,16 +653,12 @@ mod tests {
         );
 
         // The startup probe passed (started) before the readiness probe's next period: the
-        // bootstrap is complete. Without a startup probe (a Pod of an older controller),
-        // `started` only means the container runs.
-        let started = |probe: bool| {
-            let mut p = pod(json!({"phase": "Running",
+        // bootstrap is complete; until then the launcher runs but is not started.
+        let started = |started: bool| {
+            let p = pod(json!({"phase": "Running",
                 "conditions": [{"type": "PodScheduled", "status": "True"}],
-                "containerStatuses": [{"name": "launcher", "ready": false, "started": true,
+                "containerStatuses": [{"name": "launcher", "ready": false, "started": started,
                     "restartCount": 0, "image": "i", "imageID": "", "state": {"running": {}}}]}));
-            if probe {
-                p.spec.as_mut().unwrap().containers[0].startup_probe = Some(Default::default());
-            }
             let c = &pod_conditions(Some(&p))[2];
             (c.type_, c.status, c.reason.to_string())
         };
