@@ -5,9 +5,9 @@
 
 mod support;
 
-use std::{collections::BTreeMap, process::Command, sync::OnceLock, time::Duration};
+use std::{collections::BTreeMap, sync::OnceLock, time::Duration};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow};
 use capk_api::{
     capi::{Cluster, Machine},
     v1alpha1::{KVMCluster, KVMMachine},
@@ -25,6 +25,7 @@ use kube::{
     discovery,
 };
 use serde_json::{Value, json};
+use support::release::{docs, release_dir};
 use support::{
     POD_NET, Relay, StandInApiServer, control_plane_machine, create_namespace,
     delete_without_finalizers, eventually, in_own_netns, kvm_cluster, start_controller,
@@ -41,41 +42,6 @@ const BOOTSTRAP: &str = "#cloud-config\nruncmd:\n- echo ok\n";
 fn hosting_env() -> &'static TestEnv {
     static ENV: OnceLock<TestEnv> = OnceLock::new();
     ENV.get_or_init(|| support::start_env("capk-hosting-"))
-}
-
-/// `hack/release-manifests.sh`'s output directory, made once per test binary.
-fn release_dir() -> Result<std::path::PathBuf> {
-    static DIR: OnceLock<std::path::PathBuf> = OnceLock::new();
-    if let Some(d) = DIR.get() {
-        return Ok(d.clone());
-    }
-    let out = Command::new("bash")
-        .arg(capk_tests::repo_root().join("hack/release-manifests.sh"))
-        .output()
-        .context("run hack/release-manifests.sh")?;
-    if !out.status.success() {
-        bail!(
-            "hack/release-manifests.sh failed (run `make test-deps` first): {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let dir: std::path::PathBuf = String::from_utf8(out.stdout)?
-        .lines()
-        .last()
-        .context("release dir")?
-        .into();
-    Ok(DIR.get_or_init(|| dir).clone())
-}
-
-fn docs(text: &str) -> Result<Vec<Value>> {
-    let mut out = Vec::new();
-    for doc in serde_yaml_ng::Deserializer::from_str(text) {
-        let v: Value = serde::Deserialize::deserialize(doc)?;
-        if !v.is_null() {
-            out.push(v);
-        }
-    }
-    Ok(out)
 }
 
 async fn apply(client: &Client, obj: &Value) -> Result<()> {
