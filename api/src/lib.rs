@@ -12,6 +12,7 @@ pub mod constants;
 pub mod crd;
 pub mod dns;
 pub mod etcd_owner;
+pub mod file_error;
 pub mod launch;
 pub mod limits;
 pub mod mount_tag;

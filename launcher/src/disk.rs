@@ -13,6 +13,7 @@ use crate::etcd_dir::{self, EtcdOwner, Marker};
 use crate::qcow2::{self, NotSelfContained};
 use crate::qemu::argv::{BaseImage, DiskAttachment, DiskFormat};
 use capk_api::byte_size::ByteSize;
+use capk_api::file_error::FileError;
 
 /// What the controller asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -191,28 +192,8 @@ pub enum DiskError {
         why: String,
     },
     /// File I/O on a disk file failed.
-    #[error("{action} {path}")]
-    Io {
-        /// What was done.
-        action: &'static str,
-        /// File.
-        path: PathBuf,
-        /// Cause.
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-impl DiskError {
-    /// Maps the failure of `action` on `path` to [`DiskError::Io`].
-    fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DiskError {
-        let path = path.to_path_buf();
-        move |source| DiskError::Io {
-            action,
-            path,
-            source,
-        }
-    }
+    #[error(transparent)]
+    Io(#[from] FileError),
 }
 
 /// Serial the guest sees the root disk as.
@@ -448,8 +429,8 @@ pub fn observe(r: &DiskRequest) -> Result<DiskState, DiskError> {
 /// (at most 5 minutes) outlasted the cache's grace period since the Pod started, be evicted,
 /// and the Pod's next start would find nothing.
 pub fn open_base(b: &BaseImage) -> Result<std::fs::File, DiskError> {
-    let f = std::fs::File::open(&b.path).map_err(DiskError::io("open", &b.path))?;
-    f.lock_shared().map_err(DiskError::io(
+    let f = std::fs::File::open(&b.path).map_err(FileError::at("open", &b.path))?;
+    f.lock_shared().map_err(FileError::at(
         "lock (shared: in use) the node image",
         &b.path,
     ))?;
@@ -479,7 +460,7 @@ pub fn apply(plan: &DiskPlan, qemu_img_bin: &Path) -> Result<(), DiskError> {
             DiskAction::CreateRaw { path, size } => create_raw(path, *size)?,
             DiskAction::GrowRaw { path, size } => grow_raw(path, *size)?,
             DiskAction::MarkEtcdOwner { dir, owner } => etcd_dir::write_marker(dir, owner)
-                .map_err(DiskError::io("write the owner marker into", dir))?,
+                .map_err(FileError::at("write the owner marker into", dir))?,
             DiskAction::Keep { .. } => {}
         }
     }
@@ -489,7 +470,9 @@ pub fn apply(plan: &DiskPlan, qemu_img_bin: &Path) -> Result<(), DiskError> {
 /// Creates the directory `path` is to be made in.
 fn create_parent_dir(path: &Path) -> Result<(), DiskError> {
     match path.parent() {
-        Some(dir) => std::fs::create_dir_all(dir).map_err(DiskError::io("create directory", dir)),
+        Some(dir) => {
+            Ok(std::fs::create_dir_all(dir).map_err(FileError::at("create directory", dir))?)
+        }
         None => Ok(()),
     }
 }
@@ -503,7 +486,7 @@ fn create_overlay(
     size: ByteSize,
 ) -> Result<(), DiskError> {
     create_parent_dir(path)?;
-    let backing = std::fs::canonicalize(backing).map_err(DiskError::io("resolve", backing))?;
+    let backing = std::fs::canonicalize(backing).map_err(FileError::at("resolve", backing))?;
     // -u: qemu-img does not open the base (its header was checked by the planner);
     // the size is given, so it need not. QEMU opens the base itself, read-only and
     // with no backing of its own (`qemu::argv`).
@@ -545,8 +528,8 @@ fn grow_overlay(qemu_img_bin: &Path, path: &Path, size: ByteSize) -> Result<(), 
 fn create_raw(path: &Path, size: ByteSize) -> Result<(), DiskError> {
     create_parent_dir(path)?;
     // create_new: never clobber a disk that appeared since observation.
-    let f = std::fs::File::create_new(path).map_err(DiskError::io("create", path))?;
-    f.set_len(size.0).map_err(DiskError::io("size", path))
+    let f = std::fs::File::create_new(path).map_err(FileError::at("create", path))?;
+    Ok(f.set_len(size.0).map_err(FileError::at("size", path))?)
 }
 
 /// Extends a raw file to `size`; never shrinks it.
@@ -554,9 +537,9 @@ fn grow_raw(path: &Path, size: ByteSize) -> Result<(), DiskError> {
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(path)
-        .map_err(DiskError::io("open", path))?;
+        .map_err(FileError::at("open", path))?;
     if f.metadata().map(|m| m.len() < size.0).unwrap_or(false) {
-        f.set_len(size.0).map_err(DiskError::io("grow", path))?;
+        f.set_len(size.0).map_err(FileError::at("grow", path))?;
     }
     Ok(())
 }

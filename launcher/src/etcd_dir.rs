@@ -13,6 +13,8 @@ use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use capk_api::file_error::FileError;
+
 pub use capk_api::etcd_owner::{DISK_FILE, EtcdOwner, MARKER_FILE, MAX_MARKER_BYTES};
 
 /// What an etcd directory's marker says.
@@ -128,16 +130,8 @@ pub enum RemoveError {
         refusal: Refusal,
     },
     /// A file system operation failed (worth another try).
-    #[error("{action} {}", path.display())]
-    Io {
-        /// What was done.
-        action: &'static str,
-        /// On what.
-        path: PathBuf,
-        /// Cause.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] FileError),
 }
 
 /// Removes etcd directory `dir` when its marker names `owner` (namespace, name, UID): the etcd disk, the
@@ -149,12 +143,8 @@ pub fn remove(dir: &Path, owner: &EtcdOwner) -> Result<Removal, RemoveError> {
         refusal,
     };
     let io = |action, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| RemoveError::Io {
-            action,
-            path,
-            source,
-        }
+        let at = FileError::at(action, path);
+        move |e| RemoveError::Io(at(e))
     };
     // The directory itself, never through a link.
     match std::fs::OpenOptions::new()

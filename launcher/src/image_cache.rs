@@ -23,6 +23,7 @@ use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
+use capk_api::file_error::FileError;
 use capk_flatcar_image::digests::sha256_file;
 use capk_flatcar_image::fetch::{
     Curl, Download, FetchError, FetchRequest, fetch, redact_url, validate_url,
@@ -170,16 +171,8 @@ pub enum ImageCacheError {
         source: Box<FetchError>,
     },
     /// The cache directory could not be used.
-    #[error("{action} {path}")]
-    Io {
-        /// What was being done.
-        action: &'static str,
-        /// The file or directory.
-        path: PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] FileError),
 }
 
 impl ImageCacheError {
@@ -191,15 +184,6 @@ impl ImageCacheError {
             }
             _ => REASON_DOWNLOAD_FAILED,
         }
-    }
-}
-
-fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ImageCacheError {
-    let path = path.to_path_buf();
-    move |source| ImageCacheError::Io {
-        action,
-        path,
-        source,
     }
 }
 
@@ -221,14 +205,14 @@ pub fn fill(source: &ImageSource, config: &CacheConfig) -> Result<Filled, ImageC
     let name = source.cache_name();
     let dir = &config.dir;
     let work = dir.join(WORK_DIR);
-    fs::create_dir_all(&work).map_err(io("create", &work))?;
+    fs::create_dir_all(&work).map_err(FileError::at("create", &work))?;
     let final_path = dir.join(&name);
 
     let lock_path = dir.join(format!(".{name}.lock"));
-    let lock = File::create(&lock_path).map_err(io("create the lock", &lock_path))?;
+    let lock = File::create(&lock_path).map_err(FileError::at("create the lock", &lock_path))?;
     if lock.try_lock().is_err() {
         tracing::info!(image = %source.describe(), "another machine Pod on this node fetches it; waiting");
-        lock.lock().map_err(io("lock", &lock_path))?;
+        lock.lock().map_err(FileError::at("lock", &lock_path))?;
     }
 
     // A hit is marked used under the lock, so an eviction (which takes the same lock and looks
@@ -247,10 +231,10 @@ pub fn fill(source: &ImageSource, config: &CacheConfig) -> Result<Filled, ImageC
                     server,
                 } => fetch_flatcar(*channel, *version, server, &download, &final_path, config)?,
             }
-            mark_used(&final_path).map_err(io("mark as used", &final_path))?;
+            mark_used(&final_path).map_err(FileError::at("mark as used", &final_path))?;
             true
         }
-        Err(e) => return Err(io("mark as used", &final_path)(e)),
+        Err(e) => return Err(FileError::at("mark as used", &final_path)(e).into()),
     };
     drop(lock);
 
@@ -290,12 +274,12 @@ fn fetch_url(
                 what: what.clone(),
                 source: Box::new(source),
             })?;
-        let actual = sha256_file(download).map_err(io("read", download))?;
+        let actual = sha256_file(download).map_err(FileError::at("read", download))?;
         if actual == sha256 {
-            fs::rename(download, final_path).map_err(io("rename to", final_path))?;
+            fs::rename(download, final_path).map_err(FileError::at("rename to", final_path))?;
             return Ok(None);
         }
-        fs::remove_file(download).map_err(io("remove", download))?;
+        fs::remove_file(download).map_err(FileError::at("remove", download))?;
         Ok(Some(actual))
     };
     let continued = Path::new(&format!("{}.part", download.display())).exists();
@@ -340,7 +324,7 @@ fn fetch_flatcar(
             FetchError::Download { .. }
             | FetchError::BadUrl(_)
             | FetchError::SpawnCurl { .. }
-            | FetchError::Io { .. } => ImageCacheError::Download {
+            | FetchError::Io(_) => ImageCacheError::Download {
                 what,
                 source: Box::new(source),
             },
@@ -350,8 +334,8 @@ fn fetch_flatcar(
             },
         }
     })?;
-    fs::rename(&fetched.image, final_path).map_err(io("rename to", final_path))?;
-    fs::remove_dir_all(work).map_err(io("remove", work))?;
+    fs::rename(&fetched.image, final_path).map_err(FileError::at("rename to", final_path))?;
+    fs::remove_dir_all(work).map_err(FileError::at("remove", work))?;
     Ok(())
 }
 
@@ -359,8 +343,8 @@ fn fetch_flatcar(
 pub fn link(image: &Path, link: &Path) -> Result<(), ImageCacheError> {
     let tmp = PathBuf::from(format!("{}.new", link.display()));
     let _ = fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(image, &tmp).map_err(io("link", &tmp))?;
-    fs::rename(&tmp, link).map_err(io("rename the link to", link))
+    std::os::unix::fs::symlink(image, &tmp).map_err(FileError::at("link", &tmp))?;
+    Ok(fs::rename(&tmp, link).map_err(FileError::at("rename the link to", link))?)
 }
 
 /// A cached image, as eviction sees it.
@@ -414,8 +398,8 @@ fn evict(
     keep: &str,
 ) -> Result<Vec<String>, ImageCacheError> {
     let mut images = Vec::new();
-    for entry in fs::read_dir(dir).map_err(io("list", dir))? {
-        let entry = entry.map_err(io("list", dir))?;
+    for entry in fs::read_dir(dir).map_err(FileError::at("list", dir))? {
+        let entry = entry.map_err(FileError::at("list", dir))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let Ok(meta) = entry.metadata() else { continue };
         if name.starts_with('.') || !name.ends_with(".img") || !meta.is_file() {
@@ -449,7 +433,7 @@ fn evict(
         if download_lock.is_none() || !idle {
             continue;
         }
-        fs::remove_file(&path).map_err(io("evict", &path))?;
+        fs::remove_file(&path).map_err(FileError::at("evict", &path))?;
         tracing::info!(image = %name, "evicted from the node-image cache (least recently used, not in use)");
         evicted.push(name);
     }
@@ -474,8 +458,8 @@ fn evict(
 fn remove_stale_work(dir: &Path, grace: Duration) -> Result<Vec<String>, ImageCacheError> {
     let work = dir.join(WORK_DIR);
     let mut removed = Vec::new();
-    for entry in fs::read_dir(&work).map_err(io("list", &work))? {
-        let entry = entry.map_err(io("list", &work))?;
+    for entry in fs::read_dir(&work).map_err(FileError::at("list", &work))? {
+        let entry = entry.map_err(FileError::at("list", &work))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         // `<cache name>`, `<cache name>.part` or the Flatcar recipe's directory `<cache name>`.
         let Some(end) = name.find(".img") else {
@@ -489,7 +473,7 @@ fn remove_stale_work(dir: &Path, grace: Duration) -> Result<Vec<String>, ImageCa
         if path.is_dir() {
             changed.extend(
                 fs::read_dir(&path)
-                    .map_err(io("list", &path))?
+                    .map_err(FileError::at("list", &path))?
                     .flatten()
                     .map(|e| e.metadata().and_then(|m| m.modified())),
             );
@@ -505,9 +489,9 @@ fn remove_stale_work(dir: &Path, grace: Duration) -> Result<Vec<String>, ImageCa
             continue;
         }
         if path.is_dir() {
-            fs::remove_dir_all(&path).map_err(io("remove", &path))?;
+            fs::remove_dir_all(&path).map_err(FileError::at("remove", &path))?;
         } else {
-            fs::remove_file(&path).map_err(io("remove", &path))?;
+            fs::remove_file(&path).map_err(FileError::at("remove", &path))?;
         }
         tracing::info!(work = %name, "removed an abandoned partial download from the node-image cache");
         removed.push(format!("{WORK_DIR}/{name}"));

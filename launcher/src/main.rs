@@ -147,6 +147,7 @@ fn fetch_image_config(
     ),
     capk_launcher::image_cache::ImageCacheError,
 > {
+    use capk_api::file_error::FileError;
     use capk_flatcar_image::fetch::Curl;
     use capk_flatcar_image::signature::SignatureVerifier;
     use capk_launcher::image_cache::{CacheConfig, ImageCacheError as E, ImageSource};
@@ -171,11 +172,7 @@ fn fetch_image_config(
     let verifier = match &args.flatcar_key {
         None => SignatureVerifier::flatcar(),
         Some(path) => {
-            let key = std::fs::read(path).map_err(|source| E::Io {
-                action: "read the Flatcar key",
-                path: path.clone(),
-                source,
-            })?;
+            let key = std::fs::read(path).map_err(FileError::at("read the Flatcar key", path))?;
             SignatureVerifier::from_key(&key, None).map_err(|e| E::Source(e.to_string()))?
         }
     }

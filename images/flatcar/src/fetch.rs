@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use capk_api::file_error::FileError;
 use thiserror::Error;
 
 use crate::containerfile::DiskImage;
@@ -48,16 +49,8 @@ pub enum FetchError {
         source: std::io::Error,
     },
     /// Reading or writing the output directory failed.
-    #[error("{action} {path}")]
-    Io {
-        /// What was being done.
-        action: &'static str,
-        /// The file or directory.
-        path: PathBuf,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] FileError),
     /// A signature did not verify.
     #[error("verify the signature of {file}")]
     Signature {
@@ -332,7 +325,7 @@ impl Download for Curl {
                 detail,
             });
         }
-        fs::rename(&part, dest).map_err(io_error("rename the download to", dest))
+        Ok(fs::rename(&part, dest).map_err(FileError::at("rename the download to", dest))?)
     }
 }
 
@@ -443,8 +436,9 @@ pub fn fetch(
         source_url: urls.image,
         signed_by: signature.primary_key.clone(),
     };
-    let sha256 = sha256_file(&disk.image).map_err(io_error("read", &disk.image))?;
-    fs::write(&containerfile, image.containerfile()).map_err(io_error("write", &containerfile))?;
+    let sha256 = sha256_file(&disk.image).map_err(FileError::at("read", &disk.image))?;
+    fs::write(&containerfile, image.containerfile())
+        .map_err(FileError::at("write", &containerfile))?;
     Ok(Fetched {
         version,
         image: disk.image,
@@ -456,23 +450,13 @@ pub fn fetch(
     })
 }
 
-/// Maps an I/O error of `action` on `path` to [`FetchError::Io`].
-fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> FetchError {
-    let path = path.to_path_buf();
-    move |source| FetchError::Io {
-        action,
-        path,
-        source,
-    }
-}
-
 /// Creates the output directory and removes a Containerfile from an earlier run, which must
 /// not outlive a failed one; returns the Containerfile's path.
 fn prepare_output_dir(out: &Path) -> Result<PathBuf, FetchError> {
-    fs::create_dir_all(out).map_err(io_error("create the output directory", out))?;
+    fs::create_dir_all(out).map_err(FileError::at("create the output directory", out))?;
     let containerfile = out.join(CONTAINERFILE);
     if containerfile.exists() {
-        fs::remove_file(&containerfile).map_err(io_error("remove", &containerfile))?;
+        fs::remove_file(&containerfile).map_err(FileError::at("remove", &containerfile))?;
     }
     Ok(containerfile)
 }
@@ -501,7 +485,7 @@ fn fetch_release_version(
             file: VERSION_TXT.into(),
             source,
         })?;
-    let text = fs::read_to_string(&txt).map_err(io_error("read", &txt))?;
+    let text = fs::read_to_string(&txt).map_err(FileError::at("read", &txt))?;
     let version = VersionTxt::parse(&text)
         .map_err(FetchError::VersionTxt)?
         .version;
@@ -545,7 +529,8 @@ impl DiskFiles {
     ) -> Result<Digests, FetchError> {
         download.download(&urls.image_sig, &self.sig)?;
         download.download(&urls.image_digests, &self.digests)?;
-        let text = fs::read_to_string(&self.digests).map_err(io_error("read", &self.digests))?;
+        let text =
+            fs::read_to_string(&self.digests).map_err(FileError::at("read", &self.digests))?;
         Digests::parse(&text).map_err(|source| FetchError::Digests {
             file: self.name.into(),
             source,
@@ -565,7 +550,7 @@ impl DiskFiles {
             Ok(_) => Ok(true),
             Err(_) => fs::remove_file(&self.image)
                 .map(|()| false)
-                .map_err(io_error("remove the stale", &self.image)),
+                .map_err(|e| FileError::at("remove the stale", &self.image)(e).into()),
         }
     }
 

@@ -17,6 +17,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use capk_api::file_error::FileError;
 use nix::libc;
 
 /// KubeVirt's qemu user and group: the default for `--qemu-uid` / `--qemu-gid`.
@@ -155,16 +156,8 @@ pub enum HandOverError {
         gid: u32,
     },
     /// A system call failed.
-    #[error("{action} {path}")]
-    Io {
-        /// What was done.
-        action: &'static str,
-        /// The file.
-        path: PathBuf,
-        /// Cause.
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] FileError),
 }
 
 /// Gives QEMU's user the disk files it writes (the overlay, data disks, an etcd disk created by
@@ -175,11 +168,8 @@ pub enum HandOverError {
 /// symlinks out of a tenant's volume).
 pub fn hand_over(path: &Path, user: &QemuUser) -> Result<(), HandOverError> {
     let io_err = |action| {
-        move |source| HandOverError::Io {
-            action,
-            path: path.to_path_buf(),
-            source,
-        }
+        let at = FileError::at(action, path);
+        move |e| HandOverError::Io(at(e))
     };
     let refused = |why: String| HandOverError::Refused {
         path: path.to_path_buf(),
@@ -218,12 +208,8 @@ pub fn share_runtime_dir(
     qemu_creates: &[&Path],
 ) -> Result<(), HandOverError> {
     let io_err = |action, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| HandOverError::Io {
-            action,
-            path,
-            source,
-        }
+        let at = FileError::at(action, path);
+        move |e| HandOverError::Io(at(e))
     };
     std::os::unix::fs::chown(dir, Some(0), Some(user.gid)).map_err(io_err("chown", dir))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1770))
@@ -242,11 +228,8 @@ pub fn share_runtime_dir(
 /// nothing else: it cannot create, rename or remove entries).
 pub fn share_secret_dir(dir: &Path, user: &QemuUser) -> Result<(), HandOverError> {
     let io_err = |action| {
-        move |source| HandOverError::Io {
-            action,
-            path: dir.to_path_buf(),
-            source,
-        }
+        let at = FileError::at(action, dir);
+        move |e| HandOverError::Io(at(e))
     };
     std::fs::create_dir_all(dir).map_err(io_err("create"))?;
     std::os::unix::fs::chown(dir, Some(0), Some(user.gid)).map_err(io_err("chown"))?;
