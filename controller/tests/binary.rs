@@ -279,7 +279,7 @@ async fn with_leader_election_one_replica_reconciles_and_the_other_takes_over() 
             kcs.create(&PostParams::default(), &kc).await?;
             eventually(30, &format!("KVMCluster {name} reconciled"), || async {
                 let kc = kcs.get(name).await?;
-                Ok(kc.status.and_then(|s| s.conditions).map(|_| ()))
+                Ok(kc.status.and_then(|s| s.contract.conditions).map(|_| ()))
             })
             .await
         }

@@ -114,6 +114,7 @@ fn ready(km: &KVMMachine) -> Option<(String, String)> {
     let c = km
         .status
         .as_ref()?
+        .contract
         .conditions
         .as_ref()?
         .iter()

@@ -135,7 +135,9 @@ async fn machine_says(
         || async {
             let km = kms.get(name).await?;
             Ok(condition(
-                km.status.as_ref().and_then(|s| s.conditions.as_ref()),
+                km.status
+                    .as_ref()
+                    .and_then(|s| s.contract.conditions.as_ref()),
                 type_,
             )
             .filter(|c| c.reason == reason && c.message.contains(text))
@@ -298,7 +300,9 @@ async fn large_foreign_secrets_stay_out_of_memory_and_the_secrets_read_are_still
         eventually(60, "the hosted KVMCluster connected", || async {
             let kc = kcs.get("hosted").await?;
             Ok(condition(
-                kc.status.as_ref().and_then(|s| s.conditions.as_ref()),
+                kc.status
+                    .as_ref()
+                    .and_then(|s| s.contract.conditions.as_ref()),
                 "HostingClusterAvailable",
             )
             .filter(|c| c.status == "True" && c.reason == "HostingClusterConnected")

@@ -194,11 +194,11 @@ fn conditions_of(
 }
 
 fn cluster_condition(kc: &KVMCluster, type_: &str) -> Option<(String, String, String)> {
-    conditions_of(kc.status.as_ref()?.conditions.as_ref(), type_)
+    conditions_of(kc.status.as_ref()?.contract.conditions.as_ref(), type_)
 }
 
 fn machine_condition(km: &KVMMachine, type_: &str) -> Option<(String, String, String)> {
-    conditions_of(km.status.as_ref()?.conditions.as_ref(), type_)
+    conditions_of(km.status.as_ref()?.contract.conditions.as_ref(), type_)
 }
 
 /// Waits until the KVMCluster's and the KVMMachine's `HostingClusterAvailable` say `status` with
@@ -277,7 +277,7 @@ async fn machines_live_in_the_hosting_cluster_under_the_hosting_role_only() -> R
         "KVMCluster provisioned in the hosting cluster",
         || async {
             let kc = kcs.get("demo").await?;
-            Ok((kc.status.as_ref().and_then(|s| s.ready) == Some(true)).then_some(kc))
+            Ok((kc.status.as_ref().and_then(|s| s.contract.ready) == Some(true)).then_some(kc))
         },
     )
     .await?;
@@ -545,7 +545,11 @@ async fn a_recreated_kvmmachine_adopts_its_labelled_objects() -> Result<()> {
     let old_km = kms.get("demo-cp-0").await?;
     eventually(60, "provisioned", || async {
         let km = kms.get("demo-cp-0").await?;
-        Ok(km.status.and_then(|s| s.ready).filter(|r| *r).map(|_| ()))
+        Ok(km
+            .status
+            .and_then(|s| s.contract.ready)
+            .filter(|r| *r)
+            .map(|_| ()))
     })
     .await?;
 
@@ -948,7 +952,10 @@ async fn same_named_clusters_of_two_namespaces_share_one_hosting_namespace() -> 
             },
         )
         .await?;
-        assert_eq!(kc.status.as_ref().and_then(|s| s.ready), Some(true));
+        assert_eq!(
+            kc.status.as_ref().and_then(|s| s.contract.ready),
+            Some(true)
+        );
         // The endpoint the workload cluster is made with: its Service there.
         let host = kc
             .spec

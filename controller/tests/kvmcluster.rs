@@ -32,6 +32,7 @@ async fn setup(ns: &str) -> Result<(Client, tokio::sync::oneshot::Sender<()>)> {
 fn condition(kc: &KVMCluster, type_: &str) -> Option<(String, String)> {
     kc.status
         .as_ref()?
+        .contract
         .conditions
         .as_ref()?
         .iter()
@@ -97,14 +98,18 @@ async fn kvmcluster_gets_a_service_an_endpoint_and_a_provisioned_status() -> Res
         let provisioned = kc
             .status
             .as_ref()
-            .and_then(|s| s.initialization.as_ref())
+            .and_then(|s| s.contract.initialization.as_ref())
             .and_then(|i| i.provisioned)
             == Some(true);
         Ok(provisioned.then_some(kc))
     })
     .await?;
     let status = kc.status.as_ref().unwrap();
-    assert_eq!(status.ready, Some(true), "v1beta1 readers see ready");
+    assert_eq!(
+        status.contract.ready,
+        Some(true),
+        "v1beta1 readers see ready"
+    );
     assert_eq!(
         condition(&kc, "Ready"),
         Some(("True".into(), "Provisioned".into()))
@@ -204,7 +209,7 @@ async fn a_user_set_endpoint_is_kept() -> Result<()> {
     .await?;
     let kc = eventually(30, "provisioned", || async {
         let kc = kvmclusters.get("mine").await?;
-        Ok((kc.status.as_ref().and_then(|s| s.ready) == Some(true)).then_some(kc))
+        Ok((kc.status.as_ref().and_then(|s| s.contract.ready) == Some(true)).then_some(kc))
     })
     .await?;
     let ep = kc.spec.control_plane_endpoint.unwrap();
@@ -242,7 +247,7 @@ async fn a_node_port_cluster_is_reached_at_its_external_host_and_node_port() -> 
     for name in ["fixed", "allocated"] {
         let kc = eventually(30, "provisioned", || async {
             let kc = kvmclusters.get(name).await?;
-            Ok((kc.status.as_ref().and_then(|s| s.ready) == Some(true)).then_some(kc))
+            Ok((kc.status.as_ref().and_then(|s| s.contract.ready) == Some(true)).then_some(kc))
         })
         .await?;
         let svc = services.get(&format!("{name}-apiserver")).await?;
@@ -372,7 +377,7 @@ async fn spec_invalid_message(kvmclusters: &Api<KVMCluster>, name: &str) -> Resu
         let kc = kvmclusters.get(name).await?;
         let ready = kc
             .status
-            .and_then(|s| s.conditions)
+            .and_then(|s| s.contract.conditions)
             .and_then(|cs| cs.into_iter().find(|c| c.type_ == "Ready"));
         Ok(ready
             .filter(|c| c.status == "False" && c.reason == "SpecInvalid")
@@ -604,7 +609,7 @@ async fn control_plane_endpoints_follow_the_apiservers_that_answer() -> Result<(
         kc_now
             .status
             .as_ref()
-            .and_then(|s| s.conditions.as_ref())
+            .and_then(|s| s.contract.conditions.as_ref())
             .and_then(|cs| cs.iter().find(|c| c.type_ == "ControlPlaneEndpointsReady"))
             .map(|c| c.message.as_str()),
         Some("3 of 3 control-plane apiservers answer /readyz")
@@ -714,8 +719,11 @@ async fn endpoints_ready_condition(
     kvmclusters: &Api<KVMCluster>,
 ) -> Result<Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>> {
     let kc = kvmclusters.get("demo").await?;
-    Ok(kc.status.and_then(|s| s.conditions).and_then(|cs| {
-        cs.into_iter()
-            .find(|c| c.type_ == "ControlPlaneEndpointsReady")
-    }))
+    Ok(kc
+        .status
+        .and_then(|s| s.contract.conditions)
+        .and_then(|cs| {
+            cs.into_iter()
+                .find(|c| c.type_ == "ControlPlaneEndpointsReady")
+        }))
 }

@@ -161,6 +161,7 @@ fn condition(km: &KVMMachine, type_: &str) -> Option<(String, String, String)> {
     let c = km
         .status
         .as_ref()?
+        .contract
         .conditions
         .as_ref()?
         .iter()
@@ -356,7 +357,7 @@ async fn the_kvmmachine_follows_its_pod_from_pending_to_bootstrapped() -> Result
         let provisioned = km
             .status
             .as_ref()
-            .and_then(|s| s.initialization.as_ref())
+            .and_then(|s| s.contract.initialization.as_ref())
             .and_then(|i| i.provisioned)
             == Some(true);
         Ok(

@@ -149,7 +149,7 @@ async fn the_longest_names_still_make_a_service_secrets_and_pods() -> Result<()>
         let ready = kc
             .status
             .as_ref()
-            .and_then(|s| s.conditions.as_ref())
+            .and_then(|s| s.contract.conditions.as_ref())
             .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
         Ok(ready.then_some(kc))
     })

@@ -202,6 +202,7 @@ async fn a_cluster_made_before_keeps_its_machines_where_they_run() -> Result<()>
     eventually(30, "the KVMCluster provisioned", || async {
         let status = kcs.get("demo").await?.status.unwrap_or_default();
         Ok(status
+            .contract
             .initialization
             .and_then(|i| i.provisioned)
             .filter(|p| *p)
@@ -272,6 +273,7 @@ async fn a_machine_namespace_that_is_a_tenants_is_refused() -> Result<()> {
     let message = eventually(30, "MachineNamespaceRefused", || async {
         let status = kcs.get("demo").await?.status.unwrap_or_default();
         Ok(status
+            .contract
             .conditions
             .unwrap_or_default()
             .into_iter()

@@ -387,7 +387,7 @@ async fn the_controller_works_as(admin: &Client, restricted: Client, ns: &str) -
         "KVMCluster provisioned under the shipped RBAC",
         || async {
             let kc = kcs.get("demo").await?;
-            Ok((kc.status.and_then(|s| s.ready) == Some(true)).then_some(()))
+            Ok((kc.status.and_then(|s| s.contract.ready) == Some(true)).then_some(()))
         },
     )
     .await?;

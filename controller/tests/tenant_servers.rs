@@ -303,6 +303,7 @@ fn gate_reason(pod: &Pod) -> Option<String> {
 fn node_ready(km: &KVMMachine) -> Option<(String, String)> {
     km.status
         .as_ref()?
+        .contract
         .conditions
         .as_ref()?
         .iter()

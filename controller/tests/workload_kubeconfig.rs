@@ -34,6 +34,7 @@ fn condition(km: &KVMMachine, type_: &str) -> Option<(String, String, String)> {
     let c = km
         .status
         .as_ref()?
+        .contract
         .conditions
         .as_ref()?
         .iter()

@@ -4,11 +4,10 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use super::shared::{ApiEndpoint, FailureDomain, Initialization};
+use super::shared::{ApiEndpoint, ContractStatus, FailureDomain};
 
 /// The infrastructure of a workload cluster: its control-plane endpoint (a Service in the
 /// hosting cluster whose endpoints are the control-plane machine Pods), its failure domains and
@@ -169,27 +168,14 @@ pub enum ServiceType {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct KVMClusterStatus {
-    /// Contract field: provisioned once the control-plane endpoint exists.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub initialization: Option<Initialization>,
-
-    /// The same as `initialization.provisioned`, for Cluster API v1beta1 readers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ready: Option<bool>,
+    /// The contract's fields: `initialization`, `ready`, `conditions`, `observedGeneration`.
+    #[serde(flatten)]
+    pub contract: ContractStatus,
 
     /// Failure domains available to machines (v1beta2 list form).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub failure_domains: Option<Vec<FailureDomain>>,
-
-    /// Conditions: `Ready`, `Paused`, `ControlPlaneServiceReady`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
-    pub conditions: Option<Vec<Condition>>,
-
-    /// The generation the status describes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub observed_generation: Option<i64>,
 
     /// The management cluster's namespace of this cluster's machine Pods, Ignition Secrets,
     /// etcd PVCs and control-plane Service while it names no hosting cluster: the operator's

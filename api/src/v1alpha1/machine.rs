@@ -4,14 +4,11 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::{
-    api::core::v1::Toleration,
-    apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::Condition},
-};
+use k8s_openapi::{api::core::v1::Toleration, apimachinery::pkg::api::resource::Quantity};
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use super::shared::{Initialization, MachineAddress};
+use super::shared::{ContractStatus, MachineAddress};
 use crate::{
     limits::{self, CelRule},
     quantity::SizeQuantity,
@@ -407,13 +404,9 @@ pub enum Accel {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct KVMMachineStatus {
-    /// Contract field: provisioned once the VM runs and `providerID` is set.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub initialization: Option<Initialization>,
-
-    /// The same as `initialization.provisioned`, for Cluster API v1beta1 readers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ready: Option<bool>,
+    /// The contract's fields: `initialization`, `ready`, `conditions`, `observedGeneration`.
+    #[serde(flatten)]
+    pub contract: ContractStatus,
 
     /// Addresses of the machine (InternalIP = the Pod's IP, Hostname = the node name).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -431,15 +424,6 @@ pub struct KVMMachineStatus {
     /// Name of the machine Pod running the VM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_name: Option<String>,
-
-    /// Conditions: `Ready`, `Paused`, `BootstrapCompleted`, `VMRunning`, ...
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
-    pub conditions: Option<Vec<Condition>>,
-
-    /// The generation the status describes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub observed_generation: Option<i64>,
 
     /// Where the machine Pod keeps its etcd disk on an MC node (`etcdStorage.type: hostPath`),
     /// recorded by the controller from the Pod: the only record the etcd cleanup trusts, since

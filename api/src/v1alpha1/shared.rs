@@ -37,6 +37,45 @@ pub struct Initialization {
     pub provisioned: Option<bool>,
 }
 
+/// The status fields of Cluster API's v1beta2 infrastructure contract, the same in both kinds.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContractStatus {
+    /// Contract field: provisioned once the infrastructure exists: a KVMCluster's control-plane
+    /// endpoint, a KVMMachine's running VM with `providerID` set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initialization: Option<Initialization>,
+
+    /// The same as `initialization.provisioned`, for Cluster API v1beta1 readers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<bool>,
+
+    /// Conditions: `Ready`, `Paused`, and the kind's own: a KVMCluster's
+    /// `ControlPlaneServiceReady`, a KVMMachine's `BootstrapCompleted`, `VMRunning`, ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Option<Vec<Condition>>,
+
+    /// The generation the status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+impl ContractStatus {
+    /// Whether `initialization.provisioned` is true (it never goes back to false).
+    pub fn is_provisioned(&self) -> bool {
+        self.initialization.as_ref().and_then(|i| i.provisioned) == Some(true)
+    }
+
+    /// Marks the infrastructure provisioned, in both contract versions' fields.
+    pub fn set_provisioned(&mut self) {
+        self.initialization = Some(Initialization {
+            provisioned: Some(true),
+        });
+        self.ready = Some(true);
+    }
+}
+
 /// A failure domain, in the v1beta2 list form.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, KubeSchema)]
 #[serde(rename_all = "camelCase")]

@@ -8,7 +8,7 @@ use capk_api::{
         API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_PAUSED, CONDITION_READY, MANAGED_BY,
         MAX_LABEL_LEN,
     },
-    v1alpha1::{ApiEndpoint, Initialization, KVMCluster, KVMClusterStatus, ServiceType},
+    v1alpha1::{ApiEndpoint, KVMCluster, KVMClusterStatus, ServiceType},
 };
 use k8s_openapi::{
     api::core::v1::{Service, ServicePort, ServiceSpec},
@@ -209,12 +209,7 @@ pub fn status(kc: &KVMCluster, state: &ClusterState, now: Timestamp) -> KVMClust
         ClusterState::SpecInvalid(why) => desired.push(why.clone()),
         ClusterState::HostingUnavailable(hosting) => {
             desired.push(hosting.clone());
-            let provisioned = current
-                .initialization
-                .as_ref()
-                .and_then(|i| i.provisioned)
-                .unwrap_or(false);
-            if !provisioned {
+            if !current.contract.is_provisioned() {
                 desired.push(DesiredCondition::falsy(
                     CONDITION_READY,
                     hosting.reason.clone(),
@@ -232,21 +227,18 @@ pub fn status(kc: &KVMCluster, state: &ClusterState, now: Timestamp) -> KVMClust
                 "Provisioned",
                 "control-plane Service and endpoint are in place",
             ));
-            out.initialization = Some(Initialization {
-                provisioned: Some(true),
-            });
-            out.ready = Some(true);
+            out.contract.set_provisioned();
             out.failure_domains = kc.spec.failure_domains.clone().filter(|f| !f.is_empty());
-            out.observed_generation = generation;
+            out.contract.observed_generation = generation;
         }
     }
     let merged = conditions::merge(
-        current.conditions.as_deref().unwrap_or_default(),
+        current.contract.conditions.as_deref().unwrap_or_default(),
         &desired,
         generation,
         now,
     );
-    out.conditions = Some(merged);
+    out.contract.conditions = Some(merged);
     out
 }
 
@@ -580,7 +572,7 @@ mod tests {
         );
         let mut kc = kvm_cluster(KVMClusterSpec::default());
         let fresh = status(&kc, &ClusterState::HostingUnavailable(down.clone()), t0);
-        let conds = fresh.conditions.clone().unwrap();
+        let conds = fresh.contract.conditions.clone().unwrap();
         let ready = conditions::find(&conds, "Ready").unwrap();
         assert_eq!(
             (ready.status.as_str(), ready.reason.as_str()),
@@ -589,7 +581,7 @@ mod tests {
         );
         kc.status = Some(status(&kc, &provisioned(), t0));
         let later = status(&kc, &ClusterState::HostingUnavailable(down), t0);
-        let conds = later.conditions.clone().unwrap();
+        let conds = later.contract.conditions.clone().unwrap();
         assert_eq!(conditions::find(&conds, "Ready").unwrap().status, "True");
         assert_eq!(
             conditions::find(&conds, "HostingClusterAvailable")
@@ -597,7 +589,7 @@ mod tests {
                 .reason,
             "HostingClusterUnreachable"
         );
-        assert_eq!(later.ready, Some(true));
+        assert_eq!(later.contract.ready, Some(true));
     }
 
     #[test]
@@ -607,10 +599,10 @@ mod tests {
         let mut kc = kvm_cluster(KVMClusterSpec::default());
         let first = status(&kc, &provisioned(), t0);
         assert_eq!(
-            first.initialization.as_ref().unwrap().provisioned,
+            first.contract.initialization.as_ref().unwrap().provisioned,
             Some(true)
         );
-        assert_eq!(first.ready, Some(true));
+        assert_eq!(first.contract.ready, Some(true));
         kc.status = Some(first.clone());
         // Same world an hour later: identical status, so the controller writes nothing.
         assert_eq!(status(&kc, &provisioned(), t1), first);
@@ -621,7 +613,7 @@ mod tests {
         let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
         let kc = kvm_cluster(KVMClusterSpec::default());
         let s = status(&kc, &provisioned(), t0);
-        let conds = s.conditions.clone().unwrap();
+        let conds = s.contract.conditions.clone().unwrap();
         let endpoints = conditions::find(&conds, "ControlPlaneEndpointsReady").unwrap();
         assert_eq!(
             (endpoints.status.as_str(), endpoints.reason.as_str()),
@@ -629,7 +621,7 @@ mod tests {
         );
         // CAPI mirrors Ready to the Cluster, which must keep provisioning its first machine.
         assert_eq!(conditions::find(&conds, "Ready").unwrap().status, "True");
-        assert_eq!(s.ready, Some(true));
+        assert_eq!(s.contract.ready, Some(true));
     }
 
     #[test]
@@ -638,9 +630,9 @@ mod tests {
         let mut kc = kvm_cluster(KVMClusterSpec::default());
         kc.status = Some(status(&kc, &provisioned(), t0));
         let paused = status(&kc, &ClusterState::Paused, t0);
-        let conds = paused.conditions.clone().unwrap();
+        let conds = paused.contract.conditions.clone().unwrap();
         assert_eq!(conditions::find(&conds, "Paused").unwrap().status, "True");
         assert_eq!(conditions::find(&conds, "Ready").unwrap().status, "True");
-        assert_eq!(paused.ready, Some(true));
+        assert_eq!(paused.contract.ready, Some(true));
     }
 }

@@ -127,7 +127,7 @@ async fn report_unavailable(ctx: &Context, kc: &KVMCluster, u: &Unavailable) {
     let shown = kc
         .status
         .as_ref()
-        .and_then(|s| s.conditions.as_deref())
+        .and_then(|s| s.contract.conditions.as_deref())
         .and_then(|cs| crate::k8s::conditions::find(cs, CONDITION_HOSTING_CLUSTER_AVAILABLE))
         .is_some_and(|c| c.status == "False" && c.reason == u.reason);
     if !shown {
@@ -203,7 +203,7 @@ async fn refuse_spec(
     let shown = kc
         .status
         .as_ref()
-        .and_then(|s| s.conditions.as_deref())
+        .and_then(|s| s.contract.conditions.as_deref())
         .and_then(|cs| crate::k8s::conditions::find(cs, refused.type_))
         .is_some_and(|c| c.reason == refused.reason && c.message == refused.message);
     if !shown {
@@ -295,7 +295,7 @@ async fn record_machine_namespace(
     let provisioned = kc
         .status
         .as_ref()
-        .and_then(|s| s.initialization.as_ref())
+        .and_then(|s| s.contract.initialization.as_ref())
         .and_then(|i| i.provisioned)
         .unwrap_or(false);
     let beside = Target::management(&ctx.client, ctx.caches.objects(), &ns, &ns);

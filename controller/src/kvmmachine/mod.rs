@@ -539,9 +539,7 @@ async fn ensure_pod(
     let was_provisioned = km
         .status
         .as_ref()
-        .and_then(|s| s.initialization.as_ref())
-        .and_then(|i| i.provisioned)
-        .unwrap_or(false);
+        .is_some_and(|s| s.contract.is_provisioned());
     // The cache can lag: a provisioned machine whose Pod the cache does not show is checked with
     // the apiserver before it is declared lost.
     let existing = match there.pod(pod_name) {

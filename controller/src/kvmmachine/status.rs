@@ -368,7 +368,7 @@ pub fn status(
     let current = km.status.clone().unwrap_or_default();
     let generation = km.meta().generation;
     let mut desired = vec![paused_condition(state)];
-    desired.extend(ready_condition(state, is_provisioned(&current)));
+    desired.extend(ready_condition(state, current.contract.is_provisioned()));
     if !matches!(state, MachineState::Paused) {
         desired.extend_from_slice(pod);
     }
@@ -376,24 +376,15 @@ pub fn status(
     record_pod(&mut out, state, km);
     if observes_spec(state) {
         out.failure_domain = failure_domain.map(str::to_owned);
-        out.observed_generation = generation;
+        out.contract.observed_generation = generation;
     }
-    out.conditions = Some(crate::k8s::conditions::merge(
-        current.conditions.as_deref().unwrap_or_default(),
+    out.contract.conditions = Some(crate::k8s::conditions::merge(
+        current.contract.conditions.as_deref().unwrap_or_default(),
         &desired,
         generation,
         now,
     ));
     out
-}
-
-/// Whether the status already says the machine is provisioned.
-fn is_provisioned(current: &capk_api::v1alpha1::KVMMachineStatus) -> bool {
-    current
-        .initialization
-        .as_ref()
-        .and_then(|i| i.provisioned)
-        .unwrap_or(false)
 }
 
 /// Whether the state comes from a reconcile that looked at the spec, so `observedGeneration` and
@@ -497,7 +488,7 @@ fn record_pod(
     state: &MachineState,
     km: &KVMMachine,
 ) {
-    use capk_api::v1alpha1::{Initialization, MachineAddress, MachineAddressType};
+    use capk_api::v1alpha1::{MachineAddress, MachineAddressType};
     match state {
         MachineState::PodStarting { pod, .. } | MachineState::NodeImageFailed { pod, .. } => {
             out.pod_name = Some(pod.clone());
@@ -514,10 +505,7 @@ fn record_pod(
                     address: hostname(km),
                 },
             ]);
-            out.initialization = Some(Initialization {
-                provisioned: Some(true),
-            });
-            out.ready = Some(true);
+            out.contract.set_provisioned();
         }
         _ => {}
     }
@@ -528,7 +516,7 @@ fn record_pod(
 pub fn has_ready_reason(km: &KVMMachine, reason: &str, detail: &str) -> bool {
     km.status
         .as_ref()
-        .and_then(|s| s.conditions.as_deref())
+        .and_then(|s| s.contract.conditions.as_deref())
         .and_then(|cs| crate::k8s::conditions::find(cs, "Ready"))
         .is_some_and(|c| c.reason == reason && c.message.contains(detail))
 }
@@ -538,7 +526,7 @@ pub fn has_condition(km: &KVMMachine, c: &crate::k8s::conditions::DesiredConditi
     let status = if c.status { "True" } else { "False" };
     km.status
         .as_ref()
-        .and_then(|s| s.conditions.as_deref())
+        .and_then(|s| s.contract.conditions.as_deref())
         .and_then(|cs| crate::k8s::conditions::find(cs, c.type_))
         .is_some_and(|cur| {
             cur.status == status && cur.reason == c.reason && cur.message == c.message
@@ -571,6 +559,7 @@ mod tests {
             t0,
         );
         let ready = lost
+            .contract
             .conditions
             .as_ref()
             .unwrap()
@@ -582,7 +571,10 @@ mod tests {
             ("False", "MachinePodMissing")
         );
         // The contract: provisioned never goes back to false.
-        assert_eq!(lost.initialization.unwrap().provisioned, Some(true));
+        assert_eq!(
+            lost.contract.initialization.unwrap().provisioned,
+            Some(true)
+        );
         assert_eq!(lost.failure_domain.as_deref(), Some("zone-a"));
     }
 

@@ -131,13 +131,13 @@ pub trait ObjectState {
 
 impl ObjectState for KVMMachine {
     fn initialization(&self) -> Option<&Initialization> {
-        self.status.as_ref()?.initialization.as_ref()
+        self.status.as_ref()?.contract.initialization.as_ref()
     }
 }
 
 impl ObjectState for KVMCluster {
     fn initialization(&self) -> Option<&Initialization> {
-        self.status.as_ref()?.initialization.as_ref()
+        self.status.as_ref()?.contract.initialization.as_ref()
     }
 }
 
