@@ -114,13 +114,9 @@ fn parse<T: DeserializeOwned>(text: &str, spec: &str) -> Result<T, ConvertError>
 #[serde(rename_all = "camelCase")]
 struct Config {
     ignition: Ignition,
-    #[serde(default)]
     networkd: Option<Networkd>,
-    #[serde(default)]
     passwd: Option<Passwd>,
-    #[serde(default)]
     storage: Option<Storage>,
-    #[serde(default)]
     systemd: Option<Systemd>,
 }
 
@@ -129,159 +125,115 @@ struct Config {
 struct Ignition {
     #[allow(dead_code)]
     version: String,
-    #[serde(default)]
     config: Option<IgnitionConfig>,
-    #[serde(default)]
     security: Option<Security>,
-    #[serde(default)]
     timeouts: Option<Timeouts>,
-    #[serde(default)]
     proxy: Option<Proxy>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct IgnitionConfig {
-    #[serde(default)]
     append: Option<Vec<Reference>>,
-    #[serde(default)]
     replace: Option<Reference>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Reference {
-    #[serde(default)]
     source: Option<String>,
-    #[serde(default)]
     compression: Option<String>,
-    #[serde(default)]
     verification: Option<Verification>,
-    #[serde(default)]
     http_headers: Option<Vec<HttpHeader>>,
 }
 
 #[derive(Deserialize)]
 struct HttpHeader {
     name: String,
-    #[serde(default)]
     value: Option<String>,
 }
 
 #[derive(Deserialize)]
 struct Verification {
-    #[serde(default)]
     hash: Option<String>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Security {
-    #[serde(default)]
     tls: Option<Tls>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Tls {
-    #[serde(default)]
     certificate_authorities: Option<Vec<Reference>>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Timeouts {
-    #[serde(default)]
     http_response_headers: Option<i64>,
-    #[serde(default)]
     http_total: Option<i64>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Proxy {
-    #[serde(default)]
     http_proxy: Option<String>,
-    #[serde(default)]
     https_proxy: Option<String>,
-    #[serde(default)]
     no_proxy: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Storage {
-    #[serde(default)]
     directories: Option<Vec<Directory>>,
-    #[serde(default)]
     disks: Option<Vec<Disk>>,
-    #[serde(default)]
     files: Option<Vec<File>>,
-    #[serde(default)]
     filesystems: Option<Vec<Filesystem>>,
-    #[serde(default)]
     links: Option<Vec<Link>>,
-    #[serde(default)]
     raid: Option<Vec<Raid>>,
 }
 
 #[derive(Deserialize, Clone)]
 struct NodeRef {
-    #[serde(default)]
     id: Option<i64>,
-    #[serde(default)]
     name: Option<String>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct File {
-    #[serde(default)]
     filesystem: Option<String>,
     path: String,
-    #[serde(default)]
     overwrite: Option<bool>,
-    #[serde(default)]
     user: Option<NodeRef>,
-    #[serde(default)]
     group: Option<NodeRef>,
-    #[serde(default)]
     append: Option<bool>,
-    #[serde(default)]
     contents: Option<Reference>,
-    #[serde(default)]
     mode: Option<i64>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Directory {
-    #[serde(default)]
     filesystem: Option<String>,
     path: String,
-    #[serde(default)]
     overwrite: Option<bool>,
-    #[serde(default)]
     user: Option<NodeRef>,
-    #[serde(default)]
     group: Option<NodeRef>,
-    #[serde(default)]
     mode: Option<i64>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Link {
-    #[serde(default)]
     filesystem: Option<String>,
     path: String,
-    #[serde(default)]
     overwrite: Option<bool>,
-    #[serde(default)]
     user: Option<NodeRef>,
-    #[serde(default)]
     group: Option<NodeRef>,
-    #[serde(default)]
     hard: Option<bool>,
     target: String,
 }
@@ -290,70 +242,50 @@ struct Link {
 #[serde(rename_all = "camelCase")]
 struct Disk {
     device: String,
-    #[serde(default)]
     partitions: Option<Vec<Partition>>,
-    #[serde(default)]
     wipe_table: Option<bool>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Partition {
-    #[serde(default)]
     guid: Option<String>,
-    #[serde(default)]
     label: Option<String>,
-    #[serde(default)]
     number: Option<i64>,
-    #[serde(default)]
     should_exist: Option<bool>,
-    #[serde(default)]
     size: Option<i64>,
-    #[serde(default, rename = "sizeMiB")]
+    #[serde(rename = "sizeMiB")]
     size_mib: Option<i64>,
-    #[serde(default)]
     start: Option<i64>,
-    #[serde(default, rename = "startMiB")]
+    #[serde(rename = "startMiB")]
     start_mib: Option<i64>,
-    #[serde(default)]
     type_guid: Option<String>,
-    #[serde(default)]
     wipe_partition_entry: Option<bool>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Filesystem {
-    #[serde(default)]
     mount: Option<Mount>,
-    #[serde(default)]
     name: Option<String>,
-    #[serde(default)]
     path: Option<String>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Mount {
-    #[serde(default)]
     create: Option<Create>,
     device: String,
     format: String,
-    #[serde(default)]
     label: Option<String>,
-    #[serde(default)]
     options: Option<Vec<String>>,
-    #[serde(default)]
     uuid: Option<String>,
-    #[serde(default)]
     wipe_filesystem: Option<bool>,
 }
 
 #[derive(Deserialize)]
 struct Create {
-    #[serde(default)]
     force: Option<bool>,
-    #[serde(default)]
     options: Option<Vec<String>>,
 }
 
@@ -362,51 +294,39 @@ struct Raid {
     devices: Vec<String>,
     level: String,
     name: String,
-    #[serde(default)]
     options: Option<Vec<String>>,
-    #[serde(default)]
     spares: Option<i64>,
 }
 
 #[derive(Deserialize)]
 struct Networkd {
-    #[serde(default)]
     units: Option<Vec<NetworkdUnit>>,
 }
 
 #[derive(Deserialize)]
 struct NetworkdUnit {
-    #[serde(default)]
     contents: Option<String>,
-    #[serde(default)]
     dropins: Option<Vec<Dropin>>,
     name: String,
 }
 
 #[derive(Deserialize)]
 struct Dropin {
-    #[serde(default)]
     contents: Option<String>,
     name: String,
 }
 
 #[derive(Deserialize)]
 struct Systemd {
-    #[serde(default)]
     units: Option<Vec<Unit>>,
 }
 
 #[derive(Deserialize)]
 struct Unit {
-    #[serde(default)]
     contents: Option<String>,
-    #[serde(default)]
     dropins: Option<Vec<Dropin>>,
-    #[serde(default)]
     enable: Option<bool>,
-    #[serde(default)]
     enabled: Option<bool>,
-    #[serde(default)]
     mask: Option<bool>,
     name: String,
 }
@@ -414,53 +334,35 @@ struct Unit {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Passwd {
-    #[serde(default)]
     groups: Option<Vec<Group>>,
-    #[serde(default)]
     users: Option<Vec<User>>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Group {
-    #[serde(default)]
     gid: Option<i64>,
     name: String,
-    #[serde(default)]
     password_hash: Option<String>,
-    #[serde(default)]
     system: Option<bool>,
 }
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct User {
-    #[serde(default)]
     create: Option<UserCreate>,
-    #[serde(default)]
     gecos: Option<String>,
-    #[serde(default)]
     groups: Option<Vec<String>>,
-    #[serde(default)]
     home_dir: Option<String>,
     name: String,
-    #[serde(default)]
     no_create_home: Option<bool>,
-    #[serde(default)]
     no_log_init: Option<bool>,
-    #[serde(default)]
     no_user_group: Option<bool>,
-    #[serde(default)]
     password_hash: Option<String>,
-    #[serde(default)]
     primary_group: Option<String>,
-    #[serde(default)]
     ssh_authorized_keys: Option<Vec<String>>,
-    #[serde(default)]
     shell: Option<String>,
-    #[serde(default)]
     system: Option<bool>,
-    #[serde(default)]
     uid: Option<i64>,
 }
 
@@ -468,25 +370,15 @@ struct User {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct UserCreate {
-    #[serde(default)]
     gecos: Option<String>,
-    #[serde(default)]
     groups: Option<Vec<String>>,
-    #[serde(default)]
     home_dir: Option<String>,
-    #[serde(default)]
     no_create_home: Option<bool>,
-    #[serde(default)]
     no_log_init: Option<bool>,
-    #[serde(default)]
     no_user_group: Option<bool>,
-    #[serde(default)]
     primary_group: Option<String>,
-    #[serde(default)]
     shell: Option<String>,
-    #[serde(default)]
     system: Option<bool>,
-    #[serde(default)]
     uid: Option<i64>,
 }
 
@@ -752,17 +644,19 @@ fn disks(out: &mut v3t::Config, disks: Option<Vec<Disk>>) -> Result<(), ConvertE
 
 /// `storage.raid`.
 fn raid(out: &mut v3t::Config, raid: Option<Vec<Raid>>) {
-    for r in raid.into_iter().flatten() {
-        v3::storage(out)
-            .raid
-            .get_or_insert_with(Vec::new)
-            .push(v3t::Raid {
-                devices: Some(r.devices),
-                level: Some(r.level),
-                name: r.name,
-                options: r.options,
-                spares: r.spares,
-            });
+    let arrays: Vec<v3t::Raid> = raid
+        .into_iter()
+        .flatten()
+        .map(|r| v3t::Raid {
+            devices: Some(r.devices),
+            level: Some(r.level),
+            name: r.name,
+            options: r.options,
+            spares: r.spares,
+        })
+        .collect();
+    if !arrays.is_empty() {
+        v3::storage(out).raid = Some(arrays);
     }
 }
 

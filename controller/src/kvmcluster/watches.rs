@@ -19,7 +19,7 @@ use capk_api::{
 };
 use futures::{StreamExt, channel::mpsc::UnboundedReceiver};
 use k8s_openapi::{
-    api::core::v1::{Pod, Secret},
+    api::core::v1::{Pod, Secret, Service},
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use kube::{
@@ -36,7 +36,7 @@ use kube::{
 use crate::k8s::ownership::cluster_of;
 use crate::{
     k8s::caches::{Caches, Changes, Events, api, cached, named_by_label, strip_kvm_cluster},
-    remote::hosting::{HostingKey, OnChange},
+    remote::hosting::{self, HostingKey, OnChange},
     runtime::context::Context,
     runtime::outcome,
 };
@@ -202,15 +202,12 @@ impl Wake<KVMCluster> {
     /// What a hosting cluster's link reports: an object there wakes the KVMCluster it concerns,
     /// a change of the link's availability every KVMCluster naming it.
     pub fn on_hosting(&self, caches: &Caches) -> OnChange {
-        let wake = self.clone();
         let (kvm_clusters, clusters) = (caches.kvm_clusters.clone(), caches.clusters.clone());
-        Arc::new(
-            move |key: &HostingKey, meta: Option<&ObjectMeta>| match meta {
-                Some(meta) => {
-                    wake.all(kvmclusters_of_hosted_object(meta, &kvm_clusters, &clusters))
-                }
-                None => wake.all(kvmclusters_of_hosting(key, &kvm_clusters)),
-            },
+        let of_key = caches.kvm_clusters.clone();
+        hosting::waking(
+            self.clone(),
+            move |meta| kvmclusters_of_hosted_object(meta, &kvm_clusters, &clusters),
+            move |key| kvmclusters_of_hosting(key, &of_key),
         )
     }
 }
@@ -220,7 +217,7 @@ impl Wake<KVMCluster> {
 pub async fn run(
     ctx: Arc<Context>,
     config: Config,
-    services: Changes<PartialObjectMeta<k8s_openapi::api::core::v1::Service>>,
+    services: Changes<PartialObjectMeta<Service>>,
     wakes: UnboundedReceiver<ObjectRef<KVMCluster>>,
     stopped: impl Future<Output = ()> + Send + Sync + 'static,
 ) {

@@ -35,7 +35,7 @@ use kube::{
 use crate::k8s::ownership::cluster_of;
 use crate::{
     k8s::caches::{Caches, Events, named_by_label},
-    remote::hosting::{HostingKey, OnChange},
+    remote::hosting::{self, HostingKey, OnChange},
     remote::workload::OnNodeChange,
     runtime::context::Context,
     runtime::outcome,
@@ -255,14 +255,12 @@ impl Wake<KVMMachine> {
     /// What a hosting cluster's link reports: an object there wakes the KVMMachine its labels
     /// name, a change of the link's availability the machines of every KVMCluster naming it.
     pub fn on_hosting(&self, caches: &Caches) -> OnChange {
-        let wake = self.clone();
-        let (kvm_clusters, kvm_machines) =
-            (caches.kvm_clusters.clone(), caches.kvm_machines.clone());
-        Arc::new(
-            move |key: &HostingKey, meta: Option<&ObjectMeta>| match meta {
-                Some(meta) => wake.all(kvmmachines_of_hosted_object(meta, &kvm_machines)),
-                None => wake.all(kvmmachines_of_hosting(key, &kvm_clusters, &kvm_machines)),
-            },
+        let kvm_machines = caches.kvm_machines.clone();
+        let (kvm_clusters, of_key) = (caches.kvm_clusters.clone(), caches.kvm_machines.clone());
+        hosting::waking(
+            self.clone(),
+            move |meta| kvmmachines_of_hosted_object(meta, &kvm_machines),
+            move |key| kvmmachines_of_hosting(key, &kvm_clusters, &of_key),
         )
     }
 }

@@ -51,6 +51,7 @@ use crate::{
     k8s::caches::{Changes, ObjectCaches, cached, owned, strip_object, strip_pod, strip_secret},
     k8s::conditions::DesiredCondition,
     k8s::ownership::Home,
+    k8s::wake::Wake,
     remote::kubeconfig::KubeconfigError,
     remote::limits::{LimitError, RemoteLimits, describe},
     remote::{self, KubeconfigSecret, LinkState},
@@ -238,6 +239,24 @@ impl Target {
 /// Called on every change a link sees: an object's metadata (wake whoever its labels name), or
 /// `None` when the link's availability changed (wake everyone on it).
 pub type OnChange = Arc<dyn Fn(&HostingKey, Option<&ObjectMeta>) + Send + Sync>;
+
+/// The [`OnChange`] of a kind's reconciles: an object wakes those `of_object` names, a change of
+/// a link's availability those `of_hosting` names.
+pub fn waking<K, Objects, Hosted>(
+    wake: Wake<K>,
+    of_object: impl Fn(&ObjectMeta) -> Objects + Send + Sync + 'static,
+    of_hosting: impl Fn(&HostingKey) -> Hosted + Send + Sync + 'static,
+) -> OnChange
+where
+    K: kube::Resource<DynamicType = ()> + 'static,
+    Objects: IntoIterator<Item = ObjectRef<K>>,
+    Hosted: IntoIterator<Item = ObjectRef<K>>,
+{
+    Arc::new(move |key, meta| match meta {
+        Some(meta) => wake.all(of_object(meta)),
+        None => wake.all(of_hosting(key)),
+    })
+}
 
 /// The links to every hosting cluster in use.
 pub struct Links {
