@@ -744,3 +744,55 @@ async fn refused_without_pod(client: &Client, ns: &str, name: &str, field: &str)
     );
     Ok(message)
 }
+
+#[tokio::test]
+async fn a_machine_pod_refused_by_pod_security_says_why_and_starts_once_allowed() -> Result<()> {
+    const ENFORCE: &str = "pod-security.kubernetes.io/enforce";
+    let ns = "kvmm-pod-security";
+    let (client, _stop) = setup(ns).await?;
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    let label = |level: &str| json!({"metadata": {"labels": {ENFORCE: level}}});
+    namespaces
+        .patch(
+            ns,
+            &PatchParams::default(),
+            &Patch::Merge(label("baseline")),
+        )
+        .await?;
+    world(&client, ns, "m-psa", "#cloud-config\n").await?;
+    let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
+
+    // The apiserver's words and what to do, on the machine and in a Warning Event.
+    let (status, message) = ready_with_reason(&kms, "m-psa", "MachinePodRefused").await?;
+    assert_eq!(status, "False");
+    assert!(message.contains("violates PodSecurity"), "{message}");
+    assert!(
+        message.contains(&format!("{ENFORCE}=privileged")),
+        "{message}"
+    );
+    warning_event(&client, ns, "m-psa", "MachinePodRefused", "PodSecurity").await?;
+    // Nothing is being created, so clusterctl move is not held up.
+    let km = kms.get("m-psa").await?;
+    assert!(
+        !km.annotations()
+            .contains_key("clusterctl.cluster.x-k8s.io/block-move"),
+        "{:?}",
+        km.annotations()
+    );
+
+    // The operator allows privileged Pods there: the next try makes the Pod.
+    namespaces
+        .patch(
+            ns,
+            &PatchParams::default(),
+            &Patch::Merge(label("privileged")),
+        )
+        .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    eventually(90, "the machine Pod, after the retry", || async {
+        let list = pods.list(&ListParams::default()).await?;
+        Ok(list.items.into_iter().next())
+    })
+    .await?;
+    Ok(())
+}

@@ -582,7 +582,15 @@ async fn ensure_pod(
                 *current = patched;
             }
             info!(pod = %pod_name, "creating machine Pod");
-            objects::create_or_adopt(&pods, "Pod", desired, &owner, there).await?
+            match objects::create_or_adopt(&pods, "Pod", desired, &owner, there).await {
+                Err(Error::Apply {
+                    source: kube::Error::Api(s),
+                    ..
+                }) if let Some(why) = status::pod_refusal(&s, pod_name, &there.describe()) => {
+                    return refused(ctx, api, current, why).await;
+                }
+                created => created?,
+            }
         }
     };
     let event = match ensured {
@@ -595,6 +603,25 @@ async fn ensure_pod(
         outcome::publish(ctx, km, EventType::Normal, reason, note).await;
     }
     Ok(ControlFlow::Continue(pod))
+}
+
+/// The apiserver refused the machine Pod for good: the `Ready` condition and a Warning Event
+/// say why (once), and `clusterctl move` need not wait for a Pod that is not being created.
+async fn refused(
+    ctx: &Context,
+    api: &Api<KVMMachine>,
+    current: &mut KVMMachine,
+    why: String,
+) -> Result<Step<Pod>> {
+    warn_once(ctx, current, status::REASON_MACHINE_POD_REFUSED, &why).await;
+    if let Some(patched) = writes::patch_machine(api, current, false, None).await? {
+        *current = patched;
+    }
+    Ok(ControlFlow::Break(Observed {
+        state: MachineState::PodRefused(why),
+        pod: None,
+        gate: None,
+    }))
 }
 
 /// The Node in the workload cluster: the Pod's readiness gate follows it (the Node watch wakes
@@ -706,6 +733,10 @@ fn next_action(observed: &Observed) -> Result<Action> {
         // Recovery wakes this machine; this is a safety net.
         return Ok(Action::requeue(Duration::from_secs(60)));
     }
+    if matches!(observed.state, MachineState::PodRefused(_)) {
+        // What lifts a refusal (a namespace label, a quota, a priority class) wakes nothing.
+        return Ok(Action::requeue(POD_REFUSED_RETRY));
+    }
     // The watch sees Secrets by their cluster label: one made without it (by hand) appears
     // unseen, and is looked for (and labelled) again at this pace.
     let waiting_for_secret = matches!(observed.state, MachineState::WaitingForBootstrapSecret(_))
@@ -723,6 +754,9 @@ fn next_action(observed: &Observed) -> Result<Action> {
     }
     Ok(Action::await_change())
 }
+
+/// How often a machine whose Pod the apiserver refused tries again.
+pub const POD_REFUSED_RETRY: Duration = Duration::from_secs(60);
 
 /// How often a machine waiting for its bootstrap data or kubeconfig Secret looks for it while
 /// the watch has not shown it (it may exist without the cluster label the watch selects).

@@ -17,6 +17,9 @@ pub const REASON_IMAGE_DOWNLOAD_FAILED: &str = "ImageDownloadFailed";
 pub const REASON_IMAGE_VERIFICATION_FAILED: &str = "ImageVerificationFailed";
 /// Condition and Event reason of a provisioned machine whose Pod (and VM) is gone.
 pub const REASON_MACHINE_POD_MISSING: &str = "MachinePodMissing";
+/// Condition and Event reason of a machine Pod the apiserver refuses to create (Pod Security
+/// admission, a quota, a missing priority class, a webhook).
+pub const REASON_MACHINE_POD_REFUSED: &str = "MachinePodRefused";
 
 /// Where a KVMMachine is on its way to a running VM.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,6 +65,9 @@ pub enum MachineState {
     },
     /// The machine Pod disappeared (or failed) after the VM ran; the Machine must be replaced.
     PodMissing,
+    /// The apiserver refuses to create the machine Pod; the message says why and what to do
+    /// ([`pod_refusal`]).
+    PodRefused(String),
     /// The cluster where the machine's objects live cannot be used now (the
     /// `HostingClusterAvailable` condition says why). What was last seen stands: a provisioned
     /// machine stays provisioned and Ready, its VM runs on untouched.
@@ -472,6 +478,7 @@ fn ready_condition(
             ),
         ),
         MachineState::Deleting { reason, message } => not_ready(reason, message.clone()),
+        MachineState::PodRefused(why) => not_ready(REASON_MACHINE_POD_REFUSED, why.clone()),
         MachineState::PodMissing => not_ready(
             REASON_MACHINE_POD_MISSING,
             "the machine Pod is gone or failed, and with it the VM and its disks; the Machine \
@@ -479,6 +486,28 @@ fn ready_condition(
                 .into(),
         ),
     }
+}
+
+/// Why the apiserver refused to create machine Pod `pod` in `place`, if for good (HTTP 4xx but
+/// a conflict or throttling): its words, redacted like any server's, and for Pod Security
+/// admission what the operator can do. `None` for what passes by itself.
+pub fn pod_refusal(status: &kube::core::Status, pod: &str, place: &str) -> Option<String> {
+    if !(400..500).contains(&status.code) || [409, 429].contains(&status.code) {
+        return None;
+    }
+    let said = crate::remote::redact::untrusted_message(&status.message);
+    let hint = if status.message.contains("PodSecurity") {
+        "; machine Pods run QEMU privileged: label the namespace \
+         pod-security.kubernetes.io/enforce=privileged, or give the controller a machine \
+         namespace (CAPK_MACHINE_NAMESPACE, docs/security.md)"
+    } else {
+        ""
+    };
+    Some(format!(
+        "the apiserver refused machine Pod {pod} in {place} (HTTP {}): {said}{hint}; tried \
+         again every minute",
+        status.code
+    ))
 }
 
 /// Records the machine Pod in the status; a running one also gives the machine its addresses
@@ -538,6 +567,40 @@ mod tests {
     use super::*;
     use crate::kvmmachine::testing::kvm_machine;
     use serde_json::json;
+
+    #[test]
+    fn a_refused_machine_pod_says_what_the_apiserver_said_and_what_to_do() {
+        let status = |code: u16, message: &str| -> kube::core::Status {
+            serde_json::from_value(json!({"status": "Failure", "code": code, "message": message}))
+                .unwrap()
+        };
+        let psa = "pods \"m\" is forbidden: violates PodSecurity \"baseline:latest\": privileged \
+                   (container \"launcher\" must not set securityContext.privileged=true)";
+        let why = pod_refusal(&status(403, psa), "m", "namespace team-a").unwrap();
+        assert!(
+            why.contains("machine Pod m in namespace team-a (HTTP 403)"),
+            "{why}"
+        );
+        assert!(why.contains("violates PodSecurity"), "{why}");
+        assert!(
+            why.contains("pod-security.kubernetes.io/enforce=privileged"),
+            "{why}"
+        );
+        let quota = "pods \"m\" is forbidden: exceeded quota: q, requested: cpu=3";
+        let why = pod_refusal(&status(403, quota), "m", "namespace team-a").unwrap();
+        assert!(why.contains("exceeded quota"), "{why}");
+        assert!(
+            !why.contains("pod-security"),
+            "no Pod Security hint for a quota: {why}"
+        );
+        for passing in [409, 429, 500, 503] {
+            assert_eq!(
+                pod_refusal(&status(passing, psa), "m", "x"),
+                None,
+                "{passing}"
+            );
+        }
+    }
 
     #[test]
     fn a_lost_pod_turns_ready_false_but_keeps_provisioned() {
