@@ -14,7 +14,7 @@ use capk_controller::metrics::{
 };
 use capk_controller::{
     remote::limits::RemoteLimits,
-    settings::{MachineDefaults, MachineNamespace, NodeImageSource, TenantPolicy},
+    settings::{KvmPolicy, MachineDefaults, MachineNamespace, NodeImageSource, TenantPolicy},
 };
 use clap::{
     Parser, Subcommand, ValueEnum,
@@ -128,6 +128,20 @@ struct Cli {
         value_parser = PossibleValuesParser::new(["single", "multi"]).map(|s| s == "single"),
     )]
     tcg_single_thread: bool,
+    /// Whether machines may run emulated: `allow` (default), `accel: auto` falls back to TCG on
+    /// a node without KVM; `prefer`, as allow but their Pods prefer nodes with the KVM label
+    /// (and `accel: kvm` ones require it); `require`, nothing emulated: `auto` runs as `kvm`,
+    /// every machine Pod requires a node with the label, `accel: tcg` is refused.
+    #[arg(
+        long,
+        default_value = "allow",
+        value_parser = PossibleValuesParser::new(KvmPolicy::NAMES).try_map(|s| s.parse::<KvmPolicy>()),
+    )]
+    kvm: KvmPolicy,
+    /// The label, `KEY=VALUE`, the operator gives MC nodes whose KVM works (`--kvm` prefer or
+    /// require).
+    #[arg(long, default_value = "infrastructure.cluster.x-k8s.io/kvm=true", value_parser = node_label)]
+    kvm_node_label: (String, String),
     /// How KVMMachines with `spec.image.containerImage` get their disk: `host-cache`, an init
     /// container copies it once per MC node into /var/lib/capk/images (any container runtime);
     /// `image-volume`, a Kubernetes image volume, no copy (ImageVolume: Kubernetes 1.33+,
@@ -305,6 +319,26 @@ fn service_type(s: &str) -> Result<Option<ServiceType>, String> {
     }
 }
 
+/// A node label `KEY=VALUE` (the key with an optional `prefix/`, as `kubectl label` takes it).
+fn node_label(s: &str) -> Result<(String, String), String> {
+    let (key, value) = s.split_once('=').ok_or_else(|| {
+        format!("{s:?}: KEY=VALUE, e.g. infrastructure.cluster.x-k8s.io/kvm=true")
+    })?;
+    let name = key.rsplit('/').next().unwrap_or_default();
+    let fits = |part: &str, max: usize| {
+        part.len() <= max
+            && part
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            && part.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && part.ends_with(|c: char| c.is_ascii_alphanumeric())
+    };
+    if !fits(name, 63) || key.len() > 253 + 1 + 63 || !(value.is_empty() || fits(value, 63)) {
+        return Err(format!("{s:?} is not a node label KEY=VALUE"));
+    }
+    Ok((key.to_owned(), value.to_owned()))
+}
+
 /// The non-empty entries of a comma-separated list, trimmed (an empty variable lists nothing).
 fn listed(entries: Vec<String>) -> Vec<String> {
     entries
@@ -384,6 +418,8 @@ fn settings(cli: &Cli) -> anyhow::Result<capk_controller::Settings> {
             tcg_translation_cache_mib: cli.tcg_translation_cache_mib,
             tcg_single_thread: cli.tcg_single_thread,
             node_image_source: cli.node_image_source,
+            kvm: cli.kvm,
+            kvm_node_label: cli.kvm_node_label.clone(),
             ..Default::default()
         },
         concurrency: cli.concurrency,

@@ -2,7 +2,7 @@
 //! to watch, the cluster domain, and the defaults of machine Pods. Plain values: the binary's
 //! edge (clap) fills them, the reconcilers read them.
 
-use capk_api::v1alpha1::ServiceType;
+use capk_api::v1alpha1::{Accel, ServiceType};
 
 /// Settings from the command line.
 #[derive(Clone, Debug)]
@@ -282,7 +282,74 @@ pub struct MachineDefaults {
     /// Emulated machines run one host thread for all their vCPUs (`--tcg-threads=single`)
     /// instead of a thread per vCPU (the launcher's default).
     pub tcg_single_thread: bool,
+    /// Whether machines may run emulated, and where KVM is looked for (`--kvm`).
+    pub kvm: KvmPolicy,
+    /// The node label (key, value) of MC nodes whose KVM works (`--kvm-node-label`): required
+    /// or preferred by machine Pods that run (or would rather run) under KVM.
+    pub kvm_node_label: (String, String),
 }
+
+impl MachineDefaults {
+    /// The accelerator a machine whose spec says `accel` runs under, by the operator's
+    /// [`KvmPolicy`]: under `require`, `auto` becomes `kvm` (the launcher fails rather than
+    /// emulate). [`crate::kvmmachine::validate`] refuses `tcg` there.
+    pub fn accel(&self, accel: Option<Accel>) -> Accel {
+        match (accel.unwrap_or_default(), self.kvm) {
+            (Accel::Auto, KvmPolicy::Require) => Accel::Kvm,
+            (accel, _) => accel,
+        }
+    }
+
+    /// What the machine Pod of a machine running under `accel` asks of its node's label: that
+    /// it has it (true) or would rather (false), or nothing.
+    pub fn kvm_node(&self, accel: Accel) -> Option<bool> {
+        match (self.kvm, accel) {
+            (KvmPolicy::Allow, _) | (_, Accel::Tcg) => None,
+            (_, Accel::Kvm) => Some(true),
+            (KvmPolicy::Prefer, Accel::Auto) => Some(false),
+            (KvmPolicy::Require, Accel::Auto) => Some(true),
+        }
+    }
+}
+
+/// Whether machines may run emulated (TCG), the operator's choice (`--kvm`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvmPolicy {
+    /// Machine Pods run on any node; `accel: auto` falls back to TCG where KVM does not work
+    /// (management clusters without KVM, nested or emulated ones). The default.
+    #[default]
+    Allow,
+    /// As `allow`, but `accel: auto` machine Pods prefer nodes with the KVM label and
+    /// `accel: kvm` ones require it.
+    Prefer,
+    /// Nothing runs emulated: `accel: auto` runs as `kvm`, every machine Pod requires a node
+    /// with the KVM label (one without stays Pending, the scheduler's message in the
+    /// KVMMachine's `PodScheduled` condition), `accel: tcg` is refused.
+    Require,
+}
+
+impl KvmPolicy {
+    /// Every policy's name, as `--kvm` takes it.
+    pub const NAMES: [&'static str; 3] = ["allow", "prefer", "require"];
+}
+
+impl std::str::FromStr for KvmPolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "allow" => Ok(Self::Allow),
+            "prefer" => Ok(Self::Prefer),
+            "require" => Ok(Self::Require),
+            other => Err(format!(
+                "unknown KVM policy {other:?}; expected allow, prefer or require"
+            )),
+        }
+    }
+}
+
+/// The default of `--kvm-node-label`.
+pub const DEFAULT_KVM_NODE_LABEL: (&str, &str) = ("infrastructure.cluster.x-k8s.io/kvm", "true");
 
 impl Default for MachineDefaults {
     fn default() -> Self {
@@ -300,6 +367,11 @@ impl Default for MachineDefaults {
             cpu_allocation_ratio: 1,
             tcg_translation_cache_mib: 128,
             tcg_single_thread: false,
+            kvm: KvmPolicy::default(),
+            kvm_node_label: (
+                DEFAULT_KVM_NODE_LABEL.0.into(),
+                DEFAULT_KVM_NODE_LABEL.1.into(),
+            ),
         }
     }
 }

@@ -360,3 +360,35 @@ fn a_machine_namespace_it_cannot_watch_is_refused_at_start() -> Result<()> {
     }
     Ok(())
 }
+
+/// The KVM policy and node label are checked at start, with what is expected.
+#[test]
+fn a_kvm_policy_or_node_label_it_cannot_use_is_refused_at_start() -> Result<()> {
+    let run = |arg: &str| -> Result<String> {
+        let out = Command::new(env!("CARGO_BIN_EXE_capk-controller"))
+            .arg(arg)
+            .env("KUBECONFIG", "/nonexistent")
+            .output()?;
+        assert!(!out.status.success(), "{arg}");
+        Ok(String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let err = run("--kvm=maybe")?;
+    assert!(
+        err.contains("[possible values: allow, prefer, require]"),
+        "{err}"
+    );
+    let err = run("--kvm-node-label=kvm")?;
+    assert!(err.contains("KEY=VALUE"), "{err}");
+    let err = run("--kvm-node-label=bad key=true")?;
+    assert!(err.contains("is not a node label"), "{err}");
+    // Accepted (it stops later, at the missing kubeconfig).
+    for ok in [
+        "--kvm=require",
+        "--kvm-node-label=example.com/kvm=",
+        "--kvm-node-label=kvm=yes",
+    ] {
+        let err = run(ok)?;
+        assert!(!err.contains("--kvm"), "{ok}: {err}");
+    }
+    Ok(())
+}

@@ -17,8 +17,9 @@ use k8s_openapi::{
     api::core::v1::{
         Affinity, Container, EmptyDirVolumeSource, ExecAction, NodeAffinity, NodeSelector,
         NodeSelectorRequirement, NodeSelectorTerm, PersistentVolumeClaimVolumeSource, Pod,
-        PodAffinityTerm, PodAntiAffinity, PodReadinessGate, PodSpec, Probe, ResourceRequirements,
-        SecretVolumeSource, SecurityContext, Volume, VolumeMount, WeightedPodAffinityTerm,
+        PodAffinityTerm, PodAntiAffinity, PodReadinessGate, PodSpec, PreferredSchedulingTerm,
+        Probe, ResourceRequirements, SecretVolumeSource, SecurityContext, Volume, VolumeMount,
+        WeightedPodAffinityTerm,
     },
     apimachinery::pkg::{
         api::resource::Quantity,
@@ -68,7 +69,7 @@ pub fn machine_pod(
     } else {
         host_volumes(valid, &mut storage, &mut launch);
     }
-    let accel = spec.accel.unwrap_or_default();
+    let accel = defaults.accel(spec.accel);
     let tcg_cache_mib = overhead::tcg_cache_mib(accel, defaults.tcg_translation_cache_mib);
     let resources = resources(&launch, defaults, tcg_cache_mib, storage.empty_dir_bytes);
     let container = launcher_container(defaults, &launch, resources, storage.mounts);
@@ -109,7 +110,7 @@ pub fn machine_pod(
             node_selector: spec.node_selector.clone().filter(|m| !m.is_empty()),
             tolerations: spec.tolerations.clone().filter(|t| !t.is_empty()),
             priority_class_name: spec.priority_class_name.clone(),
-            affinity: affinity(placement, defaults),
+            affinity: affinity(placement, defaults, defaults.accel(spec.accel)),
             ..Default::default()
         }),
         status: None,
@@ -125,7 +126,7 @@ fn launch_contract(
     image: String,
 ) -> Launch {
     let spec = &km.spec;
-    let accel = spec.accel.unwrap_or_default();
+    let accel = defaults.accel(spec.accel);
     let tcg_cache_mib = overhead::tcg_cache_mib(accel, defaults.tcg_translation_cache_mib);
     let mut launch = Launch {
         vcpus: valid.vcpus,
@@ -417,7 +418,13 @@ fn launcher_container(
     }
 }
 
-fn affinity(placement: &MachinePlacement, defaults: &MachineDefaults) -> Option<Affinity> {
+/// Control-plane Pods of a cluster spread over MC nodes; the Pod in its failure domain's zone and,
+/// by the operator's KVM policy, on (or preferably on) a node with the KVM label.
+fn affinity(
+    placement: &MachinePlacement,
+    defaults: &MachineDefaults,
+    accel: Accel,
+) -> Option<Affinity> {
     let mut affinity = Affinity::default();
     if placement.control_plane {
         let term = PodAffinityTerm {
@@ -448,20 +455,44 @@ fn affinity(placement: &MachinePlacement, defaults: &MachineDefaults) -> Option<
             }
         });
     }
+    let requirement = |key: &str, value: &str| NodeSelectorRequirement {
+        key: key.into(),
+        operator: "In".into(),
+        values: Some(vec![value.into()]),
+    };
+    let mut required = Vec::new();
     if let Some(fd) = &placement.failure_domain {
-        affinity.node_affinity = Some(NodeAffinity {
-            required_during_scheduling_ignored_during_execution: Some(NodeSelector {
+        required.push(requirement("topology.kubernetes.io/zone", fd));
+    }
+    let (label, value) = &defaults.kvm_node_label;
+    let kvm_node = defaults.kvm_node(accel);
+    if kvm_node == Some(true) {
+        required.push(requirement(label, value));
+    }
+    let node_affinity = NodeAffinity {
+        // One term: its requirements must all hold.
+        required_during_scheduling_ignored_during_execution: (!required.is_empty()).then(|| {
+            NodeSelector {
                 node_selector_terms: vec![NodeSelectorTerm {
-                    match_expressions: Some(vec![NodeSelectorRequirement {
-                        key: "topology.kubernetes.io/zone".into(),
-                        operator: "In".into(),
-                        values: Some(vec![fd.clone()]),
-                    }]),
+                    match_expressions: Some(required),
                     ..Default::default()
                 }],
-            }),
-            ..Default::default()
-        });
+            }
+        }),
+        preferred_during_scheduling_ignored_during_execution: (kvm_node == Some(false)).then(
+            || {
+                vec![PreferredSchedulingTerm {
+                    weight: 100,
+                    preference: NodeSelectorTerm {
+                        match_expressions: Some(vec![requirement(label, value)]),
+                        ..Default::default()
+                    },
+                }]
+            },
+        ),
+    };
+    if node_affinity != NodeAffinity::default() {
+        affinity.node_affinity = Some(node_affinity);
     }
     (affinity != Affinity::default()).then_some(affinity)
 }
@@ -617,6 +648,86 @@ mod tests {
         assert_eq!(requests["cpu"].0, "425m");
         assert!(!limits.contains_key("cpu"), "Burstable: no CPU limit");
         assert_eq!(requests["memory"], limits["memory"]);
+    }
+
+    #[test]
+    fn the_operators_kvm_policy_places_machine_pods_and_picks_the_accelerator() {
+        use crate::settings::KvmPolicy;
+        let label = "infrastructure.cluster.x-k8s.io/kvm";
+        let in_zone = MachinePlacement {
+            failure_domain: Some("zone-a".into()),
+            ..in_cluster_c(false)
+        };
+        // (required node label expressions, preferred ones, --accel, memory limit) of a machine.
+        let placed = |accel: &str, kvm: KvmPolicy, placement: &MachinePlacement| {
+            let km = kvm_machine(
+                "m",
+                json!({"accel": accel, "resources": {"cpu": 1, "memory": "1Gi", "disk": "2Gi"}}),
+            );
+            let defaults = MachineDefaults {
+                kvm,
+                ..MachineDefaults::default()
+            };
+            let spec = build(&km, placement, &defaults).spec.unwrap();
+            let node = spec
+                .affinity
+                .and_then(|a| a.node_affinity)
+                .unwrap_or_default();
+            let keys = |term: &NodeSelectorTerm| -> Vec<String> {
+                let exprs = term.match_expressions.clone().unwrap_or_default();
+                exprs
+                    .iter()
+                    .map(|e| format!("{}={}", e.key, e.values.clone().unwrap().join(",")))
+                    .collect()
+            };
+            let required: Vec<String> = node
+                .required_during_scheduling_ignored_during_execution
+                .map(|r| r.node_selector_terms.iter().flat_map(keys).collect())
+                .unwrap_or_default();
+            let preferred: Vec<String> = node
+                .preferred_during_scheduling_ignored_during_execution
+                .unwrap_or_default()
+                .iter()
+                .flat_map(|p| keys(&p.preference))
+                .collect();
+            let c = &spec.containers[0];
+            let args = c.args.clone().unwrap_or_default();
+            let accel = args.iter().find(|a| a.starts_with("--accel=")).cloned();
+            let memory = c.resources.as_ref().unwrap().limits.as_ref().unwrap()["memory"]
+                .0
+                .clone();
+            (required, preferred, accel.unwrap(), memory)
+        };
+        let on_kvm = format!("{label}=true");
+        let zone = "topology.kubernetes.io/zone=zone-a".to_owned();
+        let plain = in_cluster_c(false);
+
+        // allow (the default): anywhere, auto may fall back to TCG.
+        let (required, preferred, accel, emulated_memory) =
+            placed("auto", KvmPolicy::Allow, &plain);
+        assert!(required.is_empty() && preferred.is_empty());
+        assert_eq!(accel, "--accel=auto");
+        assert!(
+            placed("kvm", KvmPolicy::Allow, &plain).0.is_empty(),
+            "as before: no label asked"
+        );
+        // prefer: auto would rather be on a KVM node; kvm must be.
+        let (required, preferred, accel, _) = placed("auto", KvmPolicy::Prefer, &plain);
+        assert_eq!((required, preferred), (vec![], vec![on_kvm.clone()]));
+        assert_eq!(accel, "--accel=auto");
+        assert_eq!(placed("kvm", KvmPolicy::Prefer, &plain).0, [on_kvm.clone()]);
+        assert!(placed("tcg", KvmPolicy::Prefer, &plain).0.is_empty());
+        // require: auto runs as kvm on a KVM node of its zone, and its Pod holds no TCG cache.
+        let (required, preferred, accel, memory) = placed("auto", KvmPolicy::Require, &in_zone);
+        assert_eq!(required, [zone, on_kvm]);
+        assert!(preferred.is_empty());
+        assert_eq!(accel, "--accel=kvm");
+        let mib = |q: &str| q.parse::<u64>().unwrap() >> 20;
+        assert_eq!(
+            mib(&emulated_memory) - mib(&memory),
+            128,
+            "the TCG cache is not reserved"
+        );
     }
 
     #[test]

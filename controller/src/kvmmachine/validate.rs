@@ -7,12 +7,14 @@ use std::net::Ipv4Addr;
 
 use capk_api::{
     quantity::SizeQuantity,
-    v1alpha1::{KVMMachine, KVMMachineSpec},
+    v1alpha1::{Accel, KVMMachine, KVMMachineSpec},
 };
 use kube::ResourceExt;
 
 use super::{node_image::HOST_IMAGE_CACHE, overhead, placement::MachinePlacement};
-use crate::settings::{KeyPatterns, MachineDefaults, TenantPolicy, is_reserved_label_key};
+use crate::settings::{
+    KeyPatterns, KvmPolicy, MachineDefaults, TenantPolicy, is_reserved_label_key,
+};
 
 use capk_api::limits::{MAX_VCPUS, MIN_DISK, MIN_MEMORY, MIN_VCPUS, SizeBound};
 
@@ -87,6 +89,7 @@ pub fn validate(
     let mut valid = resources(spec, placement, defaults, &mut errors);
     sums_fit(spec, defaults, &valid, &mut errors);
     dns(spec, &mut errors);
+    accel(spec, defaults, &mut errors);
     valid.host_volumes = host_volumes(km, policy, &mut errors);
     etcd_host_path(spec, placement, policy, &mut errors);
     node_image(spec, &mut errors);
@@ -212,7 +215,7 @@ fn sums_fit(
             u64::from(vcpus),
             memory,
             overhead::tcg_cache_mib(
-                spec.accel.unwrap_or_default(),
+                defaults.accel(spec.accel),
                 defaults.tcg_translation_cache_mib,
             ),
         ))
@@ -458,6 +461,18 @@ fn tolerations(spec: &KVMMachineSpec, policy: &TenantPolicy, errors: &mut Vec<Fi
                     .into(),
             );
         }
+    }
+}
+
+/// No emulation where the operator requires KVM.
+fn accel(spec: &KVMMachineSpec, defaults: &MachineDefaults, errors: &mut Vec<FieldError>) {
+    if defaults.kvm == KvmPolicy::Require && spec.accel == Some(Accel::Tcg) {
+        errors.push(FieldError {
+            field: "spec.accel".into(),
+            reason: "tcg (emulation) is not allowed: the operator requires KVM for every machine \
+                     (provider variable CAPK_KVM=require); leave accel out or set auto or kvm"
+                .into(),
+        });
     }
 }
 
@@ -734,6 +749,29 @@ mod tests {
                 && msg.contains("spec.dns.servers[0]"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn emulation_is_refused_where_the_operator_requires_kvm() {
+        let check = |accel: &str, kvm: KvmPolicy| {
+            let km = kvm_machine("m", spec(json!({"accel": accel})));
+            let defaults = MachineDefaults {
+                kvm,
+                ..MachineDefaults::default()
+            };
+            validate(&km, &placement(false), &defaults, &policy()).map_err(|e| e.to_string())
+        };
+        let refused = check("tcg", KvmPolicy::Require).unwrap_err();
+        assert!(
+            refused.contains("spec.accel") && refused.contains("CAPK_KVM=require"),
+            "{refused}"
+        );
+        for (accel, kvm) in [("auto", KvmPolicy::Require), ("kvm", KvmPolicy::Require)]
+            .into_iter()
+            .chain([("tcg", KvmPolicy::Prefer), ("tcg", KvmPolicy::Allow)])
+        {
+            assert!(check(accel, kvm).is_ok(), "{accel} under {kvm:?}");
+        }
     }
 
     /// What reaches past the tenant's VM is refused unless the operator allows it, naming the
