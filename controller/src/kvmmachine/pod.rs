@@ -715,7 +715,10 @@ mod tests {
         let (required, preferred, accel, _) = placed("auto", KvmPolicy::Prefer, &plain);
         assert_eq!((required, preferred), (vec![], vec![on_kvm.clone()]));
         assert_eq!(accel, "--accel=auto");
-        assert_eq!(placed("kvm", KvmPolicy::Prefer, &plain).0, [on_kvm.clone()]);
+        assert_eq!(
+            placed("kvm", KvmPolicy::Prefer, &plain).0,
+            vec![on_kvm.clone()]
+        );
         assert!(placed("tcg", KvmPolicy::Prefer, &plain).0.is_empty());
         // require: auto runs as kvm on a KVM node of its zone, and its Pod holds no TCG cache.
         let (required, preferred, accel, memory) = placed("auto", KvmPolicy::Require, &in_zone);
