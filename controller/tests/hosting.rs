@@ -671,6 +671,20 @@ async fn an_explicit_reference_to_the_same_cluster_keeps_the_running_pods() -> R
     );
     run_pod(&pods, "demo-cp-0", "10.240.0.11").await?;
     both_say(&kcs, &kms, "demo-cp-0", "True", "ManagementCluster").await?;
+    // clusterctl move would delete that Pod with its KVMMachine: both block it.
+    const BLOCK_MOVE: &str = "clusterctl.cluster.x-k8s.io/block-move";
+    let blocks = || async {
+        let kc = kcs.get("demo").await?;
+        let km = kms.get("demo-cp-0").await?;
+        anyhow::Ok((
+            kc.annotations().contains_key(BLOCK_MOVE),
+            km.annotations().contains_key(BLOCK_MOVE),
+        ))
+    };
+    eventually(30, "block-move on both", || async {
+        Ok((blocks().await? == (true, true)).then_some(()))
+    })
+    .await?;
 
     // The same cluster, now named by a kubeconfig Secret (the namespace defaults to the
     // KVMCluster's).
@@ -707,6 +721,11 @@ async fn an_explicit_reference_to_the_same_cluster_keeps_the_running_pods() -> R
         machine_condition(&km, "Ready").map(|c| c.1).as_deref(),
         Some("VMRunning")
     );
+    // Adopted by labels, the VMs outlive a move: nothing blocks it any more.
+    eventually(30, "no block-move", || async {
+        Ok((blocks().await? == (false, false)).then_some(()))
+    })
+    .await?;
     Ok(())
 }
 

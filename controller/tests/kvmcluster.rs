@@ -218,6 +218,76 @@ async fn a_user_set_endpoint_is_kept() -> Result<()> {
     Ok(())
 }
 
+/// A cluster whose machines live in the management cluster blocks `clusterctl move` (which
+/// would delete their Pods with the KVMMachines): the block-move annotation, the reason in
+/// `HostingClusterAvailable`, and when the Cluster is paused, as a move pauses it first, a
+/// Warning Event that says how to pivot and how to resume the Cluster.
+#[tokio::test]
+async fn a_cluster_whose_vms_run_in_the_management_cluster_blocks_clusterctl_move() -> Result<()> {
+    const BLOCK_MOVE: &str = "clusterctl.cluster.x-k8s.io/block-move";
+    let ns = "kvmcluster-move-blocked";
+    let (client, _stop) = setup(ns).await?;
+    let kvmclusters: Api<KVMCluster> = Api::namespaced(client.clone(), ns);
+    owned_kvmcluster(&client, ns, "stay").await?;
+    let kc = eventually(30, "provisioned and blocked", || async {
+        let kc = kvmclusters.get("stay").await?;
+        let ready = kc.status.as_ref().and_then(|s| s.contract.ready) == Some(true);
+        Ok((ready && kc.annotations().contains_key(BLOCK_MOVE)).then_some(kc))
+    })
+    .await?;
+    let hosting = kc
+        .status
+        .as_ref()
+        .and_then(|s| s.contract.conditions.as_ref());
+    let hosting = hosting
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "HostingClusterAvailable"))
+        .context("HostingClusterAvailable")?;
+    assert!(
+        hosting
+            .message
+            .contains("clusterctl move is blocked until spec.hostingCluster"),
+        "{}",
+        hosting.message
+    );
+
+    // What clusterctl move does first: pause the Cluster.
+    Api::<Cluster>::namespaced(client.clone(), ns)
+        .patch(
+            "stay",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"paused": true}})),
+        )
+        .await?;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
+    let note = eventually(30, "a MoveBlocked Event", || async {
+        let list = events.list(&ListParams::default()).await?;
+        Ok(list
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("MoveBlocked")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("stay")
+            })
+            .and_then(|e| e.note))
+    })
+    .await?;
+    assert!(note.contains("spec.hostingCluster"), "{note}");
+    assert!(
+        note.contains(&format!("kubectl -n {ns} patch cluster stay")),
+        "{note}"
+    );
+    // Paused, it changes nothing: the block stays for the move to meet.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        kvmclusters
+            .get("stay")
+            .await?
+            .annotations()
+            .contains_key(BLOCK_MOVE)
+    );
+    Ok(())
+}
+
 /// A cluster reachable from outside the management cluster through a node port: its Service is
 /// a NodePort Service with the requested node port (or one the apiserver allocated), and its
 /// control-plane endpoint, from which Cluster API writes the workload kubeconfig's server and

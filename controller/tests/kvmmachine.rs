@@ -314,14 +314,15 @@ async fn the_kvmmachine_follows_its_pod_from_pending_to_bootstrapped() -> Result
     let kms: Api<KVMMachine> = Api::namespaced(client.clone(), ns);
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     // No scheduler runs here: the Pod waits for one, and the conditions say so. clusterctl's
-    // block-move annotation, set while the Pod was being created, is gone once it exists.
-    let km = eventually(30, "PodScheduled=False and no block-move", || async {
+    // block-move annotation, set while the Pod was being created, stays: the Pod lives in the
+    // management cluster, and a move would delete it with this KVMMachine.
+    let km = eventually(30, "PodScheduled=False and block-move", || async {
         let km = kms.get("demo-cp-4").await?;
         let waiting = condition(&km, "PodScheduled").is_some_and(|c| c.1 == "WaitingForScheduler");
         let blocked = km
             .annotations()
             .contains_key("clusterctl.cluster.x-k8s.io/block-move");
-        Ok((waiting && !blocked).then_some(km))
+        Ok((waiting && blocked).then_some(km))
     })
     .await?;
     assert_eq!(
@@ -771,14 +772,6 @@ async fn a_machine_pod_refused_by_pod_security_says_why_and_starts_once_allowed(
         "{message}"
     );
     warning_event(&client, ns, "m-psa", "MachinePodRefused", "PodSecurity").await?;
-    // Nothing is being created, so clusterctl move is not held up.
-    let km = kms.get("m-psa").await?;
-    assert!(
-        !km.annotations()
-            .contains_key("clusterctl.cluster.x-k8s.io/block-move"),
-        "{:?}",
-        km.annotations()
-    );
 
     // The operator allows privileged Pods there: the next try makes the Pod.
     namespaces

@@ -180,7 +180,7 @@ const KVM_MACHINE: Kept = Kept {
 };
 const KVM_CLUSTER: Kept = Kept {
     labels: &[CLUSTER_NAME_LABEL],
-    annotations: &[PAUSED_ANNOTATION],
+    annotations: &[PAUSED_ANNOTATION, BLOCK_MOVE_ANNOTATION],
     owners: is_capi,
     finalizers: true,
 };
@@ -309,7 +309,7 @@ pub fn strip_kvm_machine(km: &mut KVMMachine) {
 }
 
 /// Of a KVMCluster its spec and status, finalizers, its Cluster's owner reference, its
-/// cluster's label and the paused annotation.
+/// cluster's label and the annotations the controller reads (paused, clusterctl's block-move).
 pub fn strip_kvm_cluster(kc: &mut KVMCluster) {
     keep(&mut kc.metadata, &KVM_CLUSTER);
 }

@@ -12,9 +12,9 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use capk_api::{
     capi::Cluster,
     constants::{
-        API_SERVER_PORT, CLUSTER_NAME_LABEL, CONDITION_HOSTING_CLUSTER_AVAILABLE,
-        KVMCLUSTER_FINALIZER, MOVE_LABEL, OWNER_NAMESPACE_LABEL, PAUSED_ANNOTATION,
-        control_plane_service_name,
+        API_SERVER_PORT, BLOCK_MOVE_ANNOTATION, CLUSTER_NAME_LABEL,
+        CONDITION_HOSTING_CLUSTER_AVAILABLE, CONDITION_PAUSED, KVMCLUSTER_FINALIZER, MOVE_LABEL,
+        OWNER_NAMESPACE_LABEL, PAUSED_ANNOTATION, control_plane_service_name,
     },
     v1alpha1::KVMCluster,
 };
@@ -69,6 +69,7 @@ async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
         None => None,
     };
     if is_paused(&kc, cluster.as_ref()) {
+        warn_move_blocked(ctx, &kc, &owner).await;
         write_status(&api, &kc, &ClusterState::Paused).await?;
         return Ok(Action::await_change());
     }
@@ -89,6 +90,49 @@ async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
     })
     .await
     .map_err(|e| Error::Finalizer(Box::new(e)))
+}
+
+/// When a KVMCluster that blocks `clusterctl move` ([`block_move`]) is newly paused, as a move
+/// pauses it first: a Warning Event that says why the move waits and gives up, how to pivot, and
+/// how to resume the Cluster a move that gave up leaves paused.
+async fn warn_move_blocked(ctx: &Context, kc: &KVMCluster, cluster: &Option<String>) {
+    let was_paused = kc
+        .status
+        .as_ref()
+        .and_then(|s| s.contract.conditions.as_deref())
+        .and_then(|cs| crate::k8s::conditions::find(cs, CONDITION_PAUSED))
+        .is_some_and(|c| c.status == "True");
+    if was_paused || !kc.annotations().contains_key(BLOCK_MOVE_ANNOTATION) {
+        return;
+    }
+    let ns = kc.namespace().unwrap_or_default();
+    let cluster = cluster.as_deref().unwrap_or("NAME");
+    let note = format!(
+        "clusterctl move waits on this KVMCluster and then gives up, deleting nothing: its \
+         machines' Pods live in the management cluster and a move would delete them with the \
+         KVMMachines, and the workload cluster with them. Give the KVMCluster \
+         spec.hostingCluster first (docs/hosting-and-move.md), then move. A move that gave up \
+         leaves the Cluster paused: kubectl -n {ns} patch cluster {cluster} --type merge -p \
+         '{{\"spec\":{{\"paused\":false}}}}'"
+    );
+    outcome::publish(ctx, kc, EventType::Warning, REASON_MOVE_BLOCKED, note).await;
+}
+
+/// Event reason: `clusterctl move` (or another pause) met a KVMCluster that blocks moves.
+pub const REASON_MOVE_BLOCKED: &str = "MoveBlocked";
+
+/// clusterctl's block-move annotation while the machines live in the management cluster
+/// (`blocked`: no `spec.hostingCluster`): a move would delete their Pods with the KVMMachines,
+/// so clusterctl waits, gives up and deletes nothing. With a hosting cluster the VMs stay where
+/// they run, and the annotation goes once the Service there is the KVMCluster's by its labels.
+async fn block_move(api: &Api<KVMCluster>, kc: &KVMCluster, blocked: bool) -> Result<()> {
+    if kc.annotations().contains_key(BLOCK_MOVE_ANNOTATION) == blocked {
+        return Ok(());
+    }
+    let value = blocked.then_some("true");
+    let patch = json!({"metadata": {"annotations": {BLOCK_MOVE_ANNOTATION: value}}});
+    objects::merge_patch(api, kc, "KVMCluster", &patch).await?;
+    Ok(())
 }
 
 fn is_paused(kc: &KVMCluster, cluster: Option<&Cluster>) -> bool {
@@ -182,6 +226,7 @@ async fn apply(
     let node_port = apply_service(&target, &service).await?;
     let (endpoints, recheck) = sync_endpoints(kc, &cluster_name, &name, &ns, &target, ctx).await?;
     set_control_plane_endpoint(api, kc, &name, &target, node_port, ctx).await?;
+    block_move(api, kc, target.key().is_none()).await?;
     let state = ClusterState::Provisioned {
         endpoints,
         hosting: target.condition(),

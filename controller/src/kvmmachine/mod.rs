@@ -587,7 +587,7 @@ async fn ensure_pod(
                     source: kube::Error::Api(s),
                     ..
                 }) if let Some(why) = status::pod_refusal(&s, pod_name, &there.describe()) => {
-                    return refused(ctx, api, current, why).await;
+                    return refused(ctx, current, why).await;
                 }
                 created => created?,
             }
@@ -606,17 +606,10 @@ async fn ensure_pod(
 }
 
 /// The apiserver refused the machine Pod for good: the `Ready` condition and a Warning Event
-/// say why (once), and `clusterctl move` need not wait for a Pod that is not being created.
-async fn refused(
-    ctx: &Context,
-    api: &Api<KVMMachine>,
-    current: &mut KVMMachine,
-    why: String,
-) -> Result<Step<Pod>> {
+/// say why (once). The Pod is tried again ([`POD_REFUSED_RETRY`]), so clusterctl's block-move
+/// annotation, set before each try, stays.
+async fn refused(ctx: &Context, current: &KVMMachine, why: String) -> Result<Step<Pod>> {
     warn_once(ctx, current, status::REASON_MACHINE_POD_REFUSED, &why).await;
-    if let Some(patched) = writes::patch_machine(api, current, false, None).await? {
-        *current = patched;
-    }
     Ok(ControlFlow::Break(Observed {
         state: MachineState::PodRefused(why),
         pod: None,
@@ -719,7 +712,10 @@ async fn record(
     )
     .await?;
     if let (Some(pod), Some(gate), Some(there)) = (&observed.pod, &observed.gate, &target) {
-        writes::patch_machine(api, &current, false, etcd.as_ref()).await?;
+        // Blocked for clusterctl move while the Pod lives in the management cluster (a move
+        // would delete it with this KVMMachine); with a hosting cluster, once it is adopted.
+        let blocked = there.key().is_none();
+        writes::patch_machine(api, &current, blocked, etcd.as_ref()).await?;
         if let Err(e) = set_gate(&there.api(), pod, gate).await {
             warn!(error = %e, "cannot set the machine Pod's readiness gate");
         }

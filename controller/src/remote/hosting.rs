@@ -225,11 +225,17 @@ impl Target {
         } else {
             REASON_MANAGEMENT_CLUSTER
         };
+        let moving = if self.key.is_some() {
+            "clusterctl move leaves them running there"
+        } else {
+            "clusterctl move is blocked until spec.hostingCluster names where they run \
+             (docs/hosting-and-move.md)"
+        };
         DesiredCondition::truthy(
             CONDITION_HOSTING_CLUSTER_AVAILABLE,
             reason,
             format!(
-                "machines and the control-plane Service live in {}",
+                "machines and the control-plane Service live in {}; {moving}",
                 self.describe()
             ),
         )
