@@ -52,8 +52,8 @@ pub async fn status(
     .await
 }
 
-/// One merge patch of the KVMMachine: clusterctl's block-move annotation set or removed (while
-/// a Pod is being created), where the machine Pod keeps its etcd data (`etcd`, once it is on a
+/// One merge patch of the KVMMachine: clusterctl's block-move annotation set or removed (set
+/// while a Pod is being created and while it lives in the management cluster), where the machine Pod keeps its etcd data (`etcd`, once it is on a
 /// node), and `spec.providerID` when it has none. Nothing to change, no request. Returns the
 /// patched object, if patched.
 pub async fn patch_machine(
