@@ -292,7 +292,7 @@ pub struct MachineDefaults {
 impl MachineDefaults {
     /// The accelerator a machine whose spec says `accel` runs under, by the operator's
     /// [`KvmPolicy`]: under `require`, `auto` becomes `kvm` (the launcher fails rather than
-    /// emulate). [`crate::kvmmachine::validate`] refuses `tcg` there.
+    /// emulate). The KVMMachine validation refuses `tcg` there.
     pub fn accel(&self, accel: Option<Accel>) -> Accel {
         match (accel.unwrap_or_default(), self.kvm) {
             (Accel::Auto, KvmPolicy::Require) => Accel::Kvm,
