@@ -69,7 +69,7 @@ async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
         None => None,
     };
     if is_paused(&kc, cluster.as_ref()) {
-        warn_move_blocked(ctx, &kc, &owner).await;
+        warn_move_blocked(ctx, &kc, owner.as_deref()).await;
         write_status(&api, &kc, &ClusterState::Paused).await?;
         return Ok(Action::await_change());
     }
@@ -95,7 +95,7 @@ async fn reconcile_inner(kc: Arc<KVMCluster>, ctx: &Context) -> Result<Action> {
 /// When a KVMCluster that blocks `clusterctl move` ([`block_move`]) is newly paused, as a move
 /// pauses it first: a Warning Event that says why the move waits and gives up, how to pivot, and
 /// how to resume the Cluster a move that gave up leaves paused.
-async fn warn_move_blocked(ctx: &Context, kc: &KVMCluster, cluster: &Option<String>) {
+async fn warn_move_blocked(ctx: &Context, kc: &KVMCluster, cluster: Option<&str>) {
     let was_paused = kc
         .status
         .as_ref()
@@ -106,7 +106,7 @@ async fn warn_move_blocked(ctx: &Context, kc: &KVMCluster, cluster: &Option<Stri
         return;
     }
     let ns = kc.namespace().unwrap_or_default();
-    let cluster = cluster.as_deref().unwrap_or("NAME");
+    let cluster = cluster.unwrap_or("NAME");
     let note = format!(
         "clusterctl move waits on this KVMCluster and then gives up, deleting nothing: its \
          machines' Pods live in the management cluster and a move would delete them with the \

@@ -427,7 +427,7 @@ pub fn refusal(status: &kube::core::Status, namespace: &str) -> Option<String> {
              Clusters before their namespace)"
         ));
     }
-    if (400..500).contains(&status.code) && ![409, 429].contains(&status.code) {
+    if crate::runtime::error::refused_for_good(status) {
         return Some(format!(
             "the cleanup Pod was refused (HTTP {}): {}",
             status.code,

@@ -110,7 +110,7 @@ pub fn machine_pod(
             node_selector: spec.node_selector.clone().filter(|m| !m.is_empty()),
             tolerations: spec.tolerations.clone().filter(|t| !t.is_empty()),
             priority_class_name: spec.priority_class_name.clone(),
-            affinity: affinity(placement, defaults, defaults.accel(spec.accel)),
+            affinity: affinity(placement, defaults, accel),
             ..Default::default()
         }),
         status: None,

@@ -492,7 +492,7 @@ fn ready_condition(
 /// a conflict or throttling): its words, redacted like any server's, and for Pod Security
 /// admission what the operator can do. `None` for what passes by itself.
 pub fn pod_refusal(status: &kube::core::Status, pod: &str, place: &str) -> Option<String> {
-    if !(400..500).contains(&status.code) || [409, 429].contains(&status.code) {
+    if !crate::runtime::error::refused_for_good(status) {
         return None;
     }
     let said = crate::remote::redact::untrusted_message(&status.message);

@@ -214,6 +214,13 @@ impl Error {
 /// Result of a reconcile step.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Whether the apiserver refused a create for good: a 4xx that admission, a quota, RBAC or a
+/// terminating namespace answers, which a retry at once would only repeat; not a conflict (409)
+/// or throttling (429), which pass by themselves.
+pub fn refused_for_good(status: &kube::core::Status) -> bool {
+    (400..500).contains(&status.code) && ![409, 429].contains(&status.code)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
